@@ -1,0 +1,30 @@
+"""tokenmill: an LLM serving engine with continuous batching over a paged KV cache."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm import LLM
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"
+
+# Imported on first use, so `import tokenmill.core...` (and the CLI's --help) stays light.
+_LAZY = {
+    "LLM": "tokenmill.engine.llm",
+    "EngineConfig": "tokenmill.config",
+    "CompletionOutput": "tokenmill.outputs",
+    "RequestOutput": "tokenmill.outputs",
+    "SamplingParams": "tokenmill.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

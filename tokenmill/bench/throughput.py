@@ -1,0 +1,170 @@
+"""Offline throughput: tokenmill's continuous batching against Hugging Face `generate` in
+static padded batches, on the same checkpoint and the same requests, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class ThroughputResult:
+    name: str
+    seconds: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    overhead_fraction: float | None = None  # share of step time outside the model forward
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    parser.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians reported")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="tokenmill only")
+    parser.add_argument("--save-result", default=None, help="write the results as JSON here")
+
+
+def make_workload(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> Workload:
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_prompts):
+        n = rng.randint(*input_len)
+        prompts.append([rng.randrange(10, vocab) for _ in range(n)])
+        output_lens.append(rng.randint(*output_len))
+    return Workload(prompts, output_lens)
+
+
+def run_tokenmill(llm, workload: Workload) -> tuple[float, float]:
+    """Seconds for the whole workload and the fraction of step time outside the forward."""
+    from tokenmill.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens]
+    engine = llm.engine
+    forward_before, step_before = engine.runner.forward_seconds, engine.step_seconds
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == workload.num_output_tokens, (generated, workload.num_output_tokens)
+    forward = engine.runner.forward_seconds - forward_before
+    step = engine.step_seconds - step_before
+    return seconds, 1.0 - forward / step
+
+
+def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> float:
+    """Hugging Face `generate`, batches of `batch_size` left-padded prompts; every batch runs
+    until its longest output is done (the static-batching baseline)."""
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[i : i + batch_size]
+        max_new = max(workload.output_lens[i : i + batch_size])
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return time.perf_counter() - start
+
+
+def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[ThroughputResult]:
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.engine.llm import LLM
+
+    llm = LLM(**asdict(config))
+    workload = make_workload(
+        args.num_prompts,
+        tuple(args.input_len),
+        tuple(args.output_len),
+        llm.engine.vocab_size,
+        args.workload_seed,
+    )
+    total_tokens = workload.num_output_tokens + sum(len(p) for p in workload.prompts)
+    hf_model = None
+    if not args.skip_hf:
+        hf_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=llm.engine.dtype)
+        hf_model.eval()
+    pad_id = llm.get_tokenizer().pad_token_id or 0
+
+    tokenmill_runs, overheads, hf_runs = [], [], []
+    run_tokenmill(llm, make_workload(4, (8, 16), (4, 8), llm.engine.vocab_size, 1))  # warm-up
+    for _ in range(args.repeats):  # interleaved, so both see the same machine noise
+        seconds, overhead = run_tokenmill(llm, workload)
+        tokenmill_runs.append(seconds)
+        overheads.append(overhead)
+        if hf_model is not None:
+            with torch.inference_mode():
+                hf_runs.append(run_hf_static(hf_model, workload, args.batch_size, pad_id))
+
+    results = [_result("tokenmill", tokenmill_runs, workload, total_tokens, overheads)]
+    if hf_runs:
+        results.append(_result(f"hf-static-b{args.batch_size}", hf_runs, workload, total_tokens))
+    _print(results, workload, args)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return results
+
+
+def _result(
+    name: str,
+    runs: list[float],
+    workload: Workload,
+    total_tokens: int,
+    overheads: list[float] | None = None,
+) -> ThroughputResult:
+    seconds = statistics.median(runs)
+    return ThroughputResult(
+        name=name,
+        seconds=seconds,
+        output_tokens_per_s=workload.num_output_tokens / seconds,
+        total_tokens_per_s=total_tokens / seconds,
+        overhead_fraction=statistics.median(overheads) if overheads else None,
+    )
+
+
+def _print(results: list[ThroughputResult], workload: Workload, args: argparse.Namespace) -> None:
+    print(
+        f"{len(workload.prompts)} requests, input {args.input_len[0]}-{args.input_len[1]}, "
+        f"output {args.output_len[0]}-{args.output_len[1]} tokens "
+        f"({workload.num_output_tokens} output tokens); median of {args.repeats} runs"
+    )
+    print(f"{'engine':<20}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>13}{'overhead':>10}")
+    for r in results:
+        overhead = "" if r.overhead_fraction is None else f"{r.overhead_fraction:.1%}"
+        print(
+            f"{r.name:<20}{r.seconds:>10.2f}{r.output_tokens_per_s:>12.1f}"
+            f"{r.total_tokens_per_s:>13.1f}{overhead:>10}"
+        )
+    if len(results) == 2:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"tokenmill / {results[1].name} output throughput: {ratio:.2f}x")

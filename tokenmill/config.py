@@ -1,0 +1,95 @@
+"""Every engine knob, with its default and its validation, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+# On CPU, with no memory budget given, the KV cache takes this much (vLLM's CPU backend takes
+# 4 GiB by default; tokenmill targets small machines).
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid or inconsistent with the model."""
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Field names follow vLLM's engine arguments and CLI flags."""
+
+    model: str | None = None  # a local Hugging Face directory; None = the built-in default
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit number of blocks, overrides the memory budget
+    kv_cache_memory: int | None = None  # bytes for the KV cache
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for the engine
+
+    # Scheduling
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+
+    # Tensor parallelism (one device here; kept so the flag has its home)
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The compute dtype: the one asked for, or under `auto` the checkpoint's unless this
+        device can't run it fast (CPUs without native bf16/fp16 matmuls get float32)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        wanted = checkpoint_dtype or torch.float32
+        if wanted == torch.float32 or self.torch_device().type == "cuda":
+            return wanted
+        return wanted if _cpu_has_fast_half_matmul() else torch.float32
+
+
+def _cpu_has_fast_half_matmul() -> bool:
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is None:
+        return False
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)

@@ -1,0 +1,112 @@
+"""KV cache blocks: reference counts and an O(1) free list.
+
+The pool only knows block ids and counts; which request owns which block is the
+`KVCacheManager`'s business, and the tensors themselves live in the model runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    """One block of `block_size` token slots in every layer's KV cache."""
+
+    __slots__ = ("block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Links of the intrusive free list; None when the block is not in it.
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """A doubly linked list threaded through the blocks themselves.
+
+    Intrusive links make `remove` of a block from the middle O(1), which prefix caching needs
+    when a freed-but-cached block is hit again; a deque would make that O(n).
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels: never handed out
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None and block.next_free is None and block.prev_free is None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free list"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All KV cache blocks, handed out least-recently-freed first."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} are free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds go back on the free list
+        in the order given (so callers pass tail blocks first to have them reused first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"{block} freed more often than allocated"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)

@@ -1,0 +1,75 @@
+"""The value objects that cross the scheduler / model runner seam."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet, or one resumed after preemption by recompute
+    (the runner dropped its state then); `token_ids` is the prompt plus any output so far."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget: finished or aborted since the last step, or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, one per request whose scheduled tokens reached its end."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # Per sampled row: (token ids, logprobs) with the sampled token first, then the top-N;
+    # and the sampled token's rank. None when no request asked for logprobs.
+    logprob_token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    sampled_token_ranks: list[int] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprob_token_ids: list[list[int]] | None = None
+    new_logprobs: list[list[float]] | None = None
+    new_sampled_token_ranks: list[int] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,114 @@
+"""The offline batch API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """Generates for many prompts at once; every prompt shares each forward pass."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A single string or token-id list is one prompt."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        request_ids = []
+        for prompt, params in zip(prompts, params_list):
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            request_id = str(next(self._request_counter))
+            self.engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = [
+            self.engine.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        start = time.perf_counter()
+        start_stats = self.engine.get_stats()
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+                if use_tqdm:
+                    progress.set_postfix_str(self._throughput(start, start_stats))
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            progress.close()
+        return [finished[r] for r in request_ids]
+
+    def _throughput(self, start: float, start_stats: EngineStats) -> str:
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        stats = self.engine.get_stats()
+        prompt = (stats.num_prompt_tokens - start_stats.num_prompt_tokens) / elapsed
+        output = (stats.num_generation_tokens - start_stats.num_generation_tokens) / elapsed
+        return f"input: {prompt:.1f} toks/s, output: {output:.1f} toks/s"
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams], count: int
+) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)

@@ -1,0 +1,232 @@
+"""The step loop: schedule -> run -> update -> outputs. Everything happens inside `step()`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError, EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.scheduler import Scheduler, SchedulerStats
+from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.models.loader import checkpoint_dtype, eos_token_ids, load_hf_config, load_model
+from tokenmill.models.random_checkpoint import default_model_path
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int]
+
+
+@dataclass
+class EngineStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prompt_tokens: int  # prompt tokens computed since start
+    # (a prompt recomputed after preemption counts again)
+    num_generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model) if config.model else _default_model()
+        self.model_dir = model_dir
+        self.hf_config, self.architecture = load_hf_config(model_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            config.tokenizer or model_dir, local_files_only=True
+        )
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
+        torch.manual_seed(config.seed)
+        model = load_model(model_dir, self.hf_config, self.architecture, self.dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
+        self.vocab_size = model.shape.vocab_size
+        self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
+        num_blocks = self._num_kv_blocks(model)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, self.device, self.dtype, seed=config.seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.num_steps = 0
+        self.num_generation_tokens = 0
+        self.step_seconds = 0.0  # wall time inside step() since start
+        logger.info(
+            "loaded %s (%s, %s on %s); KV cache: %d blocks of %d tokens = %d tokens",
+            model_dir,
+            self.architecture,
+            self.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+        )
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises `InvalidRequestError` for a prompt the engine can't take."""
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_token_ids)
+        params = params.clone()
+        params.all_stop_token_ids = set(self.eos_token_ids)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        max_tokens = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        child_ids = self.output_processor.add_request(
+            request_id, prompt_text, prompt_token_ids, params, arrival_time
+        )
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+            self.scheduler.add_request(
+                Request(child_id, prompt_token_ids, child_params, max_tokens, arrival_time)
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for request_id in ids:
+            child_ids = self.output_processor.abort_request(request_id)
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        core_outputs = self.scheduler.finish_without_output()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        else:
+            runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if not scheduler_output.is_empty:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+        self.num_generation_tokens += len(runner_output.req_ids)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.get_stats(),
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(token_ids)} tokens, more than this model's maximum context length "
+                f"(max_model_len={self.max_model_len})",
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _resolve_max_model_len(self, model_max: int) -> int:
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return model_max
+        if wanted > model_max:
+            raise ConfigError(
+                f"max_model_len={wanted} is longer than the model's "
+                f"max_position_embeddings={model_max}"
+            )
+        return wanted
+
+    def _num_kv_blocks(self, model: torch.nn.Module) -> int:
+        config, shape = self.config, model.shape
+        bytes_per_block = (
+            2
+            * shape.num_layers
+            * config.block_size
+            * shape.num_kv_heads
+            * shape.head_dim
+            * torch.finfo(self.dtype).bits
+            // 8
+        )
+        blocks_per_seq = cdiv(self.max_model_len, config.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory is not None:
+            num_blocks = config.kv_cache_memory // bytes_per_block
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - config.gpu_memory_utilization) * total
+            num_blocks = int(budget) // bytes_per_block
+        else:
+            # More blocks than every sequence at full length can use would sit idle.
+            num_blocks = min(
+                DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_block,
+                blocks_per_seq * config.max_num_seqs,
+            )
+        if num_blocks < blocks_per_seq:
+            raise ConfigError(
+                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
+                f"one sequence of max_model_len={self.max_model_len} tokens; give it more "
+                "memory (kv_cache_memory / num_kv_blocks) or lower max_model_len"
+            )
+        return num_blocks
+
+
+def _default_model() -> Path:
+    path = default_model_path()
+    logger.warning(
+        "no model given: using the built-in default model at %s. Its weights are random, "
+        "so its output is meaningless.",
+        path,
+    )
+    return path

@@ -1,0 +1,216 @@
+"""Engine-core outputs -> `RequestOutput`s: detokenize, apply stop strings, gather the `n`
+samples of a prompt, and shape the result as the caller asked (delta, cumulative, final)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.core.scheduler_output import EngineCoreOutput
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
+from tokenmill.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class SampleState:
+    """One of a prompt's `n` samples."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # for delta outputs
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    changed: set[int] = field(default_factory=set)  # samples with news since the last output
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine-core id of sample `index` of a request (the request's own id when n == 1)."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_sample: dict[str, tuple[RequestState, SampleState]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[str]:
+        """Registers a request; returns the engine-core ids of its samples."""
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            samples=[],
+            metrics=RequestMetrics(arrival_time=arrival_time),
+        )
+        child_ids = []
+        for index in range(params.n):
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            sample = SampleState(index=index, detokenizer=detokenizer)
+            if params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            state.samples.append(sample)
+            child_id = child_request_id(request_id, index, params.n)
+            self.child_to_sample[child_id] = (state, sample)
+            child_ids.append(child_id)
+        self.requests[request_id] = state
+        return child_ids
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the engine-core ids to abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        child_ids = [child_request_id(request_id, s.index, state.params.n) for s in state.samples]
+        for child_id in child_ids:
+            self.child_to_sample.pop(child_id, None)
+        return child_ids
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        return [child_request_id(request_id, s.index, state.params.n) for s in state.samples]
+
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand to callers and the engine-core ids that a stop string
+        finished (the scheduler must stop them)."""
+        now = time.time()
+        stopped_by_string: list[str] = []
+        touched: dict[str, RequestState] = {}
+        for core_output in core_outputs:
+            entry = self.child_to_sample.get(core_output.req_id)
+            if entry is None:
+                continue
+            state, sample = entry
+            if self._apply(state, sample, core_output, now):
+                stopped_by_string.append(core_output.req_id)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.abort_request(state.request_id)
+        return outputs, stopped_by_string
+
+    def _apply(
+        self, state: RequestState, sample: SampleState, out: EngineCoreOutput, now: float
+    ) -> bool:
+        metrics = state.metrics
+        if out.new_token_ids:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+        state.num_cached_tokens = out.num_cached_tokens
+        sample.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and sample.logprobs is not None:
+            self._append_logprobs(state.params, sample, out)
+        stop_string = sample.detokenizer.update(out.new_token_ids)
+        hit_stop_string = stop_string is not None and out.finish_reason is None
+        if stop_string is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop_string
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        if sample.finish_reason is not None and state.finished:
+            metrics.finished_time = now
+        state.changed.add(sample.index)
+        return hit_stop_string
+
+    def _append_logprobs(
+        self, params: SamplingParams, sample: SampleState, out: EngineCoreOutput
+    ) -> None:
+        num_top = params.logprobs or 0
+        assert out.new_logprob_token_ids is not None and out.new_sampled_token_ranks is not None
+        for token_ids, logprobs, rank in zip(
+            out.new_logprob_token_ids, out.new_logprobs or [], out.new_sampled_token_ranks
+        ):
+            position: PositionLogprobs = {
+                token_ids[0]: Logprob(logprobs[0], rank, decode_token(self.tokenizer, token_ids[0]))
+            }
+            for top_rank, (token_id, logprob) in enumerate(
+                zip(token_ids[1 : num_top + 1], logprobs[1 : num_top + 1]), start=1
+            ):
+                if token_id not in position:
+                    position[token_id] = Logprob(
+                        logprob, top_rank, decode_token(self.tokenizer, token_id)
+                    )
+            sample.logprobs.append(position)
+            sample.cumulative_logprob += logprobs[0]
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        indices = sorted(state.changed) if delta else range(len(state.samples))
+        state.changed = set()
+        completions = [self._completion(state.samples[i], delta) for i in indices]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:
+        finished = sample.finish_reason is not None
+        text = sample.detokenizer.get_next_output_text(finished, delta)
+        start = sample.num_sent_tokens if delta else 0
+        sample.num_sent_tokens = len(sample.token_ids)
+        return CompletionOutput(
+            index=sample.index,
+            text=text,
+            token_ids=sample.token_ids[start:],
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=None if sample.logprobs is None else sample.logprobs[start:],
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )

@@ -1,0 +1,51 @@
+"""Engine flags for every command, named as vLLM names them, mapped onto `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", default=None, help="local Hugging Face model directory (default: built-in)"
+    )
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model's)")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="compute dtype; auto takes the checkpoint's unless this CPU can't run it fast",
+    )
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    group.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="KV cache size in bytes"
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA: fraction of device memory the engine may use",
+    )
+    group.add_argument("--max-model-len", type=int, default=None, help="longest sequence")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+    )
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a step")
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps",
+    )
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = EngineConfig.field_names()
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,144 @@
+"""Paged attention: one interface, chosen once at start-up, over flat tokens of many requests.
+
+A step's tokens arrive flat (`[num_tokens, heads, head_dim]`), requests one after another,
+ordered so that single-token requests (decodes) come first. New keys and values are written
+into the paged cache through `slot_mapping`; attention then reads each request's whole context
+back through its block table, so a prefill chunk, a decode and a resumed request are the same
+computation with different lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# KV cache of one layer: [2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
+KVCache = torch.Tensor
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together as one padded batch of `[num_seqs, max_query_len]` queries.
+
+    Decodes (query length 1) and longer chunks are separate groups so that one long prefill
+    chunk does not pad every decode to its length.
+    """
+
+    token_start: int  # the group's tokens are [token_start, token_end) of the step's tokens
+    token_end: int
+    max_query_len: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool
+    # For groups with max_query_len > 1: where each flat token sits in the padded batch.
+    seq_index: torch.Tensor | None = None  # [group tokens]
+    query_index: torch.Tensor | None = None  # [group tokens]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
+    groups: list[AttentionGroup]
+
+
+def build_attention_group(
+    token_start: int,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> AttentionGroup:
+    """Metadata for one group, built once per step and shared by every layer.
+
+    `query_lens[i]` new tokens of sequence i sit at the end of its `seq_lens[i]` tokens; query
+    j of sequence i (position `seq_lens[i] - query_lens[i] + j`) sees keys at positions up to
+    its own, and within the sliding window if the model has one.
+    """
+    num_seqs = query_lens.shape[0]
+    max_query_len = int(query_lens.max())
+    max_kv_len = block_tables.shape[1] * block_size
+    context_lens = seq_lens - query_lens
+    query_positions = context_lens[:, None] + torch.arange(max_query_len)[None, :]
+    key_positions = torch.arange(max_kv_len)
+    mask = key_positions[None, None, :] <= query_positions[:, :, None]
+    if sliding_window is not None:
+        mask &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
+    group = AttentionGroup(
+        token_start=token_start,
+        token_end=token_start + int(query_lens.sum()),
+        max_query_len=max_query_len,
+        block_tables=block_tables,
+        mask=mask.unsqueeze(1),
+    )
+    if max_query_len > 1:
+        group.seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        group.query_index = torch.arange(group.token_end - token_start) - starts[group.seq_index]
+    return group
+
+
+class TorchPagedAttention:
+    """The portable backend: gathers each request's context from the cache and runs
+    `scaled_dot_product_attention` on a padded batch per group. Correct for any mix of chunk
+    and context lengths; the reference that faster backends are tested against."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        output = torch.empty_like(query)
+        for group in metadata.groups:
+            start, end = group.token_start, group.token_end
+            output[start:end] = self._attend_group(query[start:end], key_cache, value_cache, group)
+        return output
+
+    def _attend_group(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        group: AttentionGroup,
+    ) -> torch.Tensor:
+        num_seqs = group.block_tables.shape[0]
+        keys = _gather_context(key_cache, group.block_tables)
+        values = _gather_context(value_cache, group.block_tables)
+        if group.max_query_len == 1:
+            padded = query.view(num_seqs, 1, self.num_heads, self.head_dim)
+        else:
+            padded = query.new_zeros(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
+            padded[group.seq_index, group.query_index] = query
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=group.mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        ).transpose(1, 2)
+        if group.max_query_len == 1:
+            return out.reshape(num_seqs, self.num_heads, self.head_dim)
+        return out[group.seq_index, group.query_index]
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, head_dim] -> [num_seqs, kv_heads, max_kv_len, dim]."""
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache[block_tables].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    return gathered.transpose(1, 2)

@@ -1,0 +1,206 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over flat tokens and a paged KV cache.
+
+The model never sees requests or padding: it takes `[num_tokens]` token ids with their
+positions and the step's attention metadata, and returns hidden states; logits are computed
+only for the rows the runner will sample from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+@dataclass(frozen=True)
+class ArchitectureTraits:
+    """How the family's members differ."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def architecture_traits(architecture: str, hf_config: Any) -> ArchitectureTraits:
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return ArchitectureTraits(qkv_bias=True)
+    if architecture == "Qwen3ForCausalLM":
+        return ArchitectureTraits(qkv_bias=attention_bias, o_proj_bias=attention_bias, qk_norm=True)
+    if architecture == "MistralForCausalLM":
+        return ArchitectureTraits()
+    return ArchitectureTraits(
+        qkv_bias=attention_bias,
+        o_proj_bias=attention_bias,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+    )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> ModelShape:
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return cls(
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=hf_config.vocab_size,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            sliding_window=_sliding_window(hf_config),
+        )
+
+
+def _sliding_window(hf_config: Any) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
+        return None  # Qwen2/Qwen3 write a window but switch it off
+    if hasattr(hf_config, "use_sliding_window"):
+        raise ValueError("per-layer sliding window attention (use_sliding_window) is unsupported")
+    return int(window)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.qkv_proj = nn.Linear(
+            shape.hidden_size, self.q_size + 2 * self.kv_size, bias=traits.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=traits.o_proj_bias)
+        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
+        self.rotary = rotary
+        self.attn = TorchPagedAttention(
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits) -> None:
+        super().__init__()
+        self.intermediate_size = shape.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            shape.hidden_size, 2 * shape.intermediate_size, bias=traits.mlp_bias
+        )
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=traits.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = LlamaAttention(shape, traits, rotary)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = LlamaMLP(shape, traits)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow the Hugging Face checkpoint, except that q/k/v and gate/up are
+    stored fused (`qkv_proj`, `gate_up_proj`): one matmul instead of three or two."""
+
+    def __init__(self, hf_config: Any, architecture: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape = shape = ModelShape.from_hf_config(hf_config)
+        traits = architecture_traits(architecture, hf_config)
+        rotary = RotaryEmbedding(
+            shape.head_dim, shape.max_position, rope_parameters(hf_config), dtype
+        )
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, traits, rotary) for _ in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

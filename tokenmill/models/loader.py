@@ -1,0 +1,183 @@
+"""Load a local Hugging Face checkpoint: config.json, safetensors (one file or sharded), tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, GenerationConfig
+
+from tokenmill.models.llama import LlamaForCausalLM
+
+# Architectures (config.json `architectures`) -> model class.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+_INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors stored fused in tokenmill: name pattern -> (fused name, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint directory is missing something or holds something unexpected."""
+
+
+def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
+    """The checkpoint's transformers config and its (supported) architecture name."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises several types for a bad config
+        raise ModelLoadError(f"{path}/config.json could not be read: {e}") from e
+    architectures = getattr(hf_config, "architectures", None) or []
+    supported = [a for a in architectures if a in MODEL_REGISTRY]
+    if not supported:
+        raise ModelLoadError(
+            f"unsupported architecture {architectures or '(none given)'} in {path}/config.json; "
+            f"tokenmill supports {sorted(MODEL_REGISTRY)}"
+        )
+    return hf_config, supported[0]
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def eos_token_ids(model_dir: str | Path, hf_config: Any) -> set[int]:
+    """EOS ids from generation_config.json (which may list several), else from config.json."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def load_model(
+    model_dir: str | Path, hf_config: Any, architecture: str, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype)
+    model.to(dtype=dtype)
+    load_weights(model, Path(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, int | None]] = set()
+    for name, tensor in _iter_checkpoint_tensors(model_dir):
+        if _is_ignored(name, model):
+            continue
+        target, shard = _param_target(name)
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint at {model_dir}")
+        _copy_into(model, param, target, shard, tensor, name)
+        loaded.add((target, shard))
+    missing = {target for target, shard in _expected_parts(params) if (target, shard) not in loaded}
+    if model.shape.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ModelLoadError(f"the checkpoint at {model_dir} lacks tensors for {sorted(missing)}")
+
+
+def _expected_parts(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str, int | None]]:
+    for target in params:
+        if ".qkv_proj." in target:
+            yield from ((target, shard) for shard in range(3))
+        elif ".gate_up_proj." in target:
+            yield from ((target, shard) for shard in range(2))
+        else:
+            yield target, None
+
+
+def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = model_dir / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    for file in files:
+        path = model_dir / file
+        if not path.is_file():
+            raise ModelLoadError(f"{_INDEX_FILE} names {file}, which is missing from {model_dir}")
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
+                yield name, f.get_tensor(name)
+
+
+def _is_ignored(name: str, model: torch.nn.Module) -> bool:
+    if "rotary_emb.inv_freq" in name:
+        return True
+    return name == "lm_head.weight" and model.shape.tie_word_embeddings
+
+
+def _param_target(name: str) -> tuple[str, int | None]:
+    """Checkpoint name -> (tokenmill parameter name, shard of a fused parameter or None)."""
+    name = name.removeprefix("model.")
+    match = _FUSED_NAME.search(name)
+    if match is None:
+        return name, None
+    fused, shard = _FUSED[match.group(1)]
+    return name.replace(f".{match.group(1)}.", f".{fused}."), shard
+
+
+def _copy_into(
+    model: torch.nn.Module,
+    param: torch.nn.Parameter,
+    target: str,
+    shard: int | None,
+    tensor: torch.Tensor,
+    name: str,
+) -> None:
+    if shard is None:
+        destination = param.data
+    else:
+        destination = param.data.narrow(0, *_shard_range(model, target, shard))
+    if destination.shape != tensor.shape:
+        raise ModelLoadError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(destination.shape)}"
+        )
+    destination.copy_(tensor)
+
+
+def _shard_range(model: torch.nn.Module, target: str, shard: int) -> tuple[int, int]:
+    shape = model.shape
+    if ".qkv_proj." in target:
+        sizes = [
+            shape.num_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+            shape.num_kv_heads * shape.head_dim,
+        ]
+    else:
+        sizes = [shape.intermediate_size, shape.intermediate_size]
+    return sum(sizes[:shard]), sizes[shard]

@@ -1,0 +1,133 @@
+"""Per-request sampling parameters, shaped like OpenAI's and vLLM's."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+
+_MAX_SEED = 2**63 - 1
+
+
+class RequestOutputKind(Enum):
+    """How much of the output each `RequestOutput` carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes (offline batch)
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how to pick each token.
+
+    Values are validated when the object is made, so a bad request fails at the edge with a
+    `ValueError` naming the field, never inside the engine loop.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top log-probabilities besides the sampled token's
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Set by the engine from the model's generation config; not a user knob.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        if self.seed is not None:
+            _check(
+                isinstance(self.seed, int) and -_MAX_SEED <= self.seed <= _MAX_SEED,
+                "seed",
+                f"must be an integer within 64 bits, got {self.seed}",
+            )
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 0, "max_tokens", f"must be >= 0, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value >= 0, name, f"must be >= 0, got {value}")
+        _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(
+                -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"bias for token {token_id} must be in [-100, 100], got {bias}",
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range; `param` names it (the OpenAI error's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _check(condition: bool, param: str, message: str) -> None:
+    if not condition:
+        raise InvalidRequestError(param, message)

@@ -1,0 +1,220 @@
+"""SchedulerOutput -> flat tensors -> forward -> sampled tokens. No scheduling decisions here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata, build_attention_group
+from tokenmill.layers.sampler import Sampler, SamplingMetadata
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers of a request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far, including tokens this runner sampled
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to compute logits for
+    sampling_states: list[CachedRequestState]  # the requests those rows belong to
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_kv_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = model.shape
+        self.vocab_size = shape.vocab_size
+        self.sliding_window = shape.sliding_window
+        # Zeroed, not empty: attention multiplies masked-out (zero-weight) slots by their
+        # values, and an uninitialised NaN there would poison the whole row.
+        self.kv_caches = [
+            torch.zeros(
+                2,
+                num_kv_blocks,
+                block_size,
+                shape.num_kv_heads,
+                shape.head_dim,
+                dtype=dtype,
+                device=device,
+            )
+            for _ in range(shape.num_layers)
+        ]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator=generator)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.forward_seconds = 0.0  # in the model's forward and logits, since start
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(scheduler_output)
+        start = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        self._synchronize()
+        self.forward_seconds += time.perf_counter() - start
+        if not inputs.sampling_states:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self._sample(logits, inputs.sampling_states)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        # Single-token requests first, so decodes form one contiguous attention group.
+        states = sorted(
+            (self.requests[req_id] for req_id in num_scheduled),
+            key=lambda s: num_scheduled[s.req_id] > 1,
+        )
+        query_lens = np.array([num_scheduled[s.req_id] for s in states], dtype=np.int64)
+        computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        seq_lens = computed + query_lens
+        ends = np.cumsum(query_lens)
+        starts = ends - query_lens
+
+        input_ids = np.fromiter(
+            (t for s, c, e in zip(states, computed, seq_lens) for t in s.token_ids[c:e]),
+            dtype=np.int64,
+            count=int(ends[-1]),
+        )
+        seq_of_token = np.repeat(np.arange(len(states)), query_lens)
+        positions = np.arange(int(ends[-1])) - np.repeat(starts - computed, query_lens)
+        block_tables = self._block_table_array(states, seq_lens)
+        slot_mapping = (
+            block_tables[seq_of_token, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+        samples = np.array([e == len(s.token_ids) for s, e in zip(states, seq_lens)])
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            groups=self._attention_groups(query_lens, seq_lens, block_tables, starts),
+        )
+        return StepInputs(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            metadata=metadata,
+            logits_indices=self._to_device(ends[samples] - 1),
+            sampling_states=[s for s, sample in zip(states, samples) if sample],
+        )
+
+    def _block_table_array(
+        self, states: list[CachedRequestState], seq_lens: np.ndarray
+    ) -> np.ndarray:
+        num_blocks = -(-seq_lens // self.block_size)
+        table = np.zeros((len(states), int(num_blocks.max())), dtype=np.int64)
+        for row, (state, n) in enumerate(zip(states, num_blocks)):
+            table[row, :n] = state.block_ids[:n]
+        return table
+
+    def _attention_groups(
+        self,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        starts: np.ndarray,
+    ) -> list:
+        num_decodes = int(np.searchsorted(query_lens > 1, True))
+        groups = []
+        for rows in (slice(0, num_decodes), slice(num_decodes, len(query_lens))):
+            if rows.start == rows.stop:
+                continue
+            group_seq_lens = seq_lens[rows]
+            max_blocks = int(-(-group_seq_lens.max() // self.block_size))
+            groups.append(
+                build_attention_group(
+                    token_start=int(starts[rows.start]),
+                    query_lens=torch.from_numpy(query_lens[rows]),
+                    seq_lens=torch.from_numpy(group_seq_lens),
+                    block_tables=torch.from_numpy(
+                        np.ascontiguousarray(block_tables[rows, :max_blocks])
+                    ),
+                    block_size=self.block_size,
+                    sliding_window=self.sliding_window,
+                )
+            )
+        if self.device.type != "cpu":
+            for group in groups:
+                for name in ("block_tables", "mask", "seq_index", "query_index"):
+                    value = getattr(group, name)
+                    if value is not None:
+                        setattr(group, name, value.to(self.device, non_blocking=True))
+        return groups
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            device=self.device,
+            vocab_size=logits.shape[-1],
+        )
+        sampler_output = self.sampler(logits, metadata)
+        sampled = sampler_output.sampled_token_ids.tolist()
+        for state, token_id in zip(states, sampled):
+            state.token_ids.append(token_id)
+        output = ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled)
+        if sampler_output.logprobs is not None:
+            output.logprob_token_ids = sampler_output.logprobs.token_ids.tolist()
+            output.logprobs = sampler_output.logprobs.logprobs.tolist()
+            output.sampled_token_ranks = sampler_output.logprobs.ranks.tolist()
+        return output
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
