@@ -98,7 +98,7 @@ def test_greedy_under_preemption_equals_transformers(checkpoint: Path, reference
 
 
 def test_logprobs_close_to_transformers(checkpoint: Path, reference) -> None:
-    prompts, expected, ref_logprobs = reference
+    prompts, _, ref_logprobs = reference
     llm = LLM(model=str(checkpoint), dtype="float32")
     outputs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
     max_diff = 0.0
@@ -123,9 +123,13 @@ def test_seeded_sampling_is_independent_of_batch_composition(checkpoint: Path, r
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     other = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True)
     alone = llm.generate([prompts[2]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate(
-        [prompts[4], prompts[2], prompts[0]], [other, seeded, other], use_tqdm=False
-    )[1].outputs[0].token_ids
+    mixed = (
+        llm.generate([prompts[4], prompts[2], prompts[0]], [other, seeded, other], use_tqdm=False)[
+            1
+        ]
+        .outputs[0]
+        .token_ids
+    )
     assert alone == mixed
     reseeded = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=10, ignore_eos=True)
     assert llm.generate([prompts[2]], reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone

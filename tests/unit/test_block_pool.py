@@ -15,7 +15,7 @@ from tokenmill.sampling_params import SamplingParams
 
 def test_blocks_are_reused_least_recently_freed_first() -> None:
     pool = BlockPool(4)
-    a, b, c, d = pool.get_new_blocks(4)
+    a, _, c, d = pool.get_new_blocks(4)
     pool.free_blocks([c, a])
     pool.free_blocks([d])
     assert [blk.block_id for blk in pool.get_new_blocks(3)] == [c.block_id, a.block_id, d.block_id]

@@ -151,7 +151,8 @@ def test_every_request_finishes_with_the_output_it_would_have_alone(
         max_model_len=52,
     )
     requests = [
-        make_request(f"r{i}", n, max_tokens=m) for i, (n, m) in enumerate(zip(prompt_lens, max_tokens))
+        make_request(f"r{i}", n, max_tokens=m)
+        for i, (n, m) in enumerate(zip(prompt_lens, max_tokens))
     ]
     for request in requests:
         scheduler.add_request(request)

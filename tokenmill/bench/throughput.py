@@ -37,8 +37,15 @@ class ThroughputResult:
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    parser.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="requests computed together: HF's static batch and tokenmill's --max-num-seqs",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians reported")
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="tokenmill only")
@@ -61,7 +68,9 @@ def run_tokenmill(llm, workload: Workload) -> tuple[float, float]:
     """Seconds for the whole workload and the fraction of step time outside the forward."""
     from tokenmill.sampling_params import SamplingParams
 
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens]
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens
+    ]
     engine = llm.engine
     forward_before, step_before = engine.runner.forward_seconds, engine.step_seconds
     start = time.perf_counter()
@@ -100,6 +109,7 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[Throu
 
     from tokenmill.engine.llm import LLM
 
+    config.max_num_seqs = args.batch_size
     llm = LLM(**asdict(config))
     workload = make_workload(
         args.num_prompts,
@@ -111,7 +121,9 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[Throu
     total_tokens = workload.num_output_tokens + sum(len(p) for p in workload.prompts)
     hf_model = None
     if not args.skip_hf:
-        hf_model = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=llm.engine.dtype)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            llm.engine.model_dir, dtype=llm.engine.dtype
+        )
         hf_model.eval()
     pad_id = llm.get_tokenizer().pad_token_id or 0
 

@@ -34,7 +34,9 @@ class KVCacheManager:
 
     def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
         num_slots = request.num_computed_tokens + num_new_tokens
-        return max(0, cdiv(num_slots, self.block_size) - len(self.req_to_blocks[request.request_id]))
+        return max(
+            0, cdiv(num_slots, self.block_size) - len(self.req_to_blocks[request.request_id])
+        )
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Make room for `num_new_tokens` after the request's computed tokens.

@@ -169,27 +169,19 @@ class Scheduler:
 
         outputs: list[EngineCoreOutput] = []
         finished_ids: set[str] = set()
+        prompt_logprobs = dict(runner_output.prompt_logprobs or {})
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            token_id = runner_output.sampled_token_ids[row]
-            request.append_output_token(token_id)
-            self._check_stop(request, token_id)
-            output = EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=[token_id],
-                finish_reason=request.status.finish_reason,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
-            if runner_output.logprobs is not None:
-                output.new_logprob_token_ids = [runner_output.logprob_token_ids[row]]
-                output.new_logprobs = [runner_output.logprobs[row]]
-                output.new_sampled_token_ranks = [runner_output.sampled_token_ranks[row]]
+            output = self._append_sampled(request, runner_output, row)
+            output.new_prompt_logprobs = prompt_logprobs.pop(req_id, None)
             outputs.append(output)
             if request.is_finished:
                 finished_ids.add(req_id)
+        for req_id, logprobs in prompt_logprobs.items():  # prompt chunks that sampled nothing
+            if req_id in self.requests:
+                outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=logprobs))
 
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
@@ -198,8 +190,13 @@ class Scheduler:
         return outputs
 
     def finish_without_output(self) -> list[EngineCoreOutput]:
-        """Requests that must end before computing anything (`max_tokens == 0`)."""
-        done = [r for r in self.waiting if r.max_tokens <= r.num_output_tokens]
+        """Requests that must end before computing anything: `max_tokens == 0` without
+        prompt logprobs (with them, the prompt is computed and nothing sampled)."""
+        done = [
+            r
+            for r in self.waiting
+            if r.max_tokens <= r.num_output_tokens and r.sampling_params.prompt_logprobs is None
+        ]
         if not done:
             return []
         self.finish_requests([r.request_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -237,6 +234,32 @@ class Scheduler:
         num_scheduled[request.request_id] = num_new
         prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens + num_new)
         self.num_prompt_tokens_scheduled += max(0, prompt_end - request.num_computed_tokens)
+
+    def _append_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, row: int
+    ) -> EngineCoreOutput:
+        new_token_ids = []
+        if request.max_tokens == 0:  # computed only for its prompt logprobs
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            token_id = runner_output.sampled_token_ids[row]
+            request.append_output_token(token_id)
+            new_token_ids.append(token_id)
+            self._check_stop(request, token_id)
+        output = EngineCoreOutput(
+            req_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+        )
+        if runner_output.logprobs is not None and new_token_ids:
+            assert runner_output.logprob_token_ids and runner_output.sampled_token_ranks
+            output.new_logprob_token_ids = [runner_output.logprob_token_ids[row]]
+            output.new_logprobs = [runner_output.logprobs[row]]
+            output.new_sampled_token_ranks = [runner_output.sampled_token_ranks[row]]
+        return output
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: give back every block and start over from the front of the

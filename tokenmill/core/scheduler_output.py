@@ -45,6 +45,17 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens `first_position ...` given the tokens before each;
+    per position the actual token first, then the top-N."""
+
+    first_position: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
 class ModelRunnerOutput:
     """Tokens sampled this step, one per request whose scheduled tokens reached its end."""
 
@@ -55,6 +66,7 @@ class ModelRunnerOutput:
     logprob_token_ids: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None
     sampled_token_ranks: list[int] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 @dataclass
@@ -68,7 +80,9 @@ class EngineCoreOutput:
     new_logprob_token_ids: list[list[int]] | None = None
     new_logprobs: list[list[float]] | None = None
     new_sampled_token_ranks: list[int] | None = None
+    new_prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -93,6 +93,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
+        self._validate_token_ids(params)
         params = params.clone()
         params.all_stop_token_ids = set(self.eos_token_ids)
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -175,6 +176,17 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        for field, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("stop_token_ids", params.stop_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
 
     def _resolve_max_model_len(self, model_max: int) -> int:
         wanted = self.config.max_model_len

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.core.scheduler_output import EngineCoreOutput
+from tokenmill.core.scheduler_output import EngineCoreOutput, PromptLogprobs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
 from tokenmill.outputs import (
     CompletionOutput,
@@ -43,6 +43,8 @@ class RequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # [None, {token: Logprob}, ...] once complete: the first prompt token has no logprob.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     changed: set[int] = field(default_factory=set)  # samples with news since the last output
 
     @property
@@ -77,6 +79,7 @@ class OutputProcessor:
             params=params,
             samples=[],
             metrics=RequestMetrics(arrival_time=arrival_time),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         child_ids = []
         for index in range(params.n):
@@ -142,6 +145,9 @@ class OutputProcessor:
         self, state: RequestState, sample: SampleState, out: EngineCoreOutput, now: float
     ) -> bool:
         metrics = state.metrics
+        metrics.first_scheduled_time = metrics.first_scheduled_time or out.first_scheduled_time
+        if out.new_prompt_logprobs is not None:
+            self._append_prompt_logprobs(state, out.new_prompt_logprobs)
         if out.new_token_ids:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
@@ -160,6 +166,36 @@ class OutputProcessor:
         state.changed.add(sample.index)
         return hit_stop_string
 
+    def _append_prompt_logprobs(self, state: RequestState, new: PromptLogprobs) -> None:
+        """Positions already known (a sibling sample or a recompute after preemption computed
+        them too) are skipped."""
+        assert state.prompt_logprobs is not None
+        num_top = state.params.prompt_logprobs or 0
+        for offset, (token_ids, logprobs, rank) in enumerate(
+            zip(new.token_ids, new.logprobs, new.ranks)
+        ):
+            if new.first_position + offset != len(state.prompt_logprobs):
+                continue
+            state.prompt_logprobs.append(
+                self._position_logprobs(token_ids, logprobs, rank, num_top)
+            )
+
+    def _position_logprobs(
+        self, token_ids: list[int], logprobs: list[float], rank: int, num_top: int
+    ) -> PositionLogprobs:
+        """The chosen token's logprob and rank, then the top `num_top` by rank."""
+        position: PositionLogprobs = {
+            token_ids[0]: Logprob(logprobs[0], rank, decode_token(self.tokenizer, token_ids[0]))
+        }
+        for top_rank, (token_id, logprob) in enumerate(
+            zip(token_ids[1 : num_top + 1], logprobs[1 : num_top + 1]), start=1
+        ):
+            if token_id not in position:
+                position[token_id] = Logprob(
+                    logprob, top_rank, decode_token(self.tokenizer, token_id)
+                )
+        return position
+
     def _append_logprobs(
         self, params: SamplingParams, sample: SampleState, out: EngineCoreOutput
     ) -> None:
@@ -168,17 +204,7 @@ class OutputProcessor:
         for token_ids, logprobs, rank in zip(
             out.new_logprob_token_ids, out.new_logprobs or [], out.new_sampled_token_ranks
         ):
-            position: PositionLogprobs = {
-                token_ids[0]: Logprob(logprobs[0], rank, decode_token(self.tokenizer, token_ids[0]))
-            }
-            for top_rank, (token_id, logprob) in enumerate(
-                zip(token_ids[1 : num_top + 1], logprobs[1 : num_top + 1]), start=1
-            ):
-                if token_id not in position:
-                    position[token_id] = Logprob(
-                        logprob, top_rank, decode_token(self.tokenizer, token_id)
-                    )
-            sample.logprobs.append(position)
+            sample.logprobs.append(self._position_logprobs(token_ids, logprobs, rank, num_top))
             sample.cumulative_logprob += logprobs[0]
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
@@ -198,6 +224,7 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs if finished or not delta else None,
         )
 
     def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:

@@ -69,8 +69,10 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for prompt, output in zip(args.prompt, outputs):
         for completion in output.outputs:
-            print(f"--- prompt: {prompt!r} [sample {completion.index}, "
-                  f"{len(completion.token_ids)} tokens, {completion.finish_reason}]")
+            print(
+                f"--- prompt: {prompt!r} [sample {completion.index}, "
+                f"{len(completion.token_ids)} tokens, {completion.finish_reason}]"
+            )
             print(completion.text)
     return 0
 

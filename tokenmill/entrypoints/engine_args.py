@@ -23,9 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
-    group.add_argument(
-        "--kv-cache-memory", type=int, default=None, help="KV cache size in bytes"
-    )
+    group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     group.add_argument(
         "--gpu-memory-utilization",
         type=float,

@@ -166,7 +166,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), kv_cache, metadata
+        )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

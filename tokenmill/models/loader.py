@@ -1,4 +1,4 @@
-"""Load a local Hugging Face checkpoint: config.json, safetensors (one file or sharded), tokenizer."""
+"""Load a local Hugging Face checkpoint: config.json, safetensors (single or sharded), tokenizer."""
 
 from __future__ import annotations
 
@@ -78,7 +78,11 @@ def eos_token_ids(model_dir: str | Path, hf_config: Any) -> set[int]:
 
 
 def load_model(
-    model_dir: str | Path, hf_config: Any, architecture: str, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    hf_config: Any,
+    architecture: str,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> LlamaForCausalLM:
     with torch.device(device):
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype)

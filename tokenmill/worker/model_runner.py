@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, build_attention_group
-from tokenmill.layers.sampler import Sampler, SamplingMetadata
+from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 
@@ -42,6 +42,7 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to compute logits for
     sampling_states: list[CachedRequestState]  # the requests those rows belong to
+    prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]  # (state, first row, count)
 
 
 class ModelRunner:
@@ -91,9 +92,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
-        if not inputs.sampling_states:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        return self._sample(logits, inputs.sampling_states)
+        output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if inputs.sampling_states:
+            output = self._sample(logits, inputs.sampling_states)
+        if inputs.prompt_logprob_rows:
+            output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
+        return output
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -152,7 +156,58 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=self._to_device(ends[samples] - 1),
             sampling_states=[s for s, sample in zip(states, samples) if sample],
+            prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
         )
+
+    @staticmethod
+    def _prompt_logprob_rows(
+        states: list[CachedRequestState],
+        computed: np.ndarray,
+        seq_lens: np.ndarray,
+        starts: np.ndarray,
+    ) -> list[tuple[CachedRequestState, int, int]]:
+        """Rows whose next token is a prompt token, for requests that want prompt logprobs."""
+        rows = []
+        for state, c, end, start in zip(states, computed, seq_lens, starts):
+            if state.sampling_params.prompt_logprobs is None:
+                continue
+            count = min(int(end), state.num_prompt_tokens - 1) - int(c)
+            if count > 0:
+                rows.append((state, int(start), count))
+        return rows
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[CachedRequestState, int, int]]
+    ) -> dict[str, PromptLogprobs]:
+        """Raw log-probabilities of each scheduled prompt token given the tokens before it."""
+        indices = torch.cat([torch.arange(start, start + count) for _, start, count in rows])
+        targets = torch.tensor(
+            [
+                t
+                for state, start, count in rows
+                for t in state.token_ids[
+                    state.num_computed_tokens + 1 : state.num_computed_tokens + 1 + count
+                ]
+            ]
+        )
+        num_top = max(state.sampling_params.prompt_logprobs or 0 for state, _, _ in rows)
+        logits = self.model.compute_logits(hidden[indices.to(self.device)])
+        tensors = gather_logprobs(
+            torch.log_softmax(logits, dim=-1), targets.to(self.device), num_top
+        )
+        token_ids, logprobs = tensors.token_ids.tolist(), tensors.logprobs.tolist()
+        ranks = tensors.ranks.tolist()
+        result, offset = {}, 0
+        for state, _, count in rows:
+            span = slice(offset, offset + count)
+            result[state.req_id] = PromptLogprobs(
+                first_position=state.num_computed_tokens + 1,
+                token_ids=token_ids[span],
+                logprobs=logprobs[span],
+                ranks=ranks[span],
+            )
+            offset += count
+        return result
 
     def _block_table_array(
         self, states: list[CachedRequestState], seq_lens: np.ndarray
