@@ -1,0 +1,192 @@
+"""Engine behaviour seen from the offline API: samples, stops, aborts, chat, streaming deltas,
+and bad input rejected without disturbing other requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=256)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 16)
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def test_n_samples_differ_and_reproduce_with_a_seed(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    first = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    again = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    samples = [tuple(c.token_ids) for c in first.outputs]
+    assert len(set(samples)) == 3
+    assert samples == [tuple(c.token_ids) for c in again.outputs]
+
+
+def test_stop_string_truncates_text_and_ends_the_request(llm: LLM) -> None:
+    full = llm.generate(PROMPT, greedy(max_tokens=20), use_tqdm=False)[0].outputs[0]
+    stop = full.text[8:11]
+    assert stop.strip(), f"pick a visible stop string from {full.text!r}"
+    cut = llm.generate(PROMPT, greedy(max_tokens=20, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop"
+    assert cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert len(cut.token_ids) < len(full.token_ids)
+    kept = llm.generate(
+        PROMPT, greedy(max_tokens=20, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_end_the_request_after_that_token(llm: LLM) -> None:
+    full = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0]
+    stop_token = full.token_ids[4]
+    first_at = full.token_ids.index(stop_token)
+    out = llm.generate(PROMPT, greedy(stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first_at + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_token)
+
+
+def test_eos_stops_unless_ignored_and_not_before_min_tokens(llm: LLM) -> None:
+    full = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0]
+    eos = full.token_ids[3]
+    first_at = full.token_ids.index(eos)
+    saved = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = {eos}
+    try:
+        stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        ignored = llm.generate(PROMPT, greedy(), use_tqdm=False)
+        late = llm.generate(
+            PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=12), use_tqdm=False
+        )
+    finally:
+        llm.engine.eos_token_ids = saved
+    assert stopped[0].outputs[0].token_ids == full.token_ids[: first_at + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    assert ignored[0].outputs[0].token_ids == full.token_ids
+    late_ids = late[0].outputs[0].token_ids
+    assert len(late_ids) >= 12
+    assert eos not in late_ids[: 12 - 1] or late_ids.index(eos) >= 11
+
+
+def test_max_tokens_caps_output_with_finish_reason_length(llm: LLM) -> None:
+    out = llm.generate(PROMPT, greedy(max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    empty = llm.generate(PROMPT, greedy(max_tokens=0), use_tqdm=False)[0].outputs[0]
+    assert empty.token_ids == [] and empty.text == "" and empty.finish_reason == "length"
+
+
+def test_prompt_logprobs_with_no_output_score_the_prompt(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(PROMPT)
+    out = llm.generate(PROMPT, greedy(max_tokens=0, prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == []
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt_ids)
+    for token_id, position in zip(prompt_ids[1:], out.prompt_logprobs[1:]):
+        assert token_id in position and position[token_id].logprob <= 0.0
+
+
+def test_streaming_deltas_concatenate_to_the_final_text(llm: LLM) -> None:
+    engine = llm.engine
+    params = greedy(max_tokens=24, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("stream", PROMPT, params)
+    text, token_ids = "", []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text += output.outputs[0].text
+            token_ids += output.outputs[0].token_ids
+    final = llm.generate(PROMPT, greedy(max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert (text, token_ids) == (final.text, final.token_ids)
+
+
+def test_abort_frees_blocks_and_other_requests_finish(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("keep", PROMPT, greedy(max_tokens=12))
+    engine.add_request("drop", PROMPT + " again", greedy(max_tokens=200))
+    engine.step()
+    engine.step()
+    engine.abort_request("drop")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["keep"]
+    manager = engine.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_invalid_sampling_params_are_rejected_when_made(params: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(**params)
+    assert error.value.param == field
+
+
+def test_bad_prompts_are_rejected_and_the_engine_keeps_serving(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("good", PROMPT, greedy(max_tokens=4))
+    bad_inputs = [
+        ("too-long", [5] * (engine.max_model_len + 1), greedy(), "max_model_len"),
+        ("empty", [], greedy(), "empty"),
+        ("oov", [engine.vocab_size + 3], greedy(), "vocabulary"),
+        ("bias", PROMPT, greedy(logit_bias={engine.vocab_size: 1.0}), "vocabulary"),
+    ]
+    for request_id, prompt, params, message in bad_inputs:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request(request_id, prompt, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["good"]
+
+
+def test_chat_applies_the_tokenizers_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Reverse: a b c"}]
+    out = llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert out.prompt == expected
+    assert "<|im_start|>assistant" in out.prompt
+
+
+def test_engine_statistics_are_readable(llm: LLM) -> None:
+    before = llm.get_stats()
+    llm.generate([PROMPT, "Hello"], greedy(max_tokens=3), use_tqdm=False)
+    after = llm.get_stats()
+    assert after.num_generation_tokens - before.num_generation_tokens == 6
+    assert after.num_prompt_tokens > before.num_prompt_tokens
+    assert after.scheduler.num_running == after.scheduler.num_waiting == 0
+    assert after.scheduler.num_kv_blocks_used == 0
+    assert after.scheduler.num_kv_blocks > 0
+
+
+def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) -> None:
+    checkpoint = tiny_checkpoint("llama", dtype=torch.bfloat16)
+    llm = LLM(model=str(checkpoint), max_model_len=64)
+    from tokenmill.config import _cpu_has_fast_half_matmul
+
+    expected = torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32
+    assert llm.engine.dtype == expected
+    out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3
