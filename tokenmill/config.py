@@ -44,6 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | static (the static-batching baseline)
 
     # Tensor parallelism (one device here; kept so the flag has its home)
     tensor_parallel_size: int = 1
@@ -64,6 +65,10 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.scheduling_policy not in ("fcfs", "static"):
+            raise ConfigError(
+                f"scheduling_policy must be fcfs or static, got {self.scheduling_policy!r}"
+            )
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet")
 

@@ -211,3 +211,33 @@ def test_aborting_frees_blocks_and_tells_the_runner() -> None:
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
     assert scheduler.schedule().finished_req_ids == {"a"}
+
+
+def test_static_policy_admits_nobody_until_the_whole_batch_has_finished() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    scheduler.policy = "static"
+    scheduler.add_request(make_request("short", 3, max_tokens=2))
+    scheduler.add_request(make_request("long", 3, max_tokens=6))
+    scheduler.add_request(make_request("next", 3, max_tokens=2))
+    batches: list[set[str]] = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        batches.append(set(out.num_scheduled_tokens))
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+    # "next" waits through the steps where only "long" is left, then runs alone.
+    assert batches[0] == {"short", "long"}
+    first_next = next(i for i, b in enumerate(batches) if "next" in b)
+    assert all("long" not in b for b in batches[first_next:])
+    assert batches[first_next - 1] == {"long"}
+
+
+def test_continuous_policy_admits_as_soon_as_a_slot_frees() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for name, max_tokens in (("short", 2), ("long", 6), ("next", 2)):
+        scheduler.add_request(make_request(name, 3, max_tokens=max_tokens))
+    batches: list[set[str]] = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        batches.append(set(out.num_scheduled_tokens))
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+    assert {"long", "next"} in batches

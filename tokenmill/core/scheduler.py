@@ -23,6 +23,10 @@ from tokenmill.core.scheduler_output import (
 )
 from tokenmill.request import Request, RequestStatus
 
+# "static" is the baseline continuous batching is measured against: a batch is formed from the
+# waiting queue and runs until every member finishes before anyone else is admitted.
+SCHEDULING_POLICIES = ("fcfs", "static")
+
 
 @dataclass
 class SchedulerStats:
@@ -47,7 +51,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}: {policy!r}")
+        self.policy = policy
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -103,6 +111,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted_ids: set[str] = set()
 
+        admitting = self._may_admit()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -120,12 +129,8 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted: a preemption means memory is
         # short, and admitting would just preempt again next step.
-        while (
-            not preempted_ids
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        admitting = admitting and not preempted_ids
+        while admitting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget and not self.enable_chunked_prefill:
@@ -229,6 +234,11 @@ class Scheduler:
             preempted_ids.add(victim.request_id)
             if victim is request:
                 return None
+
+    def _may_admit(self) -> bool:
+        """Under the static policy a batch is what one step admits (up to max_num_seqs and the
+        token budget); nobody joins until every member has finished."""
+        return self.policy != "static" or not self.running
 
     def _record(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
         num_scheduled[request.request_id] = num_new

@@ -60,6 +60,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, self.device, self.dtype, seed=config.seed

@@ -41,6 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="split long prompts across steps",
     )
+    group.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "static"],
+        help="fcfs: continuous batching; static: the run-each-batch-to-the-end baseline",
+    )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
 
 
