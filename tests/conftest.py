@@ -1,0 +1,41 @@
+"""Shared fixtures: small random Hugging Face checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill.models.random_checkpoint import save_random_checkpoint, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One trained tokenizer (vocab 1024) shared by every checkpoint of the session."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[..., Path]:
+    """Factory `tiny_checkpoint(architecture, **kwargs) -> Path`, cached by its arguments.
+
+    kwargs are those of `save_random_checkpoint`; the session tokenizer is used unless a
+    `tokenizer_dir` is given. Treat the returned directory as read-only: it is shared.
+    """
+    cache: dict[str, Path] = {}
+
+    def build(architecture: str, **kwargs: Any) -> Path:
+        kwargs.setdefault("tokenizer_dir", tokenizer_dir)
+        key = repr((architecture, sorted(kwargs.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt-{architecture}")
+            cache[key] = save_random_checkpoint(path, architecture, **kwargs)
+        return cache[key]
+
+    return build
