@@ -190,3 +190,19 @@ def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) ->
     assert llm.engine.dtype == expected
     out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3
+
+
+def test_chat_prompt_has_exactly_one_bos(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(tokenizer.bos_token_id) == 1
+
+
+def test_the_stop_token_is_not_in_the_text(llm: LLM) -> None:
+    full = llm.generate(PROMPT, greedy(skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    stop_token = full.token_ids[5]
+    first_at = full.token_ids.index(stop_token)
+    params = greedy(stop_token_ids=[stop_token], skip_special_tokens=False)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(full.token_ids[:first_at], skip_special_tokens=False)

@@ -38,6 +38,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single string or token-id list is one prompt."""
         if isinstance(prompts, str) or (
@@ -51,7 +52,9 @@ class LLM:
             params = params.clone()
             params.output_kind = RequestOutputKind.FINAL_ONLY
             request_id = str(next(self._request_counter))
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(
+                request_id, prompt, params, add_special_tokens=add_special_tokens
+            )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -74,7 +77,8 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # The template writes BOS and the other special tokens itself.
+        return self.generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

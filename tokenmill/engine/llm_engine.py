@@ -88,11 +88,16 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> None:
-        """Queue a request. Raises `InvalidRequestError` for a prompt the engine can't take."""
+        """Queue a request. Raises `InvalidRequestError` for a prompt the engine can't take.
+
+        `add_special_tokens=False` is for text that already carries them, such as a rendered
+        chat template (which starts with BOS itself).
+        """
         if request_id in self.output_processor.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        prompt_text, prompt_token_ids = self._tokenize(prompt, add_special_tokens)
         self._validate_prompt(prompt_token_ids)
         self._validate_token_ids(params)
         params = params.clone()
@@ -156,9 +161,11 @@ class LLMEngine:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: PromptType, add_special_tokens: bool
+    ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise InvalidRequestError("prompt", "must be a string or a list of token ids")

@@ -155,7 +155,7 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
             self._append_logprobs(state.params, sample, out)
-        stop_string = sample.detokenizer.update(out.new_token_ids)
+        stop_string = sample.detokenizer.update(self._token_ids_to_detokenize(state.params, out))
         hit_stop_string = stop_string is not None and out.finish_reason is None
         if stop_string is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_string
@@ -165,6 +165,15 @@ class OutputProcessor:
             metrics.finished_time = now
         state.changed.add(sample.index)
         return hit_stop_string
+
+    @staticmethod
+    def _token_ids_to_detokenize(params: SamplingParams, out: EngineCoreOutput) -> list[int]:
+        """The EOS or stop token that ended a request is not part of its text (as in vLLM),
+        unless the caller asked for stop strings in the output."""
+        stopped_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        if stopped_by_token and out.new_token_ids and not params.include_stop_str_in_output:
+            return out.new_token_ids[:-1]
+        return out.new_token_ids
 
     def _append_prompt_logprobs(self, state: RequestState, new: PromptLogprobs) -> None:
         """Positions already known (a sibling sample or a recompute after preemption computed
