@@ -19,8 +19,20 @@ _DTYPES = {
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
+KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 class ConfigError(ValueError):
     """An engine setting is invalid or inconsistent with the model."""
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclass
@@ -38,13 +50,17 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit number of blocks, overrides the memory budget
     kv_cache_memory: int | None = None  # bytes for the KV cache
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for the engine
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # recompute | swap
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (swap mode only)
 
     # Scheduling
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # fcfs | static (the static-batching baseline)
+    scheduling_policy: str = "fcfs"  # fcfs | priority | static (the static-batching baseline)
 
     # Tensor parallelism (one device here; kept so the flag has its home)
     tensor_parallel_size: int = 1
@@ -65,10 +81,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.scheduling_policy not in ("fcfs", "static"):
-            raise ConfigError(
-                f"scheduling_policy must be fcfs or static, got {self.scheduling_policy!r}"
-            )
+        _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "static"))
+        _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet")
 
@@ -80,6 +97,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The compute dtype: the one asked for, or under `auto` the checkpoint's unless this

@@ -56,12 +56,18 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never past max_model_len
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # lower runs first, as in vLLM
+        self.cache_salt = cache_salt  # isolates this tenant's prefix-cache entries
+        self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
+        self.num_skips = 0  # times cache-aware admission passed it over at the queue head
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

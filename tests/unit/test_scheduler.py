@@ -31,7 +31,8 @@ def make_scheduler(
 
 
 def make_request(request_id: str, num_prompt: int, max_tokens: int, **params) -> Request:
-    prompt = [(7 * i + len(request_id)) % 50 for i in range(num_prompt)]
+    salt = sum(map(ord, request_id))
+    prompt = [(7 * i + salt) % 50 for i in range(num_prompt)]
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
     return Request(request_id, prompt, sampling, max_tokens=max_tokens)
 

@@ -1,7 +1,11 @@
-"""KV cache blocks: reference counts and an O(1) free list.
+"""KV cache blocks: reference counts, an O(1) LRU free list, and the prefix cache.
 
-The pool only knows block ids and counts; which request owns which block is the
-`KVCacheManager`'s business, and the tensors themselves live in the model runner.
+The pool only knows block ids, counts and content hashes; which request owns which block is
+the `KVCacheManager`'s business, and the tensors themselves live in the model runner.
+
+A full block can carry the hash of its content (and of everything before it). Freed blocks
+keep their hash and stay findable until they are handed out again, so the free list doubles
+as the prefix cache's LRU eviction order: the head is evicted first.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from collections.abc import Iterable
 class KVCacheBlock:
     """One block of `block_size` token slots in every layer's KV cache."""
 
-    __slots__ = ("block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set while the block is in the prefix cache
         # Links of the intrusive free list; None when the block is not in it.
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -81,6 +86,31 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Make a full block findable by its hash. If another block already holds the same
+        content, keep that one: two copies would only waste an entry."""
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks a new owner reuses; a free one leaves the free
+        list (O(1), thanks to the intrusive links)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash. Blocks in use keep their contents and owners."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,6 +128,9 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0
+            if block.block_hash is not None:  # evict it from the prefix cache
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks

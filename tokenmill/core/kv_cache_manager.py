@@ -1,8 +1,13 @@
-"""Per-request block tables over the block pool. Plain Python over integers."""
+"""Per-request block tables over the block pool: prefix-cache lookups, on-demand growth, swap.
+Plain Python over integers."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.request import Request
@@ -12,13 +17,49 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra: bytes) -> bytes:
+    """SHA-256 of (parent block's hash, this block's tokens, extra keys).
+
+    Chaining makes a block's hash stand for the whole prefix up to it. A cryptographic hash
+    means a collision, which would hand one request another's KV, is not a practical risk.
+    """
+    digest = hashlib.sha256(parent_hash or b"\0")
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and found there, since start."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class KVCacheManager:
     """Owns each request's list of blocks (its block table) and grows it on demand."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_swap_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already hashed
+        self.prefix_cache_stats = PrefixCacheStats()
+        # The host-side pool that swapped-out requests' blocks are copied to.
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None
+        self.req_to_swapped_blocks: dict[str, list[KVCacheBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -32,30 +73,136 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        num_slots = request.num_computed_tokens + num_new_tokens
-        return max(
-            0, cdiv(num_slots, self.block_size) - len(self.req_to_blocks[request.request_id])
-        )
+    # ---- prefix cache ------------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` after the request's computed tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of the request's leading full blocks found in the prefix cache, and
+        the number of tokens they hold.
 
-        Returns the ids of the blocks added to its table (possibly none), or None, changing
-        nothing, when the pool has too few free blocks.
+        At most `num_tokens - 1` tokens can hit: the last token must still be computed so that
+        there are logits to sample from. Requests that want prompt logprobs get no hits (the
+        logits of cached positions are not kept).
         """
-        num_needed = self.num_blocks_to_allocate(request, num_new_tokens)
-        if num_needed > self.block_pool.num_free_blocks:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._block_hashes(request)[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()
+        for req_id in self.num_cached_blocks:
+            self.num_cached_blocks[req_id] = len(self.req_to_blocks[req_id])
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended as tokens arrive (kept on the request
+        so each block is hashed once)."""
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        salt = (request.cache_salt or "").encode()
+        while len(hashes) < num_full:
+            start = len(hashes) * self.block_size
+            tokens = request.all_token_ids[start : start + self.block_size]
+            extra = salt if not hashes else b""  # the chain carries the salt onward
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, extra))
+        return hashes
+
+    # ---- allocation --------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` after the request's computed tokens, first adopting
+        `computed_blocks` (prefix-cache hits that extend its computed tokens).
+
+        Returns the ids of the blocks added to its table, or None, changing nothing, when the
+        pool has too few free blocks.
+        """
+        blocks = self.req_to_blocks[request.request_id]
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
+        # Hits sitting on the free list stop being free when adopted.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
             return None
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
-        self.req_to_blocks[request.request_id].extend(new_blocks)
-        return [block.block_id for block in new_blocks]
+        self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return [block.block_id for block in (*computed_blocks, *new_blocks)]
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        """Enter the blocks that this step fills completely into the prefix cache. Blocks are
+        cached as their slots are allocated: the forward pass that fills them runs before any
+        later step can read them, and within a step keys are written before attention reads."""
+        hashes = self._block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(hashes))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for index in range(start, num_full):
+            self.block_pool.cache_block(blocks[index], hashes[index])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
-        """Give back every block of the request, tail first, so the blocks least likely to be
-        shared by another prompt are the first to be reused."""
+        """Give back every block of the request, tail first, so that when they are evicted
+        the tail blocks (least likely to be shared by another prompt) go first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(request.request_id, None)
+        swapped = self.req_to_swapped_blocks.pop(request.request_id, None)
+        if swapped and self.swap_pool is not None:
+            self.swap_pool.free_blocks(swapped)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    # ---- swap --------------------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host pool: returns (device block, host block) pairs
+        to copy, or None, changing nothing, if the host pool can't take them all."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if self.swap_pool is None or len(blocks) > self.swap_pool.num_free_blocks:
+            return None
+        host_blocks = self.swap_pool.get_new_blocks(len(blocks))
+        self.req_to_swapped_blocks[request.request_id] = host_blocks
+        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
+        del self.req_to_blocks[request.request_id]
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(request.request_id, None)
+        return pairs
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.req_to_swapped_blocks
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back with room for `num_new_tokens` more: returns (host
+        block, device block) pairs to copy, or None, changing nothing, if blocks are short."""
+        host_blocks = self.req_to_swapped_blocks[request.request_id]
+        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if num_needed > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(num_needed)
+        self.req_to_blocks[request.request_id] = blocks
+        pairs = [(h.block_id, d.block_id) for h, d in zip(host_blocks, blocks)]
+        assert self.swap_pool is not None
+        self.swap_pool.free_blocks(self.req_to_swapped_blocks.pop(request.request_id))
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens + num_new_tokens)
+        return pairs

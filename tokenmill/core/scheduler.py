@@ -1,19 +1,20 @@
 """The token-budget scheduler: one decision per engine step, no prefill or decode phases.
 
 Each step hands out `max_num_batched_tokens`: running requests first (in admission order),
-then waiting ones (FCFS). A request is given `num_tokens - num_computed_tokens` tokens, cut to
-what is left of the budget, so a long prompt is simply computed over several steps (chunked
-prefill) while the decodes of others share each forward pass.
+then waiting ones. A request is given `num_tokens - num_computed_tokens` tokens, cut to what
+is left of the budget, so a long prompt is simply computed over several steps (chunked
+prefill) while the decodes of others share each forward pass. A prefix-cache hit starts
+`num_computed_tokens` above zero; preemption by recompute sets it back to zero.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from tokenmill.core.request_queue import RequestQueue
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -23,9 +24,19 @@ from tokenmill.core.scheduler_output import (
 )
 from tokenmill.request import Request, RequestStatus
 
-# "static" is the baseline continuous batching is measured against: a batch is formed from the
-# waiting queue and runs until every member finishes before anyone else is admitted.
-SCHEDULING_POLICIES = ("fcfs", "static")
+# fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
+# first, and the lowest-priority running request is preempted first. static: the baseline that
+# continuous batching is measured against: a batch is what one step admits, and nobody joins
+# until every member has finished.
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+PREEMPTION_MODES = ("recompute", "swap")
+
+# Cache-aware admission looks this far down the waiting queue for the request with the most
+# prompt tokens already in the prefix cache...
+CACHE_AWARE_WINDOW = 8
+# ...but the request at the head is passed over at most this many times, so the oldest request
+# waits for no more than this many extra admissions (a few steps) and never starves.
+MAX_HEAD_SKIPS = 4
 
 
 @dataclass
@@ -33,13 +44,28 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     num_scheduled_tokens: int  # in the last step
-    num_preemptions: int  # since start
+    num_preemptions: int  # since start, both modes
     num_kv_blocks_used: int
     num_kv_blocks: int
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / self.num_kv_blocks
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule()` call has decided so far."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: dict[str, CachedRequestData] = field(default_factory=dict)
+    preempted_ids: set[str] = field(default_factory=set)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -52,22 +78,30 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        preemption_mode: str = "recompute",
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}: {policy!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}")
         self.policy = policy
+        self.preemption_mode = preemption_mode
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.waiting = RequestQueue(by_priority=policy == "priority")
+        self.running: list[Request] = []  # in admission order
         self.finished_req_ids: set[str] = set()  # to tell the runner at the next step
-        self.num_preemptions = 0
+        self.num_preemptions_by_mode = dict.fromkeys(PREEMPTION_MODES, 0)
         self.num_prompt_tokens_scheduled = 0  # since start; output recomputed after preemption
         self.last_num_scheduled_tokens = 0  # is not counted as prompt
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.num_preemptions_by_mode.values())
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -80,7 +114,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string): free their blocks now."""
@@ -89,7 +123,7 @@ class Scheduler:
         if not ids:
             return
         self.running = [r for r in self.running if r.request_id not in ids]
-        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        self.waiting.remove_ids(ids)
         for rid in ids:
             request = self.requests.pop(rid)
             request.status = status
@@ -102,66 +136,127 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
     # ---- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted_ids: set[str] = set()
-
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
         admitting = self._may_admit()
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running {request} has nothing to compute"
-            new_block_ids = self._allocate_or_preempt(request, num_new, preempted_ids)
-            if new_block_ids is None:
-                break  # the request preempted itself: nothing later in `running` can run
-            cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
-            self._record(request, num_new, num_scheduled)
-            budget -= num_new
-            index += 1
-
+        self._schedule_running(plan)
         # Admit waiting requests only when nothing was preempted: a preemption means memory is
         # short, and admitting would just preempt again next step.
-        admitting = admitting and not preempted_ids
-        while admitting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                break
-            self.waiting.popleft()
+        if admitting and not plan.preempted_ids:
+            self._schedule_waiting(plan)
+
+        assert plan.budget >= 0 and len(self.running) <= self.max_num_seqs
+        total = self.max_num_batched_tokens - plan.budget
+        assert total == sum(plan.num_scheduled.values())
+        self.last_num_scheduled_tokens = total
+        self.num_prompt_tokens_scheduled += self._num_prompt_tokens(plan.num_scheduled)
+        output = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=list(plan.cached_reqs.values()),
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=plan.preempted_ids,
+            blocks_to_swap_out=plan.swap_out,
+            blocks_to_swap_in=plan.swap_in,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            assert num_new > 0, f"running {request} has nothing to compute"
+            while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                if victim.request_id in plan.num_scheduled:  # already given tokens: take back
+                    plan.budget += plan.num_scheduled.pop(victim.request_id)
+                    del plan.cached_reqs[victim.request_id]
+                    index -= 1
+                self.running.remove(victim)
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                continue  # the request preempted itself; `index` now points past it
+            plan.cached_reqs[request.request_id] = CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens
+            )
+            plan.num_scheduled[request.request_id] = num_new
+            plan.budget -= num_new
+            index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        manager = self.kv_cache_manager
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._pick_waiting()
+            if manager.is_swapped(request):
+                num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+                pairs = manager.swap_in(request, num_new)
+                if pairs is None:
+                    break
+                plan.swap_in.extend(pairs)
+            else:
+                hits, num_hit_tokens = manager.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > plan.budget and not self.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, plan.budget)
+                if manager.allocate_slots(request, num_new, hits) is None:
+                    break
+                manager.record_prefix_lookup(request, num_hit_tokens)
+                request.num_computed_tokens = num_hit_tokens
+            self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
-            new_reqs.append(self._new_request_data(request))
-            self._record(request, num_new, num_scheduled)
-            budget -= num_new
+            plan.new_reqs.append(self._new_request_data(request))
+            plan.num_scheduled[request.request_id] = num_new
+            plan.budget -= num_new
 
-        assert budget >= 0 and len(self.running) <= self.max_num_seqs
-        total = self.max_num_batched_tokens - budget
-        self.last_num_scheduled_tokens = total
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids,
-        )
-        self.finished_req_ids = set()
-        return output
+    def _pick_waiting(self) -> Request:
+        """The next request to admit: the head of the queue, unless one of the next few (of
+        the same priority) has more of its prompt in the prefix cache. Serving it now, while
+        its prefix is cached, saves recomputing that prefix after an eviction."""
+        head = self.waiting.peek()
+        manager = self.kv_cache_manager
+        if not manager.enable_caching or head.num_skips >= MAX_HEAD_SKIPS or len(self.waiting) < 2:
+            return head
+        best, best_hits = head, -1
+        for candidate in self.waiting.head(CACHE_AWARE_WINDOW):
+            if candidate.priority != head.priority or manager.is_swapped(candidate):
+                continue
+            num_hits = manager.get_computed_blocks(candidate)[1]
+            if num_hits > best_hits:
+                best, best_hits = candidate, num_hits
+        if best is not head:
+            head.num_skips += 1
+        return best
+
+    def _pick_victim(self) -> Request:
+        """FCFS preempts the most recently admitted request; priority the lowest-priority one
+        (largest value), the most recently arrived among equals."""
+        if self.policy != "priority":
+            return self.running[-1]
+        return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+
+    def _num_prompt_tokens(self, num_scheduled: dict[str, int]) -> int:
+        total = 0
+        for req_id, num_new in num_scheduled.items():
+            request = self.requests[req_id]
+            prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens + num_new)
+            total += max(0, prompt_end - request.num_computed_tokens)
+        return total
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -216,34 +311,18 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
             num_kv_blocks=manager.num_blocks,
+            num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+            prefix_cache=PrefixCacheStats(
+                manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits
+            ),
         )
 
     # ---- internals ---------------------------------------------------------------------------
-
-    def _allocate_or_preempt(
-        self, request: Request, num_new: int, preempted_ids: set[str]
-    ) -> list[int] | None:
-        """Allocate slots for a running request, preempting the most recently admitted
-        requests until it fits. None if the request itself had to be preempted."""
-        while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted_ids.add(victim.request_id)
-            if victim is request:
-                return None
 
     def _may_admit(self) -> bool:
         """Under the static policy a batch is what one step admits (up to max_num_seqs and the
         token budget); nobody joins until every member has finished."""
         return self.policy != "static" or not self.running
-
-    def _record(self, request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
-        num_scheduled[request.request_id] = num_new
-        prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens + num_new)
-        self.num_prompt_tokens_scheduled += max(0, prompt_end - request.num_computed_tokens)
 
     def _append_sampled(
         self, request: Request, runner_output: ModelRunnerOutput, row: int
@@ -271,15 +350,25 @@ class Scheduler:
             output.new_sampled_token_ranks = [runner_output.sampled_token_ranks[row]]
         return output
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: give back every block and start over from the front of the
-        queue. The tokens generated so far are kept and recomputed as if they were prompt."""
-        self.kv_cache_manager.free(request)
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Swap: copy the request's blocks to the host pool and keep its progress. Recompute
+        (also the fallback when the host pool is full): give back every block and start over;
+        the tokens generated so far are kept and recomputed as if they were prompt (prefix
+        caching usually finds most of them still cached). Either way it waits at its place."""
+        pairs = None
+        if self.preemption_mode == "swap":
+            pairs = self.kv_cache_manager.swap_out(request)
+        if pairs is None:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            self.num_preemptions_by_mode["recompute"] += 1
+        else:
+            plan.swap_out.extend(pairs)
+            self.num_preemptions_by_mode["swap"] += 1
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        plan.preempted_ids.add(request.request_id)
+        self.waiting.add_preempted(request)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -293,6 +382,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.waiting.forget(request)
         self.finished_req_ids.add(request.request_id)
 
     def _check_stop(self, request: Request, token_id: int) -> None:

@@ -38,6 +38,10 @@ class SchedulerOutput:
     # Requests the runner must forget: finished or aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # KV copies to do before the forward, in this order: (device block, host block) pairs out
+    # to the swap pool, then (host block, device block) pairs back in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

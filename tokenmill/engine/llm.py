@@ -33,27 +33,39 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_special_tokens: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A single string or token-id list is one prompt."""
+        """Outputs in the order of `prompts`. A single string or token-id list is one prompt.
+        `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         request_ids = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, request_priority in zip(prompts, params_list, priorities):
             params = params.clone()
             params.output_kind = RequestOutputKind.FINAL_ONLY
             request_id = str(next(self._request_counter))
             self.engine.add_request(
-                request_id, prompt, params, add_special_tokens=add_special_tokens
+                request_id,
+                prompt,
+                params,
+                add_special_tokens=add_special_tokens,
+                priority=request_priority,
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError, EngineConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.engine.output_processor import OutputProcessor
@@ -20,6 +20,7 @@ from tokenmill.models.random_checkpoint import default_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.worker.kv_cache import KVCacheSpec, num_kv_blocks, num_swap_blocks
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,21 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
-        num_blocks = self._num_kv_blocks(model)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        kv_spec = KVCacheSpec(
+            num_layers=model.shape.num_layers,
+            block_size=config.block_size,
+            num_kv_heads=model.shape.num_kv_heads,
+            head_dim=model.shape.head_dim,
+            dtype=config.kv_cache_torch_dtype(self.dtype),
+        )
+        num_blocks = num_kv_blocks(config, kv_spec, self.max_model_len, self.device)
+        swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            num_swap_blocks=swap_blocks,
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -61,23 +75,29 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
         )
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, self.device, self.dtype, seed=config.seed
+            model, kv_spec, num_blocks, self.device, seed=config.seed, num_swap_blocks=swap_blocks
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
         self.num_generation_tokens = 0
         self.step_seconds = 0.0  # wall time inside step() since start
         logger.info(
-            "loaded %s (%s, %s on %s); KV cache: %d blocks of %d tokens = %d tokens",
+            "loaded %s (%s, %s on %s); KV cache (%s): %d blocks of %d tokens = %d tokens, "
+            "%.1f GiB; max concurrency at max_model_len=%d: %.1fx",
             model_dir,
             self.architecture,
             self.dtype,
             self.device,
+            kv_spec.dtype,
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
+            num_blocks * kv_spec.bytes_per_block / 1024**3,
+            self.max_model_len,
+            num_blocks * config.block_size / self.max_model_len,
         )
 
     # ---- requests ----------------------------------------------------------------------------
@@ -89,6 +109,8 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. Raises `InvalidRequestError` for a prompt the engine can't take.
 
@@ -117,7 +139,15 @@ class LLMEngine:
                 if params.seed is not None:
                     child_params.seed = params.seed + index
             self.scheduler.add_request(
-                Request(child_id, prompt_token_ids, child_params, max_tokens, arrival_time)
+                Request(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    max_tokens,
+                    arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
             )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -128,6 +158,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents)."""
+        self.scheduler.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
@@ -206,40 +240,6 @@ class LLMEngine:
                 f"max_position_embeddings={model_max}"
             )
         return wanted
-
-    def _num_kv_blocks(self, model: torch.nn.Module) -> int:
-        config, shape = self.config, model.shape
-        bytes_per_block = (
-            2
-            * shape.num_layers
-            * config.block_size
-            * shape.num_kv_heads
-            * shape.head_dim
-            * torch.finfo(self.dtype).bits
-            // 8
-        )
-        blocks_per_seq = cdiv(self.max_model_len, config.block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        elif config.kv_cache_memory is not None:
-            num_blocks = config.kv_cache_memory // bytes_per_block
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - config.gpu_memory_utilization) * total
-            num_blocks = int(budget) // bytes_per_block
-        else:
-            # More blocks than every sequence at full length can use would sit idle.
-            num_blocks = min(
-                DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_block,
-                blocks_per_seq * config.max_num_seqs,
-            )
-        if num_blocks < blocks_per_seq:
-            raise ConfigError(
-                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
-                f"one sequence of max_model_len={self.max_model_len} tokens; give it more "
-                "memory (kv_cache_memory / num_kv_blocks) or lower max_model_len"
-            )
-        return num_blocks
 
 
 def _default_model() -> Path:

@@ -30,6 +30,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0.9,
         help="on CUDA: fraction of device memory the engine may use",
     )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache storage: auto = the model's dtype; fp8 halves a 16-bit cache",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes seen before (on by default)",
+    )
+    group.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        choices=["recompute", "swap"],
+        help="when KV blocks run out: recompute the victim later, or swap its KV to host memory",
+    )
+    group.add_argument(
+        "--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV"
+    )
     group.add_argument("--max-model-len", type=int, default=None, help="longest sequence")
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
@@ -44,8 +65,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--scheduling-policy",
         default="fcfs",
-        choices=["fcfs", "static"],
-        help="fcfs: continuous batching; static: the run-each-batch-to-the-end baseline",
+        choices=["fcfs", "priority", "static"],
+        help="fcfs: continuous batching; priority: by request priority (lower first); "
+        "static: the run-each-batch-to-the-end baseline",
     )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
 

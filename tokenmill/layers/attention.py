@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.worker.kv_cache import read_kv, write_kv
+
 # KV cache of one layer: [2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = torch.Tensor
 
@@ -99,9 +101,8 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        key_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        write_kv(key_cache, metadata.slot_mapping, key)
+        write_kv(value_cache, metadata.slot_mapping, value)
         output = torch.empty_like(query)
         for group in metadata.groups:
             start, end = group.token_start, group.token_end
@@ -116,8 +117,8 @@ class TorchPagedAttention:
         group: AttentionGroup,
     ) -> torch.Tensor:
         num_seqs = group.block_tables.shape[0]
-        keys = _gather_context(key_cache, group.block_tables)
-        values = _gather_context(value_cache, group.block_tables)
+        keys = read_kv(key_cache, group.block_tables, query.dtype)
+        values = read_kv(value_cache, group.block_tables, query.dtype)
         if group.max_query_len == 1:
             padded = query.view(num_seqs, 1, self.num_heads, self.head_dim)
         else:
@@ -135,10 +136,3 @@ class TorchPagedAttention:
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
         return out[group.seq_index, group.query_index]
 
-
-def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, kv_heads, head_dim] -> [num_seqs, kv_heads, max_kv_len, dim]."""
-    num_seqs, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache[block_tables].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    return gathered.transpose(1, 2)

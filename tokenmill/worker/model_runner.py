@@ -13,6 +13,7 @@ from tokenmill.layers.attention import AttentionMetadata, build_attention_group
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -49,32 +50,25 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        kv_cache_spec: KVCacheSpec,
         num_kv_blocks: int,
-        block_size: int,
         device: torch.device,
-        dtype: torch.dtype,
         seed: int = 0,
+        num_swap_blocks: int = 0,
     ) -> None:
         self.model = model
-        self.block_size = block_size
+        self.block_size = kv_cache_spec.block_size
         self.device = device
-        shape = model.shape
-        self.vocab_size = shape.vocab_size
-        self.sliding_window = shape.sliding_window
-        # Zeroed, not empty: attention multiplies masked-out (zero-weight) slots by their
-        # values, and an uninitialised NaN there would poison the whole row.
-        self.kv_caches = [
-            torch.zeros(
-                2,
-                num_kv_blocks,
-                block_size,
-                shape.num_kv_heads,
-                shape.head_dim,
-                dtype=dtype,
-                device=device,
-            )
-            for _ in range(shape.num_layers)
-        ]
+        self.vocab_size = model.shape.vocab_size
+        self.sliding_window = model.shape.sliding_window
+        self.kv_caches = kv_cache_spec.allocate(num_kv_blocks, device)
+        # The swap pool lives in host memory (pinned, so copies to a GPU run asynchronously).
+        pin = device.type == "cuda"
+        self.swap_caches = (
+            kv_cache_spec.allocate(num_swap_blocks, torch.device("cpu"), pin=pin)
+            if num_swap_blocks
+            else []
+        )
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator=generator)
@@ -83,6 +77,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._swap(scheduler_output.blocks_to_swap_out, self.kv_caches, self.swap_caches)
+        self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_caches)
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -102,6 +98,17 @@ class ModelRunner:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def _swap(pairs: list[tuple[int, int]], sources: list, destinations: list) -> None:
+        """Copy whole blocks between the device cache and the host swap pool."""
+        if not pairs:
+            return
+        source_ids = torch.tensor([p[0] for p in pairs])
+        destination_ids = torch.tensor([p[1] for p in pairs])
+        for source, destination in zip(sources, destinations, strict=True):
+            blocks = source[:, source_ids.to(source.device)]
+            destination[:, destination_ids.to(destination.device)] = blocks.to(destination.device)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
