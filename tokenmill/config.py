@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -36,6 +38,51 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass
+class SpeculativeConfig:
+    """`--speculative-config` as vLLM takes it, e.g. `{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 5}` or `{"method": "draft_model",
+    "model": PATH, "num_speculative_tokens": 4}`."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model's directory (draft_model)
+    # Pick k per step (down to 0) from measured throughput; False: always num_speculative_tokens.
+    adaptive: bool = True
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys: {sorted(unknown)}")
+        if "method" not in value:
+            raise ConfigError("speculative_config needs a method: ngram or draft_model")
+        value = {"num_speculative_tokens": 4, **value}
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative method", self.method, ("ngram", "draft_model"))
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+@dataclass
 class EngineConfig:
     """Engine settings. Field names follow vLLM's engine arguments and CLI flags."""
 
@@ -62,6 +109,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority | static (the static-batching baseline)
 
+    # Speculative decoding: a SpeculativeConfig, or its dict / JSON form.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+
     # Tensor parallelism (one device here; kept so the flag has its home)
     tensor_parallel_size: int = 1
 
@@ -84,6 +134,7 @@ class EngineConfig:
         _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "static"))
         _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.tensor_parallel_size != 1:

@@ -68,6 +68,7 @@ class Request:
         self.cache_salt = cache_salt  # isolates this tenant's prefix-cache entries
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
         self.num_skips = 0  # times cache-aware admission passed it over at the queue head
+        self.spec_token_ids: list[int] = []  # drafts proposed for the next step
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -197,7 +197,7 @@ def run_scheduler(scheduler: Scheduler) -> list[list[str]]:
             for r, n in out.num_scheduled_tokens.items()
             if scheduler.requests[r].num_computed_tokens + n == scheduler.requests[r].num_tokens
         ]
-        scheduler.update_from_output(out, ModelRunnerOutput(ids, [1] * len(ids)))
+        scheduler.update_from_output(out, ModelRunnerOutput(ids, [[1]] * len(ids)))
     return steps
 
 
@@ -229,7 +229,7 @@ def test_priority_policy_preempts_the_lowest_priority_running_request() -> None:
         scheduler.add_request(request(name, [ord(name[0])] * 8, priority=priority, max_tokens=3))
     first = scheduler.schedule()
     scheduler.update_from_output(
-        first, ModelRunnerOutput(list(first.num_scheduled_tokens), [1] * 3)
+        first, ModelRunnerOutput(list(first.num_scheduled_tokens), [[1]] * 3)
     )
     second = scheduler.schedule()
     assert second.preempted_req_ids == {"low"}
@@ -245,7 +245,7 @@ def test_swap_preemption_keeps_progress_and_swaps_back_in() -> None:
         scheduler.add_request(request(name, [ord(name)] * 8, max_tokens=3))
     first = scheduler.schedule()
     scheduler.update_from_output(
-        first, ModelRunnerOutput(list(first.num_scheduled_tokens), [1] * 3)
+        first, ModelRunnerOutput(list(first.num_scheduled_tokens), [[1]] * 3)
     )
     second = scheduler.schedule()
     assert second.preempted_req_ids == {"c"}
@@ -262,7 +262,7 @@ def test_swap_preemption_keeps_progress_and_swaps_back_in() -> None:
             for r, n in out.num_scheduled_tokens.items()
             if scheduler.requests[r].num_computed_tokens + n == scheduler.requests[r].num_tokens
         ]
-        scheduler.update_from_output(out, ModelRunnerOutput(done, [1] * len(done)))
+        scheduler.update_from_output(out, ModelRunnerOutput(done, [[1]] * len(done)))
     assert len(swapped_in) == 2
     assert scheduler.kv_cache_manager.swap_pool.num_free_blocks == 6
 

@@ -48,7 +48,7 @@ def fake_run(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         request = scheduler.requests[req_id]
         if request.num_computed_tokens + num == request.num_tokens:
             req_ids.append(req_id)
-            tokens.append(fake_next_token(request.all_token_ids))
+            tokens.append([fake_next_token(request.all_token_ids)])
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens)
 
 

@@ -123,16 +123,18 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` after the request's computed tokens, first adopting
-        `computed_blocks` (prefix-cache hits that extend its computed tokens).
+        `computed_blocks` (prefix-cache hits that extend its computed tokens), plus
+        `num_lookahead_tokens` slots a draft model will write beyond them.
 
         Returns the ids of the blocks added to its table, or None, changing nothing, when the
         pool has too few free blocks.
         """
         blocks = self.req_to_blocks[request.request_id]
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
         # Hits sitting on the free list stop being free when adopted.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)

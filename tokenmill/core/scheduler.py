@@ -9,6 +9,7 @@ prefill) while the decodes of others share each forward pass. A prefix-cache hit
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from tokenmill.core.scheduler_output import (
     SchedulerOutput,
 )
 from tokenmill.request import Request, RequestStatus
+from tokenmill.spec_decode.policy import SpeculationPolicy
 
 # fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
 # first, and the lowest-priority running request is preempted first. static: the baseline that
@@ -49,10 +51,36 @@ class SchedulerStats:
     num_kv_blocks: int
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / self.num_kv_blocks
+
+
+@dataclass
+class SpecDecodeStats:
+    """Since start: verification steps with drafts, drafts proposed, drafts accepted, and
+    accepted drafts by position (index 0: the first draft of a step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens generated per verification step: accepted drafts + 1."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.append(0)
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
 
 
 @dataclass
@@ -66,6 +94,9 @@ class _StepPlan:
     preempted_ids: set[str] = field(default_factory=set)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_to_propose: int = 0  # drafts per request to propose for the next step
+    lookahead: int = 0  # slots past the scheduled tokens the draft model will write
 
 
 class Scheduler:
@@ -79,6 +110,8 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         preemption_mode: str = "recompute",
+        spec_policy: SpeculationPolicy | None = None,
+        spec_lookahead: bool = False,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}: {policy!r}")
@@ -98,6 +131,13 @@ class Scheduler:
         self.num_preemptions_by_mode = dict.fromkeys(PREEMPTION_MODES, 0)
         self.num_prompt_tokens_scheduled = 0  # since start; output recomputed after preemption
         self.last_num_scheduled_tokens = 0  # is not counted as prompt
+        # Speculative decoding: the policy picking k, whether proposals need KV slots of their
+        # own (a draft model writes its cache ahead), and what the last step did for the policy.
+        self.spec_policy = spec_policy
+        self.spec_lookahead = spec_lookahead
+        self.spec_stats = SpecDecodeStats() if spec_policy else None
+        self._last_step: tuple[int, int, bool] | None = None  # (decodes, k, pure decode)
+        self._num_proposed_last = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -143,6 +183,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.max_num_batched_tokens)
+        if self.spec_policy is not None:
+            plan.num_to_propose = self.spec_policy.choose(len(self.running))
+            plan.lookahead = plan.num_to_propose if self.spec_lookahead else 0
         admitting = self._may_admit()
         self._schedule_running(plan)
         # Admit waiting requests only when nothing was preempted: a preemption means memory is
@@ -164,9 +207,26 @@ class Scheduler:
             preempted_req_ids=plan.preempted_ids,
             blocks_to_swap_out=plan.swap_out,
             blocks_to_swap_in=plan.swap_in,
+            scheduled_spec_tokens=plan.spec_tokens,
+            num_spec_tokens_to_propose=plan.num_to_propose,
         )
         self.finished_req_ids = set()
+        num_decodes = sum(1 for r in plan.num_scheduled if r in plan.cached_reqs)
+        pure_decode = not plan.new_reqs and total == num_decodes + sum(
+            len(d) for d in plan.spec_tokens.values()
+        )
+        # This step verifies what the previous step chose to propose: that is the k measured.
+        self._last_step = (num_decodes, self._num_proposed_last, pure_decode)
+        self._num_proposed_last = plan.num_to_propose
         return output
+
+    def observe_step_time(self, seconds: float, num_generated: int) -> None:
+        """Feed the speculation policy what the last step cost and yielded."""
+        if self.spec_policy is None or self._last_step is None:
+            return
+        num_decodes, k, pure_decode = self._last_step
+        if pure_decode:
+            self.spec_policy.observe(num_decodes, k, num_generated, seconds)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -174,11 +234,18 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             assert num_new > 0, f"running {request} has nothing to compute"
-            while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            drafts = self._drafts_to_verify(request, num_new, plan)
+            num_new += len(drafts)
+            while (
+                new_block_ids := self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self._lookahead(request, num_new, plan)
+                )
+            ) is None:
                 victim = self._pick_victim()
                 if victim.request_id in plan.num_scheduled:  # already given tokens: take back
                     plan.budget += plan.num_scheduled.pop(victim.request_id)
                     del plan.cached_reqs[victim.request_id]
+                    plan.spec_tokens.pop(victim.request_id, None)
                     index -= 1
                 self.running.remove(victim)
                 self._preempt(victim, plan)
@@ -189,6 +256,8 @@ class Scheduler:
             plan.cached_reqs[request.request_id] = CachedRequestData(
                 request.request_id, new_block_ids, request.num_computed_tokens
             )
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
             index += 1
@@ -209,7 +278,8 @@ class Scheduler:
                 if num_new > plan.budget and not self.enable_chunked_prefill:
                     break
                 num_new = min(num_new, plan.budget)
-                if manager.allocate_slots(request, num_new, hits) is None:
+                lookahead = self._lookahead(request, num_new, plan, num_hit_tokens)
+                if manager.allocate_slots(request, num_new, hits, lookahead) is None:
                     break
                 manager.record_prefix_lookup(request, num_hit_tokens)
                 request.num_computed_tokens = num_hit_tokens
@@ -223,6 +293,26 @@ class Scheduler:
             plan.new_reqs.append(self._new_request_data(request))
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
+
+    def _drafts_to_verify(self, request: Request, num_new: int, plan: _StepPlan) -> list[int]:
+        """The request's drafts that fit this step: only for a plain decode (one token left to
+        compute), within the budget, `max_model_len` and `max_tokens` (the step emits up to
+        one token more than it verifies)."""
+        if not request.spec_token_ids or num_new != 1:
+            return []
+        limit = min(
+            plan.budget - 1,
+            self.max_model_len - request.num_tokens - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        return request.spec_token_ids[: max(limit, 0)]
+
+    def _lookahead(
+        self, request: Request, num_new: int, plan: _StepPlan, num_computed: int | None = None
+    ) -> int:
+        """Slots past this step's tokens that the draft model will fill while proposing."""
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        return max(0, min(plan.lookahead, self.max_model_len - computed - num_new))
 
     def _pick_waiting(self) -> Request:
         """The next request to admit: the head of the queue, unless one of the next few (of
@@ -274,7 +364,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            output = self._append_sampled(request, runner_output, row)
+            drafts = scheduler_output.scheduled_spec_tokens.get(req_id, [])
+            output = self._append_sampled(request, runner_output, row, drafts)
             output.new_prompt_logprobs = prompt_logprobs.pop(req_id, None)
             outputs.append(output)
             if request.is_finished:
@@ -315,6 +406,7 @@ class Scheduler:
             prefix_cache=PrefixCacheStats(
                 manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits
             ),
+            spec_decode=None if self.spec_stats is None else copy.deepcopy(self.spec_stats),
         )
 
     # ---- internals ---------------------------------------------------------------------------
@@ -325,16 +417,30 @@ class Scheduler:
         return self.policy != "static" or not self.running
 
     def _append_sampled(
-        self, request: Request, runner_output: ModelRunnerOutput, row: int
+        self,
+        request: Request,
+        runner_output: ModelRunnerOutput,
+        row: int,
+        drafts: list[int],
     ) -> EngineCoreOutput:
+        generated = runner_output.sampled_token_ids[row]
+        if drafts:
+            # Roll back the rejected drafts: their KV slots will be overwritten.
+            num_accepted = len(generated) - 1
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            assert self.spec_stats is not None
+            self.spec_stats.record(len(drafts), num_accepted)
         new_token_ids = []
         if request.max_tokens == 0:  # computed only for its prompt logprobs
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        else:
-            token_id = runner_output.sampled_token_ids[row]
+        for token_id in generated if request.max_tokens else []:
             request.append_output_token(token_id)
             new_token_ids.append(token_id)
             self._check_stop(request, token_id)
+            if request.is_finished:  # tokens after a stop are dropped
+                break
+        spec = runner_output.spec_token_ids
+        request.spec_token_ids = (spec or {}).get(request.request_id, [])
         output = EngineCoreOutput(
             req_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -345,9 +451,10 @@ class Scheduler:
         )
         if runner_output.logprobs is not None and new_token_ids:
             assert runner_output.logprob_token_ids and runner_output.sampled_token_ranks
-            output.new_logprob_token_ids = [runner_output.logprob_token_ids[row]]
-            output.new_logprobs = [runner_output.logprobs[row]]
-            output.new_sampled_token_ranks = [runner_output.sampled_token_ranks[row]]
+            count = len(new_token_ids)
+            output.new_logprob_token_ids = runner_output.logprob_token_ids[row][:count]
+            output.new_logprobs = runner_output.logprobs[row][:count]
+            output.new_sampled_token_ranks = runner_output.sampled_token_ranks[row][:count]
         return output
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -366,6 +473,7 @@ class Scheduler:
             plan.swap_out.extend(pairs)
             self.num_preemptions_by_mode["swap"] += 1
         request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         request.num_preemptions += 1
         plan.preempted_ids.add(request.request_id)
         self.waiting.add_preempted(request)

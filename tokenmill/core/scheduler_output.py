@@ -42,6 +42,10 @@ class SchedulerOutput:
     # to the swap pool, then (host block, device block) pairs back in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: drafts to verify this step (they are counted in
+    # num_scheduled_tokens), and how many to propose for the next step.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens_to_propose: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -61,16 +65,18 @@ class PromptLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Tokens sampled this step, one per request whose scheduled tokens reached its end."""
+    """Tokens generated this step by each request whose scheduled tokens reached its end:
+    one, or with speculation the accepted drafts plus one."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
-    # Per sampled row: (token ids, logprobs) with the sampled token first, then the top-N;
-    # and the sampled token's rank. None when no request asked for logprobs.
-    logprob_token_ids: list[list[int]] | None = None
-    logprobs: list[list[float]] | None = None
-    sampled_token_ranks: list[int] | None = None
+    sampled_token_ids: list[list[int]]
+    # Per request, per generated token: (token ids, logprobs) with that token first, then the
+    # top-N; and its rank. None when no request asked for logprobs.
+    logprob_token_ids: list[list[list[int]]] | None = None
+    logprobs: list[list[list[float]]] | None = None
+    sampled_token_ranks: list[list[int]] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    spec_token_ids: dict[str, list[int]] | None = None  # drafts for the next step
 
 
 @dataclass

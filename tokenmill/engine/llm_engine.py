@@ -10,16 +10,21 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import checkpoint_dtype, eos_token_ids, load_hf_config, load_model
 from tokenmill.models.random_checkpoint import default_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.policy import SpeculationPolicy
+from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.kv_cache import KVCacheSpec, num_kv_blocks, num_swap_blocks
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -53,14 +58,10 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
-        kv_spec = KVCacheSpec(
-            num_layers=model.shape.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=model.shape.num_kv_heads,
-            head_dim=model.shape.head_dim,
-            dtype=config.kv_cache_torch_dtype(self.dtype),
-        )
-        num_blocks = num_kv_blocks(config, kv_spec, self.max_model_len, self.device)
+        kv_spec = self._kv_spec(model)
+        draft = self._load_draft_model(model) if config.speculative_config else None
+        draft_spec = None if draft is None else self._kv_spec(draft)
+        num_blocks = num_kv_blocks(config, kv_spec, self.max_model_len, self.device, draft_spec)
         swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -76,9 +77,18 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
+            spec_policy=self._speculation_policy(),
+            spec_lookahead=draft is not None,
         )
+        proposer = self._proposer(draft, draft_spec, num_blocks)
         self.runner = ModelRunner(
-            model, kv_spec, num_blocks, self.device, seed=config.seed, num_swap_blocks=swap_blocks
+            model,
+            kv_spec,
+            num_blocks,
+            self.device,
+            seed=config.seed,
+            num_swap_blocks=swap_blocks,
+            proposer=proposer,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
@@ -175,14 +185,17 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         else:
+            run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
+            num_generated = sum(len(t) for t in runner_output.sampled_token_ids)
+            self.scheduler.observe_step_time(time.perf_counter() - run_start, num_generated)
         core_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if not scheduler_output.is_empty:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
-        self.num_generation_tokens += len(runner_output.req_ids)
+        self.num_generation_tokens += sum(len(t) for t in runner_output.sampled_token_ids)
         return outputs
 
     def get_stats(self) -> EngineStats:
@@ -218,6 +231,54 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+
+    def _kv_spec(self, model: LlamaForCausalLM) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=model.shape.num_layers,
+            block_size=self.config.block_size,
+            num_kv_heads=model.shape.num_kv_heads,
+            head_dim=model.shape.head_dim,
+            dtype=self.config.kv_cache_torch_dtype(self.dtype),
+        )
+
+    def _load_draft_model(self, target: LlamaForCausalLM) -> LlamaForCausalLM | None:
+        spec = self.config.speculative_config
+        assert isinstance(spec, SpeculativeConfig)
+        if spec.method != "draft_model":
+            return None
+        if spec.model is None:
+            raise ConfigError("speculative_config method draft_model needs a model path")
+        hf_config, architecture = load_hf_config(spec.model)
+        draft = load_model(spec.model, hf_config, architecture, self.dtype, self.device)
+        if draft.shape.vocab_size != target.shape.vocab_size:
+            raise ConfigError(
+                f"the draft model's vocabulary ({draft.shape.vocab_size}) differs from the "
+                f"target's ({target.shape.vocab_size}); they must share a tokenizer"
+            )
+        if draft.shape.max_position < self.max_model_len:
+            raise ConfigError(
+                f"the draft model's max_position_embeddings ({draft.shape.max_position}) is "
+                f"shorter than max_model_len={self.max_model_len}"
+            )
+        return draft
+
+    def _speculation_policy(self) -> SpeculationPolicy | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        assert isinstance(spec, SpeculativeConfig)
+        return SpeculationPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive)
+
+    def _proposer(
+        self, draft: LlamaForCausalLM | None, draft_spec: KVCacheSpec | None, num_blocks: int
+    ) -> Proposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        assert isinstance(spec, SpeculativeConfig)
+        if draft is not None and draft_spec is not None:
+            return DraftModelProposer(draft, draft_spec, num_blocks, self.device)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _validate_token_ids(self, params: SamplingParams) -> None:
         for field, ids in (

@@ -69,6 +69,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fcfs: continuous batching; priority: by request priority (lower first); "
         "static: the run-each-batch-to-the-end baseline",
     )
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft_model", "model": PATH}\'',
+    )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
 
 

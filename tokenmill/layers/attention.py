@@ -135,4 +135,3 @@ class TorchPagedAttention:
         if group.max_query_len == 1:
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
         return out[group.seq_index, group.query_index]
-

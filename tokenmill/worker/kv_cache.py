@@ -74,22 +74,28 @@ def read_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype)
 
 
 def num_kv_blocks(
-    config: EngineConfig, spec: KVCacheSpec, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    max_model_len: int,
+    device: torch.device,
+    draft_spec: KVCacheSpec | None = None,
 ) -> int:
     """Blocks for the KV cache: explicit, from a byte budget, from the device's free memory
-    (CUDA), or a default budget on CPU capped at what `max_num_seqs` full sequences can use."""
+    (CUDA), or a default budget on CPU capped at what `max_num_seqs` full sequences can use.
+    A draft model's cache has as many blocks, so it shares the byte budget."""
     blocks_per_seq = -(-max_model_len // spec.block_size)
+    bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None:
-        num_blocks = config.kv_cache_memory // spec.bytes_per_block
+        num_blocks = config.kv_cache_memory // bytes_per_block
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total
-        num_blocks = int(budget) // spec.bytes_per_block
+        num_blocks = int(budget) // bytes_per_block
     else:
         num_blocks = min(
-            DEFAULT_CPU_KV_CACHE_BYTES // spec.bytes_per_block,
+            DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_block,
             blocks_per_seq * config.max_num_seqs,
         )
     if num_blocks < blocks_per_seq:

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from tokenmill.layers.attention import AttentionMetadata, build_attention_group
+from tokenmill.layers.attention import AttentionGroup, AttentionMetadata, build_attention_group
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.spec_decode.rejection_sampler import verify
 from tokenmill.worker.kv_cache import KVCacheSpec
+
+
+def query_length_class(query_len: int) -> int:
+    """Attention groups by query length: decodes (1), draft verifications and short chunks
+    (up to 16), long prefill chunks. Padding within a group then stays small."""
+    return 0 if query_len == 1 else 1 if query_len <= 16 else 2
 
 
 @dataclass
@@ -26,6 +36,15 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
+    token_array: array = field(default_factory=lambda: array("i"))
+
+    def __post_init__(self) -> None:
+        self.token_array = array("i", self.token_ids)
+
+    def append(self, token_ids: list[int]) -> None:
+        self.token_ids.extend(token_ids)
+        self.token_array.extend(token_ids)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -43,6 +62,7 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to compute logits for
     sampling_states: list[CachedRequestState]  # the requests those rows belong to
+    sampling_drafts: list[list[int]]  # per sampling request: drafts verified (k + 1 rows)
     prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]  # (state, first row, count)
 
 
@@ -55,6 +75,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         num_swap_blocks: int = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.block_size = kv_cache_spec.block_size
@@ -74,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler(generator=generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
+        self.proposer = proposer  # speculative decoding: n-gram or draft model
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -88,9 +110,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
+        if self.proposer is not None:
+            self.proposer.observe_step(inputs)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if inputs.sampling_states:
-            output = self._sample(logits, inputs.sampling_states)
+            output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
+            num_drafts = scheduler_output.num_spec_tokens_to_propose
+            if self.proposer is not None and num_drafts > 0:
+                output.spec_token_ids = self.proposer.propose(inputs.sampling_states, num_drafts)
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         return output
@@ -129,19 +156,25 @@ class ModelRunner:
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         num_scheduled = scheduler_output.num_scheduled_tokens
-        # Single-token requests first, so decodes form one contiguous attention group.
+        spec_tokens = scheduler_output.scheduled_spec_tokens
+        # Ordered by query length class, so each attention group is contiguous.
         states = sorted(
             (self.requests[req_id] for req_id in num_scheduled),
-            key=lambda s: num_scheduled[s.req_id] > 1,
+            key=lambda s: query_length_class(num_scheduled[s.req_id]),
         )
+        drafts = [spec_tokens.get(s.req_id, []) for s in states]
         query_lens = np.array([num_scheduled[s.req_id] for s in states], dtype=np.int64)
         computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
         seq_lens = computed + query_lens
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
-
+        # Known tokens (the last verified one, or a prompt chunk), then the drafts to verify.
+        known_ends = [int(e) - len(d) for e, d in zip(seq_lens, drafts)]
         input_ids = np.fromiter(
-            (t for s, c, e in zip(states, computed, seq_lens) for t in s.token_ids[c:e]),
+            itertools.chain.from_iterable(
+                itertools.chain(s.token_ids[c:e], d)
+                for s, c, e, d in zip(states, computed, known_ends, drafts)
+            ),
             dtype=np.int64,
             count=int(ends[-1]),
         )
@@ -152,7 +185,13 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
-        samples = np.array([e == len(s.token_ids) for s, e in zip(states, seq_lens)])
+        samples = [e == len(s.token_ids) for s, e in zip(states, known_ends)]
+        logits_indices = [
+            index
+            for end, d, sample in zip(ends, drafts, samples)
+            if sample
+            for index in range(int(end) - 1 - len(d), int(end))
+        ]
         metadata = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             groups=self._attention_groups(query_lens, seq_lens, block_tables, starts),
@@ -161,8 +200,9 @@ class ModelRunner:
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
             metadata=metadata,
-            logits_indices=self._to_device(ends[samples] - 1),
+            logits_indices=self._to_device(np.array(logits_indices, dtype=np.int64)),
             sampling_states=[s for s, sample in zip(states, samples) if sample],
+            sampling_drafts=[d for d, sample in zip(drafts, samples) if sample],
             prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
         )
 
@@ -231,21 +271,22 @@ class ModelRunner:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         starts: np.ndarray,
-    ) -> list:
-        num_decodes = int(np.searchsorted(query_lens > 1, True))
+    ) -> list[AttentionGroup]:
+        """One attention group per query length class present (requests arrive sorted)."""
+        classes = np.array([query_length_class(int(n)) for n in query_lens])
         groups = []
-        for rows in (slice(0, num_decodes), slice(num_decodes, len(query_lens))):
-            if rows.start == rows.stop:
-                continue
-            group_seq_lens = seq_lens[rows]
+        for cls in np.unique(classes):
+            rows = np.flatnonzero(classes == cls)
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            group_seq_lens = seq_lens[first:last]
             max_blocks = int(-(-group_seq_lens.max() // self.block_size))
             groups.append(
                 build_attention_group(
-                    token_start=int(starts[rows.start]),
-                    query_lens=torch.from_numpy(query_lens[rows]),
+                    token_start=int(starts[first]),
+                    query_lens=torch.from_numpy(query_lens[first:last]),
                     seq_lens=torch.from_numpy(group_seq_lens),
                     block_tables=torch.from_numpy(
-                        np.ascontiguousarray(block_tables[rows, :max_blocks])
+                        np.ascontiguousarray(block_tables[first:last, :max_blocks])
                     ),
                     block_size=self.block_size,
                     sliding_window=self.sliding_window,
@@ -259,23 +300,39 @@ class ModelRunner:
                         setattr(group, name, value.to(self.device, non_blocking=True))
         return groups
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            device=self.device,
-            vocab_size=logits.shape[-1],
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        drafts: list[list[int]],
+    ) -> ModelRunnerOutput:
+        """One token per request, or, for requests with drafts, the verified drafts plus one:
+        row j of such a request is sampled as if drafts[:j] were already output."""
+        params, prompts, outputs = [], [], []
+        for state, request_drafts in zip(states, drafts):
+            output_ids = state.output_token_ids
+            for j in range(len(request_drafts) + 1):
+                params.append(state.sampling_params)
+                prompts.append(state.prompt_token_ids)
+                outputs.append(output_ids + request_drafts[:j] if j else output_ids)
+        metadata = SamplingMetadata.build(params, prompts, outputs, self.device, logits.shape[-1])
+        verified = verify(self.sampler, logits, metadata, drafts)
+        for state, token_ids in zip(states, verified.token_ids):
+            state.append(token_ids)
+        output = ModelRunnerOutput(
+            req_ids=[s.req_id for s in states], sampled_token_ids=verified.token_ids
         )
-        sampler_output = self.sampler(logits, metadata)
-        sampled = sampler_output.sampled_token_ids.tolist()
-        for state, token_id in zip(states, sampled):
-            state.token_ids.append(token_id)
-        output = ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled)
-        if sampler_output.logprobs is not None:
-            output.logprob_token_ids = sampler_output.logprobs.token_ids.tolist()
-            output.logprobs = sampler_output.logprobs.logprobs.tolist()
-            output.sampled_token_ranks = sampler_output.logprobs.ranks.tolist()
+        if verified.logprobs is not None:
+            ids = verified.logprobs.token_ids.tolist()
+            values = verified.logprobs.logprobs.tolist()
+            ranks = verified.logprobs.ranks.tolist()
+            spans = [
+                range(start, start + len(t))
+                for start, t in zip(verified.row_starts, verified.token_ids)
+            ]
+            output.logprob_token_ids = [[ids[r] for r in span] for span in spans]
+            output.logprobs = [[values[r] for r in span] for span in spans]
+            output.sampled_token_ranks = [[ranks[r] for r in span] for span in spans]
         return output
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
