@@ -314,8 +314,8 @@ def _build_config(
     if architecture == "mistral":
         kwargs.setdefault("sliding_window", None)
     kwargs.setdefault("rope_parameters", rope_parameters)  # an explicit override wins
+    kwargs.setdefault("vocab_size", len(tokenizer))  # a smaller one: a small-vocabulary model
     config = config_cls(
-        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

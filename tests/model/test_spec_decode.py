@@ -1,0 +1,204 @@
+"""Speculative decoding end to end: greedy outputs identical with and without it (n-gram and
+draft model) through chunked prefill, prefix hits and preemption; sampled outputs distributed
+as the target's (chi-square on a small-vocabulary model); seeded outputs reproducible."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenmill import LLM, SamplingParams
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_checkpoint) -> str:
+    """A different random model: its drafts are mostly rejected, exercising rollback."""
+    return str(tiny_checkpoint("llama", seed=7, num_hidden_layers=1))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    phrase = [rng.randrange(10, 1000) for _ in range(9)]
+    return [
+        phrase * 4,  # repetitive: n-gram drafts get accepted
+        [rng.randrange(10, 1000) for _ in range(30)],
+        [*phrase * 2, 11, 12, 13],
+        phrase[:5],
+    ]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """In two waves, so the second can hit the prefix cache."""
+    first = llm.generate(prompts[:2], params, use_tqdm=False)
+    second = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in first + second]
+
+
+def make(checkpoint: str, spec: dict | None, **kwargs) -> LLM:
+    return LLM(
+        model=checkpoint, dtype="float32", speculative_config=spec, max_model_len=128, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts) -> list[list[int]]:
+    return generate(make(target, None), prompts, greedy())
+
+
+def spec_configs(target: str, other_draft: str) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        "self-draft": {"method": "draft_model", "model": target, "num_speculative_tokens": 3},
+        "other-draft": {
+            "method": "draft_model",
+            "model": other_draft,
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        },
+    }
+
+
+ENGINE_VARIANTS = {
+    "plain": {},
+    "chunked": {"max_num_batched_tokens": 12, "block_size": 4},
+    "preempting": {"num_kv_blocks": 32, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft", "other-draft"])
+@pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
+def test_greedy_output_is_identical_with_speculation(
+    target, other_draft, prompts, reference, method, variant
+) -> None:
+    llm = make(target, spec_configs(target, other_draft)[method], **ENGINE_VARIANTS[variant])
+    assert generate(llm, prompts, greedy()) == reference
+    stats = llm.get_stats().scheduler
+    assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
+    assert stats.prefix_cache.hits > 0
+    if method == "self-draft":  # the draft is the target: every draft is right
+        assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
+    if variant == "preempting":
+        assert stats.num_preemptions > 0
+    manager = llm.engine.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks, "rollback leaked blocks"
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(target, prompts) -> None:
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    plain = generate(make(target, None), prompts, params)
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    assert generate(make(target, spec), prompts, params) == plain
+
+
+def test_logprobs_are_the_targets_under_speculation(target, prompts) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    plain = make(target, None).generate(prompts, params, use_tqdm=False)
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    fast = make(target, spec).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, fast):
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+# ---- the distribution: a small-vocabulary model, exact target probabilities, chi-square ----
+
+VOCAB = 8
+PROMPT = [*range(VOCAB), *range(VOCAB)]  # every token has occurred: n-gram drafts always
+
+
+def target_joint(model_dir: str, temperature: float, top_p: float) -> dict[tuple[int, int], float]:
+    """P(t1, t2 | PROMPT) under the target, after temperature and top-p, from transformers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def next_probs(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double() / temperature
+        probs = torch.softmax(logits, -1)
+        ordered, order = probs.sort(descending=True)
+        keep = (ordered.cumsum(0) - ordered) < top_p  # smallest set reaching top_p
+        kept = torch.zeros_like(probs)
+        kept[order[keep]] = ordered[keep]
+        return kept / kept.sum()
+
+    first = next_probs(PROMPT)
+    joint = {}
+    for t1 in range(VOCAB):
+        if first[t1] > 0:
+            second = next_probs([*PROMPT, t1])
+            for t2 in range(VOCAB):
+                joint[(t1, t2)] = float(first[t1] * second[t2])
+    return joint
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty), so no scipy is needed."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi_square(counts: Counter, joint: dict[tuple[int, int], float], n: int) -> tuple[float, int]:
+    """Pearson's statistic; cells expected fewer than 5 times are pooled into one."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in joint.items():
+        expected = p * n
+        if expected < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += expected
+            continue
+        stat += (counts.get(cell, 0) - expected) ** 2 / expected
+        cells += 1
+    unexpected = sum(c for cell, c in counts.items() if joint.get(cell, 0.0) == 0.0)
+    assert unexpected == 0, "sampled a token pair the target gives zero probability"
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    return stat, cells - 1
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama", vocab_size=VOCAB, seed=5))
+
+
+@pytest.mark.parametrize(
+    ("method", "temperature", "top_p"),
+    [("draft_model", 1.5, 1.0), ("ngram", 2.0, 0.9), ("draft_model", 3.0, 0.8)],
+)
+def test_sampled_tokens_follow_the_target_distribution(
+    small_vocab_model, method, temperature, top_p
+) -> None:
+    n = 3000
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model":
+        spec["model"] = small_vocab_model
+    llm = make(small_vocab_model, spec, max_num_seqs=256, max_num_batched_tokens=4096)
+    # Token 2 comes from verifying a draft (max_tokens 3 leaves room for one draft).
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([PROMPT] * n, params, use_tqdm=False)
+    counts = Counter(tuple(o.outputs[0].token_ids[:2]) for o in outputs)
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats.num_draft_tokens > n / 2, "the second token should mostly come from verification"
+    joint = target_joint(small_vocab_model, temperature, top_p)
+    statistic, dof = chi_square(counts, joint, n)
+    assert dof >= 4, "the distribution is too peaked for the test to mean much"
+    print(f"{method} T={temperature} top_p={top_p}: chi2={statistic:.1f}, dof={dof}")
+    assert statistic < chi_square_critical(dof)
