@@ -57,8 +57,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to flat `[num_tokens, num_heads, head_dim]` queries and keys, in the
-    rotate-half layout of Hugging Face Llama checkpoints."""
+    """RoPE for flat `[num_tokens, num_heads, head_dim]` queries and keys, in the rotate-half
+    layout of Hugging Face Llama checkpoints. `cos_sin` is looked up once per forward pass and
+    shared by every layer."""
 
     def __init__(
         self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype
@@ -71,15 +72,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

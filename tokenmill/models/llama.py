@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
-from tokenmill.layers.rotary import RotaryEmbedding, rope_parameters
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# (cos, sin) of each token's position, `[num_tokens, 1, head_dim]`, shared by all layers.
+RopeCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, rotary: RotaryEmbedding):
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
         self.head_dim = shape.head_dim
@@ -113,14 +116,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=traits.o_proj_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
-        self.rotary = rotary
         self.attn = TorchPagedAttention(
             shape.num_heads, shape.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5
         )
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeCache,
         hidden: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
@@ -132,7 +134,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -152,10 +154,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, rotary: RotaryEmbedding):
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, traits, rotary)
+        self.self_attn = LlamaAttention(shape, traits)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape, traits)
 
@@ -180,12 +182,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape = ModelShape.from_hf_config(hf_config)
         traits = architecture_traits(architecture, hf_config)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             shape.head_dim, shape.max_position, rope_parameters(hf_config), dtype
         )
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits, rotary) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape, traits) for _ in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
@@ -200,8 +202,9 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata)
+            hidden = layer(rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
