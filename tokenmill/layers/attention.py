@@ -33,9 +33,9 @@ class AttentionGroup:
     max_query_len: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool
-    # For groups with max_query_len > 1: where each flat token sits in the padded batch.
-    seq_index: torch.Tensor | None = None  # [group tokens]
-    query_index: torch.Tensor | None = None  # [group tokens]
+    # For groups with max_query_len > 1: where each flat token sits in the padded batch,
+    # as a row of the flattened [num_seqs * max_query_len] queries.
+    padded_index: torch.Tensor | None = None  # [group tokens]
 
 
 @dataclass
@@ -75,9 +75,10 @@ def build_attention_group(
         mask=mask.unsqueeze(1),
     )
     if max_query_len > 1:
-        group.seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
         starts = torch.cumsum(query_lens, 0) - query_lens
-        group.query_index = torch.arange(group.token_end - token_start) - starts[group.seq_index]
+        query_index = torch.arange(group.token_end - token_start) - starts[seq_index]
+        group.padded_index = seq_index * max_query_len + query_index
     return group
 
 
@@ -122,8 +123,10 @@ class TorchPagedAttention:
         if group.max_query_len == 1:
             padded = query.view(num_seqs, 1, self.num_heads, self.head_dim)
         else:
-            padded = query.new_zeros(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
-            padded[group.seq_index, group.query_index] = query
+            assert group.padded_index is not None
+            padded = query.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
+            padded.index_copy_(0, group.padded_index, query)
+            padded = padded.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
             padded.transpose(1, 2),
             keys,
@@ -134,4 +137,5 @@ class TorchPagedAttention:
         ).transpose(1, 2)
         if group.max_query_len == 1:
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
-        return out[group.seq_index, group.query_index]
+        flat = out.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
+        return flat.index_select(0, group.padded_index)

@@ -294,7 +294,7 @@ class ModelRunner:
             )
         if self.device.type != "cpu":
             for group in groups:
-                for name in ("block_tables", "mask", "seq_index", "query_index"):
+                for name in ("block_tables", "mask", "padded_index"):
                     value = getattr(group, name)
                     if value is not None:
                         setattr(group, name, value.to(self.device, non_blocking=True))
