@@ -1,0 +1,180 @@
+"""The async engine in-process, with faults injected: a failing step costs only its requests, a
+dead loop is reported, an abort frees KV within a step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    EngineStepError,
+)
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(model_dir: Path) -> Callable[[], LLMEngine]:
+    return lambda: LLMEngine(EngineConfig(model=str(model_dir), max_model_len=128))
+
+
+def fail_step_number(engine: LLMEngine, number: int, error: BaseException) -> None:
+    """Make the engine's `number`-th step from now raise `error`."""
+    real_step = engine.step
+    calls = 0
+
+    def step() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == number:
+            raise error
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+
+
+async def collect(async_engine: AsyncEngine, prompt: str, request_id: str) -> str:
+    texts = []
+    async for output in async_engine.generate(prompt, GREEDY, request_id):
+        texts.extend(c.text for c in output.outputs)
+    return "".join(texts)
+
+
+def all_blocks_free(engine: LLMEngine) -> bool:
+    manager = engine.kv_cache_manager
+    return manager.num_free_blocks == manager.num_blocks
+
+
+def test_generate_streams_deltas_that_add_up(make_engine: Callable[[], LLMEngine]) -> None:
+    engine = make_engine()
+    [expected] = [o.outputs[0].text for o in _offline(engine, "Hello there")]
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine, log_stats_interval=None)
+        async_engine.start()
+        try:
+            assert await collect(async_engine, "Hello there", "a") == expected
+            with pytest.raises(InvalidRequestError):
+                await async_engine.add_requests([EngineRequest("b", [10**9], GREEDY)])
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert all_blocks_free(engine)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(
+    make_engine: Callable[[], LLMEngine],
+) -> None:
+    engine = make_engine()
+    registry = CollectorRegistry()
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine, EngineMetrics(registry, "m"), log_stats_interval=None)
+        async_engine.start()
+        try:
+            fail_step_number(engine, 3, RuntimeError("injected"))
+            with pytest.raises(EngineStepError, match="injected"):
+                await collect(async_engine, "Hello there", "doomed")
+            assert async_engine.is_healthy
+            assert await collect(async_engine, "Hello there", "fine")
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert all_blocks_free(engine) and not engine.has_unfinished_requests()
+    failed = registry.get_sample_value(
+        "tokenmill:request_success_total", {"model_name": "m", "finished_reason": "error"}
+    )
+    assert failed == 1
+
+
+def test_an_abort_frees_kv_within_one_step(make_engine: Callable[[], LLMEngine]) -> None:
+    engine = make_engine()
+    real_abort = engine.abort_request
+    steps_at_abort: list[int] = []
+
+    def abort_request(request_ids: Any) -> None:
+        steps_at_abort.append(engine.num_steps)
+        real_abort(request_ids)
+
+    engine.abort_request = abort_request  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine, log_stats_interval=None)
+        async_engine.start()
+        try:
+            outputs = async_engine.generate("Hello there", params, "leaver")
+            await anext(outputs)
+            await anext(outputs)
+            steps_when_leaving = engine.num_steps
+            await outputs.aclose()
+            for _ in range(200):
+                if steps_at_abort and all_blocks_free(engine):
+                    break
+                await asyncio.sleep(0.005)
+            assert steps_at_abort[0] - steps_when_leaving <= 1
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert all_blocks_free(engine) and not engine.has_unfinished_requests()
+
+
+class _Fatal(BaseException):
+    """Not an Exception: escapes the step's error handling and kills the loop."""
+
+
+def test_a_dead_loop_fails_streams_and_health(make_engine: Callable[[], LLMEngine]) -> None:
+    engine = make_engine()
+    async_engine = AsyncEngine(engine, log_stats_interval=None)
+    app = build_app(ServerContext(async_engine, ["m"], "here"), CollectorRegistry(), None)
+    body = {"prompt": "Hello there", "max_tokens": 8}
+
+    async def main() -> None:
+        async_engine.start()  # the ASGI transport runs no lifespan
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            fail_step_number(engine, 2, RuntimeError("injected"))
+            failed = await client.post("/v1/completions", json=body)
+            assert failed.status_code == 500
+            assert failed.json()["error"]["type"] == "server_error"
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert (await client.get("/health")).status_code == 200
+
+            fail_step_number(engine, 1, _Fatal())
+            with pytest.raises(EngineDeadError):
+                await collect(async_engine, "Hello there", "last")
+            assert not async_engine.is_healthy
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+            assert (await client.post("/v1/completions", json=body)).status_code == 503
+        async_engine.shutdown()
+
+    asyncio.run(main())
+
+
+def _offline(engine: LLMEngine, prompt: str) -> list[Any]:
+    params = GREEDY.clone()
+    engine.add_request("offline", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(o for o in engine.step() if o.finished)
+    return outputs

@@ -1,0 +1,335 @@
+"""The step loop on a background thread, with one asyncio stream of outputs per request.
+
+`LLMEngine` is not thread-safe, so the engine thread is its only user: the event loop hands it
+adds and aborts as commands, which run between steps (an abort takes effect before the next
+step), and the engine thread hands each step's outputs back with one `call_soon_threadsafe`.
+A thread rather than a process: torch releases the GIL in its kernels, and on small machines
+the IPC of a separate engine process costs more than it saves (docs/server.md has the numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from tokenmill.engine.output_processor import child_request_id
+from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.metrics.stats_logger import StatsLogger
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped: no request can be served any more."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in it. The engine carries on with the others."""
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+
+
+_Item = RequestOutput | BaseException
+
+
+class RequestStream:
+    """The outputs of the engine requests behind one caller (one HTTP request), as produced.
+
+    Iteration ends once every request has finished. Leaving early (an exception, a cancelled
+    task, `abort()`) must abort the rest; use it as `async with` or call `abort()` in a finally.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.unfinished = set(request_ids)
+
+    def put(self, item: _Item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.abort()
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        if self.unfinished:
+            self._engine.abort(sorted(self.unfinished))
+            self.unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Serves many concurrent callers from one `LLMEngine`; every public method runs on the
+    event loop's thread."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        log_stats_interval: float | None = 5.0,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.last_stats: EngineStats = engine.get_stats()
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.record_stats(self.last_stats)  # the baseline counters advance from
+        self._stats_logger = (
+            StatsLogger(log_stats_interval, self.last_stats) if log_stats_interval else None
+        )
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # event-loop thread only
+        self._num_samples: dict[str, int] = {}  # engine thread only: n of each live request
+        self._child_to_parent: dict[str, str] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._observe_failed = False
+
+    # ---- lifecycle (event loop) --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; outputs are delivered to the calling event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and stop the engine thread."""
+        if self._thread is None:
+            return
+        self._submit(self._stop)
+        self._thread.join(timeout)
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError("the engine has shut down"))
+        self._streams.clear()
+
+    @property
+    def is_healthy(self) -> bool:
+        return (
+            self._dead is None
+            and not self._stopping
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
+
+    # ---- requests (event loop) ---------------------------------------------------------------
+
+    async def add_requests(
+        self, requests: Sequence[EngineRequest], arrival_time: float | None = None
+    ) -> RequestStream:
+        """Queue requests that share one output stream. Raises `InvalidRequestError` (none of
+        them is queued then) before any output exists, so callers can still answer 400."""
+        self._check_alive()
+        if self._thread is None:
+            self.start()
+        ids = [r.request_id for r in requests]
+        stream = RequestStream(self, ids)
+        for request_id in ids:
+            self._streams[request_id] = stream
+        added: concurrent.futures.Future[None] = concurrent.futures.Future()
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        self._submit(lambda: self._add(requests, arrival_time, added))
+        try:
+            await asyncio.wrap_future(added)
+        except BaseException:
+            self.abort(ids)  # cancelled after the engine took them: they must not run orphaned
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """One request's outputs; closing the iterator early aborts the request."""
+        stream = await self.add_requests([EngineRequest(request_id, prompt, params)])
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Forget the requests now; the engine frees their KV blocks before its next step."""
+        ids = [r for r in request_ids if self._streams.pop(r, None) is not None]
+        if ids:
+            self._submit(lambda: self._abort(ids, "abort"))
+
+    def _check_alive(self) -> None:
+        started = self._thread is not None
+        if self._dead is not None or self._stopping or (started and not self._thread.is_alive()):
+            raise EngineDeadError("the engine is not running") from self._dead
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _deliver(self, items: list[tuple[str, _Item]]) -> None:
+        """Runs on the event loop: hand each output to its stream."""
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[request_id]
+            stream.put(item)
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._run_commands()
+                if self._stopping:
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._observe([])
+                    self._wakeup.wait(self._idle_timeout())
+                    self._wakeup.clear()
+        except BaseException as e:  # the loop itself broke: nothing can be served any more
+            logger.exception("the engine loop died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _idle_timeout(self) -> float | None:
+        return self._stats_logger.seconds_until_due if self._stats_logger else None
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("an engine step failed; failing the requests it was running")
+            self._fail_step(e)
+            return
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        self._observe(outputs)  # first: a client that has its answer finds it in /metrics
+        if outputs:
+            self._send([(o.request_id, o) for o in outputs])
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Metrics and the stats line. A bug here is logged once and must not stop serving."""
+        try:
+            self.last_stats = stats = self.engine.get_stats()
+            if self.metrics is not None:
+                self.metrics.record_outputs(outputs)
+                self.metrics.record_stats(stats)
+            if self._stats_logger is not None:
+                self._stats_logger.maybe_log(stats)
+        except Exception:
+            if not self._observe_failed:
+                logger.exception("recording metrics failed; serving continues")
+            self._observe_failed = True
+
+    def _send(self, items: list[tuple[str, _Item]]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed event loop has nobody to tell
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _add(
+        self,
+        requests: Sequence[EngineRequest],
+        arrival_time: float,
+        added: concurrent.futures.Future[None],
+    ) -> None:
+        if not added.set_running_or_notify_cancel():
+            return
+        done: list[str] = []
+        try:
+            for r in requests:
+                params = r.params.clone()
+                params.output_kind = RequestOutputKind.DELTA
+                self.engine.add_request(r.request_id, r.prompt, params, arrival_time)
+                done.append(r.request_id)
+                self._num_samples[r.request_id] = params.n
+                for index in range(params.n):
+                    self._child_to_parent[child_request_id(r.request_id, index, params.n)] = (
+                        r.request_id
+                    )
+        except Exception as e:
+            self._abort(done, reason=None)
+            added.set_exception(e)
+            return
+        added.set_result(None)
+
+    def _abort(self, request_ids: list[str], reason: str | None) -> None:
+        live = [r for r in request_ids if r in self._num_samples]
+        self.engine.abort_request(live)
+        for request_id in live:
+            num_samples = self._forget(request_id)
+            if reason is not None and self.metrics is not None:
+                self.metrics.record_aborted(request_id, num_samples, reason)
+
+    def _forget(self, request_id: str) -> int:
+        num_samples = self._num_samples.pop(request_id, 0)
+        for index in range(num_samples):
+            self._child_to_parent.pop(child_request_id(request_id, index, num_samples), None)
+        return num_samples
+
+    def _fail_step(self, error: Exception) -> None:
+        """Fail the requests the broken step was running (all of them if it ran none); abort
+        them in the engine so their KV blocks come back, and keep serving the rest."""
+        running = {r.request_id for r in self.engine.scheduler.running}
+        failed = {self._child_to_parent[c] for c in running if c in self._child_to_parent}
+        failed = failed or set(self._num_samples)
+        self._abort(sorted(failed), "error")
+        message = f"the engine failed while running this request: {error!r}"
+        self._send([(r, EngineStepError(message)) for r in sorted(failed)])
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # a closed event loop has nobody to tell
+            self._loop.call_soon_threadsafe(self._fail_streams, error)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in set(self._streams.values()):
+            stream.put(error)
+        self._streams.clear()
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self._abort(sorted(self._num_samples), "abort")

@@ -1,0 +1,226 @@
+"""The FastAPI app: OpenAI's routes plus vLLM's operational ones, each declaring its errors.
+
+`/v1/*` needs the API key when one is set; `/health`, `/metrics`, `/version`, `/tokenize` and
+`/detokenize` stay open for probes and scrapers, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+import tokenmill
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.openai.errors import (
+    NOT_FOUND,
+    OpenAIError,
+    error_response,
+    install_error_handlers,
+)
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from tokenmill.entrypoints.openai.serving_chat import create_chat_completion
+from tokenmill.entrypoints.openai.serving_completion import create_completion
+from tokenmill.entrypoints.openai.serving_tokenization import detokenize_tokens, tokenize_prompt
+
+Responses = dict[int | str, dict[str, Any]]
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+BAD_REQUEST: Responses = {400: _error("Invalid request: parameters, prompt length, model name")}
+UNAUTHORIZED: Responses = {401: _error("Missing or wrong API key")}
+NOT_FOUND_RESPONSE: Responses = {404: _error("No such model")}
+ENGINE_DEAD: Responses = {503: _error("The engine is not running")}
+SERVER_ERRORS: Responses = {
+    500: _error("The engine failed while running this request"),
+    **ENGINE_DEAD,
+}
+
+
+# Module level: FastAPI resolves (string) annotations against module globals.
+_BEARER = HTTPBearer(auto_error=False, description="The server's --api-key")
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+
+
+# One server-sent event (OpenAPI before 3.2 has the stream's schema describe each event).
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "A chunk as JSON, an error as JSON, or `[DONE]` to end the stream",
+        }
+    },
+    "required": ["data"],
+}
+
+
+def _streamable(model: type) -> Responses:
+    """200 is JSON, or with `stream: true` server-sent events of chunks."""
+    return {
+        200: {
+            "model": model,
+            "description": "The result, or with `stream: true` a stream of chunks",
+            "content": {"text/event-stream": {"schema": SSE_EVENT}},
+        }
+    }
+
+
+def build_app(ctx: ServerContext, registry: CollectorRegistry, api_key: str | None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.engine.start()
+        yield
+        ctx.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(_v1_router(ctx, api_key))
+    app.include_router(_operations_router(ctx, registry))
+    app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
+    return app
+
+
+def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
+    auth: Responses = UNAUTHORIZED if api_key else {}
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @router.get("/models", responses=auth)
+    async def list_models() -> ModelList:
+        return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
+
+    @router.get("/models/{model_id:path}", responses={**auth, **NOT_FOUND_RESPONSE})
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in ctx.model_names:
+            raise OpenAIError(404, f"The model `{model_id}` does not exist.", NOT_FOUND, "model")
+        return _model_card(ctx, model_id)
+
+    @router.post(
+        "/completions",
+        response_model=None,
+        responses={**_streamable(CompletionResponse), **BAD_REQUEST, **auth, **SERVER_ERRORS},
+    )
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(ctx, request, raw_request)
+
+    @router.post(
+        "/chat/completions",
+        response_model=None,
+        responses={**_streamable(ChatCompletionResponse), **BAD_REQUEST, **auth, **SERVER_ERRORS},
+    )
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(ctx, request, raw_request)
+
+    return router
+
+
+def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRouter:
+    router = APIRouter()
+
+    @router.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "The engine is running"}, **ENGINE_DEAD},
+    )
+    async def health() -> Response:
+        if not ctx.engine.is_healthy:
+            return error_response(EngineDeadError("the engine is not running"))
+        return Response(status_code=200)
+
+    @router.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=tokenmill.__version__)
+
+    @router.get("/metrics", response_class=Response, responses={200: _prometheus_text()})
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.post("/tokenize", responses=BAD_REQUEST)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenize_prompt(ctx, request)
+
+    @router.post("/detokenize", responses=BAD_REQUEST)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize_tokens(ctx, request)
+
+    return router
+
+
+def _api_key_check(api_key: str | None) -> Callable[..., Any]:
+    """A dependency of every /v1 route: a bearer token equal to the key (compared in constant
+    time), or no check at all without a key."""
+    if api_key is None:
+
+        async def open_access() -> None:
+            return None
+
+        return open_access
+
+    async def check(credentials: BearerCredentials) -> None:
+        given = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise OpenAIError(
+                401,
+                "Incorrect API key provided. Pass the server's --api-key as a bearer token.",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def _model_card(ctx: ServerContext, name: str) -> ModelCard:
+    return ModelCard(
+        id=name, created=ctx.created, root=ctx.model_root, max_model_len=ctx.max_model_len
+    )
+
+
+def _prometheus_text() -> dict[str, Any]:
+    return {
+        "description": "Prometheus text exposition",
+        "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+    }
+
+
+def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """Invalid input is answered 400 in OpenAI's error shape, never FastAPI's 422, so the
+    generated document must not promise a 422 either."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=__doc__
+            )
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi

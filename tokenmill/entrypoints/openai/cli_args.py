@@ -1,0 +1,42 @@
+"""`tokenmill serve`'s own flags (the engine's come from engine_args). Light to import, so
+`tokenmill --help` does not load torch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use; the first is reported (default: the model argument)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="require this bearer token on /v1 routes (default: $TOKENMILL_API_KEY)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=30,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    )
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    group.add_argument(
+        "--log-stats-interval", type=float, default=5.0, help="seconds between stats lines"
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+    )

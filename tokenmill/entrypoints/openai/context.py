@@ -1,0 +1,82 @@
+"""What every endpoint shares: the engine, the model's names, and small helpers on outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineStepError
+from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.inputs import PromptBuilder
+from tokenmill.entrypoints.openai.protocol import (
+    FinishReason,
+    PromptTokensDetails,
+    RequestModel,
+    UsageInfo,
+)
+from tokenmill.outputs import CompletionOutput
+
+logger = logging.getLogger("tokenmill.server")
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    model_names: list[str]  # the first is the one responses report
+    model_root: str  # where the weights came from
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptBuilder(
+            self.engine.tokenizer, self.engine.engine.vocab_size, self.engine.max_model_len
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        """Clients name the model in every request; a name we do not serve is their error."""
+        if model is not None and model not in self.model_names:
+            raise bad_request(
+                f"The model `{model}` does not exist. This server serves {self.model_names}.",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def log_ignored_fields(request: RequestModel, endpoint: str) -> None:
+    if request.model_extra:
+        logger.warning(
+            "%s: ignoring fields this server does not know: %s",
+            endpoint,
+            sorted(request.model_extra),
+        )
+
+
+def finish_reason(completion: CompletionOutput) -> FinishReason | None:
+    """OpenAI's finish reasons; any other ending (the engine failed it) is an error."""
+    reason = completion.finish_reason
+    if reason is None or reason in ("stop", "length"):
+        return reason  # type: ignore[return-value]
+    raise EngineStepError(f"the request ended with finish_reason={reason!r}")
+
+
+def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )

@@ -1,0 +1,132 @@
+"""Every failure as OpenAI shapes it: `{"error": {"message", "type", "param", "code"}}`.
+
+Bad input of any kind is a 400 naming the parameter; a 5xx means the server itself failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from tokenmill.engine.async_engine import EngineDeadError, EngineStepError
+from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from tokenmill.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# Error types as OpenAI names them.
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+
+
+class OpenAIError(Exception):
+    """An error answered with its own status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, INVALID_REQUEST, param, code)
+
+
+def error_info(error: BaseException) -> tuple[int, ErrorInfo]:
+    """The status and error body for any exception a request can end with."""
+    if isinstance(error, OpenAIError):
+        return error.status_code, error.info
+    if isinstance(error, InvalidRequestError):
+        return 400, ErrorInfo(message=str(error), type=INVALID_REQUEST, param=error.param)
+    if isinstance(error, EngineDeadError):
+        return 503, ErrorInfo(message=str(error), type=SERVER_ERROR, code="engine_dead")
+    if isinstance(error, EngineStepError):
+        return 500, ErrorInfo(message=str(error), type=SERVER_ERROR, code="engine_step_failed")
+    return 500, ErrorInfo(message="internal server error", type=SERVER_ERROR)
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    status, info = error_info(error)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+
+def error_event(error: BaseException) -> str:
+    """An error inside a stream that has already answered 200: one SSE event."""
+    _, info = error_info(error)
+    return f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    for error_type in (OpenAIError, InvalidRequestError, EngineDeadError, EngineStepError):
+        app.add_exception_handler(error_type, _known_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+async def _known_error(request: Request, error: Exception) -> JSONResponse:
+    return error_response(error)
+
+
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("unexpected error in %s %s", request.method, request.url.path)
+    return error_response(error)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    if error.status_code == 404:
+        message, type = f"Not found: {request.method} {request.url.path}", NOT_FOUND
+    else:
+        message, type = str(error.detail), INVALID_REQUEST
+    response = error_response(OpenAIError(error.status_code, message, type))
+    response.headers.update(error.headers or {})
+    return response
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 becomes OpenAI's 400, naming the offending field as `param`."""
+    errors = error.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(bad_request(f"Invalid JSON body: {_json_problem(errors)}"))
+    locations = [_location(e) for e in errors]
+    messages = [
+        f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}" for loc, e in zip(locations, errors)
+    ]
+    return error_response(bad_request("; ".join(messages[:4]), param=_param(locations)))
+
+
+def _location(error: dict[str, Any]) -> list[str]:
+    loc = [str(part) for part in error.get("loc", ())]
+    return loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
+
+
+def _param(locations: list[list[str]]) -> str | None:
+    """The first failing field. A union's members fail separately, each at the field plus a
+    member name ("prompt.str", "prompt.list[int]"): their common prefix is the field."""
+    if not locations or not locations[0]:
+        return None
+    prefix = locations[0]
+    for loc in locations[1:]:
+        if loc[:1] == prefix[:1]:
+            pairs = itertools.takewhile(lambda pair: pair[0] == pair[1], zip(prefix, loc))
+            prefix = [part for part, _ in pairs]
+    return ".".join(prefix) or None
+
+
+def _json_problem(errors: list[dict[str, Any]]) -> str:
+    context = errors[0].get("ctx") or {}
+    return str(context.get("error", "could not be parsed"))

@@ -1,0 +1,125 @@
+"""Client prompts -> token ids the model can take, checked before the engine does any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenmill.entrypoints.openai.protocol import ChatMessage
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # as the client sent it (None for token ids; decoded when echoed)
+
+
+class PromptBuilder:
+    """Tokenizes and checks prompts. Runs on the event loop: the fast tokenizer's Rust core
+    only reads shared state, so the engine thread's detokenizing is not disturbed."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def completion_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], add_special_tokens: bool
+    ) -> list[Prompt]:
+        """The four prompt forms OpenAI accepts: a string, strings, token ids, lists of them."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]  # type: ignore[list-item]
+        prompts = [
+            Prompt(self.encode(p, add_special_tokens), p)
+            if isinstance(p, str)
+            else Prompt(list(p), None)
+            for p in prompt
+        ]
+        for p in prompts:
+            self.check(p.token_ids, "prompt")
+        return prompts
+
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> Prompt:
+        text = self.render_chat(messages, add_generation_prompt)
+        prompt = Prompt(self.encode(text, add_special_tokens), text)
+        self.check(prompt.token_ids, "messages")
+        return prompt
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        if not messages:
+            raise bad_request("messages must not be empty", param="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template", param="messages")
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.TemplateError as e:  # e.g. a template's raise_exception on bad roles
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request(f"{param} must not be empty", param=param)
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param
+            )
+        if len(token_ids) > self.max_model_len:
+            raise context_length_error(len(token_ids), None, self.max_model_len, param)
+
+
+def context_length_error(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+) -> OpenAIError:
+    """vLLM's wording, which clients and harnesses match on."""
+    if max_tokens is None:
+        detail = f"However, your request has {num_prompt_tokens} input tokens."
+    else:
+        detail = (
+            f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+            f"({num_prompt_tokens} in the messages, {max_tokens} in the completion)."
+        )
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. {detail} "
+        "Please reduce the length of the messages or completion."
+    )
+    return bad_request(message, param=param, code="context_length_exceeded")
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: content as one string (text parts joined by
+    newlines, as vLLM does), since most templates cannot iterate OpenAI's content parts."""
+    content = message.content
+    if isinstance(content, list):
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    'content parts must be {"type": "text", "text": "..."}; '
+                    f"got type {part.type!r}" + ("" if part.text is not None else " without text"),
+                    param=f"messages.{index}.content",
+                )
+        content = "\n".join(part.text or "" for part in content)
+    rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered

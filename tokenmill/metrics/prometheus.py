@@ -1,0 +1,187 @@
+"""Prometheus metrics with vLLM's names and meanings, under a `tokenmill:` prefix.
+
+Dashboards and benchmark tools written for `vllm serve` read these unchanged once the prefix is
+swapped. Every metric carries a `model_name` label, as vLLM's do. See docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.outputs import RequestOutput
+
+PREFIX = "tokenmill:"
+
+# vLLM's buckets, so a dashboard's histogram_quantile reads the same resolution.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class _Progress:
+    """What the metrics remember of a request between its delta outputs."""
+
+    last_token_time: float | None = None
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index
+    num_finished: int = 0  # samples that have finished
+
+
+class EngineMetrics:
+    """Owns the metrics and turns engine outputs and stats into observations.
+
+    Called from the engine thread only (prometheus-client is thread-safe for the scrape).
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        labels = {"model_name": model_name}
+        self._progress: dict[str, _Progress] = {}
+        self._last_stats: EngineStats | None = None
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            metric = Histogram(
+                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=registry
+            )
+            return metric.labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=registry).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model_name"], registry=registry).labels(**labels)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time of a finished request divided by its output tokens after the first.",
+            _ITL_BUCKETS,
+        )
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to finish.", _REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time from arrival to first being scheduled.",
+            _REQUEST_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Time from first being scheduled to the first token.",
+            _REQUEST_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "Time from the first token to the last token.",
+            _REQUEST_BUCKETS,
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache lookups, in prompt tokens looked up."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."
+        )
+        success = Counter(
+            PREFIX + "request_success",
+            "Count of finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
+        self.request_success = {
+            reason: success.labels(finished_reason=reason, **labels) for reason in FINISHED_REASONS
+        }
+        self.num_running = gauge("num_requests_running", "Number of requests in the batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting.")
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def record_stats(self, stats: EngineStats) -> None:
+        """Counters advance by what the engine did since the last call; gauges take its state."""
+        last = self._last_stats
+        if last is not None:
+            s, before = stats.scheduler, last.scheduler
+            _advance(self.prompt_tokens, stats.num_prompt_tokens - last.num_prompt_tokens)
+            _advance(
+                self.generation_tokens, stats.num_generation_tokens - last.num_generation_tokens
+            )
+            _advance(self.preemptions, s.num_preemptions - before.num_preemptions)
+            _advance(
+                self.prefix_cache_queries, s.prefix_cache.queries - before.prefix_cache.queries
+            )
+            _advance(self.prefix_cache_hits, s.prefix_cache.hits - before.prefix_cache.hits)
+        self._last_stats = stats
+        self.num_running.set(stats.scheduler.num_running)
+        self.num_waiting.set(stats.scheduler.num_waiting)
+        self.kv_cache_usage.set(stats.scheduler.kv_cache_usage)
+
+    def record_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Latency observations from one step's delta outputs."""
+        for output in outputs:
+            self._record_output(output)
+
+    def record_aborted(self, request_id: str, num_samples: int, reason: str = "abort") -> None:
+        """A request that ends without a final output (client gone, or a failed step)."""
+        progress = self._progress.pop(request_id, None)
+        num_finished = progress.num_finished if progress is not None else 0
+        self.request_success[reason].inc(num_samples - num_finished)
+
+    def _record_output(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        progress = self._progress.setdefault(output.request_id, _Progress())
+        for completion in output.outputs:
+            count = progress.num_tokens.get(completion.index, 0)
+            progress.num_tokens[completion.index] = count + len(completion.token_ids)
+            if completion.finish_reason is not None:  # each sample finishes exactly once
+                progress.num_finished += 1
+                reason = completion.finish_reason
+                self.request_success[reason if reason in self.request_success else "error"].inc()
+        last = metrics.last_token_time
+        if last is not None and last != progress.last_token_time:
+            if progress.last_token_time is None:
+                self.time_to_first_token.observe(last - metrics.arrival_time)
+            else:
+                self.inter_token_latency.observe(last - progress.last_token_time)
+            progress.last_token_time = last
+        if output.finished:
+            del self._progress[output.request_id]
+            self._record_finished(output, max(progress.num_tokens.values(), default=0))
+
+    def _record_finished(self, output: RequestOutput, num_tokens: int) -> None:
+        m = output.metrics
+        finished = m.finished_time if m.finished_time is not None else m.arrival_time
+        self.e2e_latency.observe(finished - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            decode = m.last_token_time - m.first_token_time
+            self.decode_time.observe(decode)
+            if num_tokens > 1:
+                self.time_per_output_token.observe(decode / (num_tokens - 1))
+
+
+def _advance(counter: Counter, amount: int) -> None:
+    """Counters only go up; an engine-side reset must not raise in the engine thread."""
+    counter.inc(max(0, amount))

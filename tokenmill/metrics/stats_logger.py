@@ -1,0 +1,70 @@
+"""The periodic one-line summary an operator watches in the server log, as `vllm serve` prints."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenmill.engine.llm_engine import EngineStats
+
+logger = logging.getLogger("tokenmill.stats")
+
+
+class StatsLogger:
+    """Logs throughput and queue state every `interval` seconds while the engine is busy.
+
+    Throughputs are averages over the interval, so a quiet server logs nothing and the first
+    line after a burst still covers all of it.
+    """
+
+    def __init__(self, interval: float, start: EngineStats) -> None:
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._last_stats = start  # the baseline of the first interval
+
+    def maybe_log(self, stats: EngineStats) -> None:
+        now = time.monotonic()
+        if now - self._last_time < self.interval:
+            return
+        last = self._last_stats
+        elapsed = now - self._last_time
+        self._last_time, self._last_stats = now, stats
+        prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        generation = stats.num_generation_tokens - last.num_generation_tokens
+        s = stats.scheduler
+        if not (prompt or generation or s.num_running or s.num_waiting):
+            return
+        logger.info(format_stats_line(stats, last, elapsed))
+
+    @property
+    def seconds_until_due(self) -> float:
+        return max(0.0, self.interval - (time.monotonic() - self._last_time))
+
+
+def format_stats_line(stats: EngineStats, last: EngineStats, elapsed: float) -> str:
+    s = stats.scheduler
+    prompt = (stats.num_prompt_tokens - last.num_prompt_tokens) / elapsed
+    generation = (stats.num_generation_tokens - last.num_generation_tokens) / elapsed
+    preempted = s.num_preemptions - last.scheduler.num_preemptions
+    parts = [
+        f"Avg prompt throughput: {prompt:.1f} tokens/s",
+        f"Avg generation throughput: {generation:.1f} tokens/s",
+        f"Running: {s.num_running} reqs",
+        f"Waiting: {s.num_waiting} reqs",
+        f"Preempted: {preempted} reqs",
+        f"KV cache usage: {100 * s.kv_cache_usage:.1f}%",
+    ]
+    hit_rate = _prefix_cache_hit_rate(stats, last)
+    if hit_rate is not None:
+        parts.append(f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+    return ", ".join(parts)
+
+
+def _prefix_cache_hit_rate(stats: EngineStats, last: EngineStats) -> float | None:
+    """Over the interval's lookups (since start if it had none); None with caching off."""
+    now, before = stats.scheduler.prefix_cache, last.scheduler.prefix_cache
+    if not now.queries:
+        return None
+    if now.queries == before.queries:
+        return now.hit_rate
+    return (now.hits - before.hits) / (now.queries - before.queries)
