@@ -23,7 +23,7 @@ def test_openapi_declares_the_errors_routes_return(http: httpx.Client) -> None:
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "422" not in responses, f"{method} {path}"  # bad input is a 400 here
-            if method == "post":
+            if method == "post" and "requestBody" in operation:  # a body can be malformed
                 assert "400" in responses, f"{method} {path}"
             if path.startswith("/v1/"):
                 assert "401" in responses, f"{method} {path}"

@@ -21,7 +21,8 @@ HISTOGRAMS = [
 COUNTERS = [
     "prompt_tokens_total",
     "generation_tokens_total",
-    "num_preemptions_total",
+    'num_preemptions_total{mode="recompute"}',
+    'num_preemptions_total{mode="swap"}',
     "prefix_cache_queries_total",
     "prefix_cache_hits_total",
 ]

@@ -42,6 +42,8 @@ class EngineRequest:
     request_id: str
     prompt: PromptType
     params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 _Item = RequestOutput | BaseException
@@ -187,6 +189,21 @@ class AsyncEngine:
         if ids:
             self._submit(lambda: self._abort(ids, "abort"))
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on the engine thread, between two steps."""
+        self._check_alive()
+        if self._thread is None:
+            self.start()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def command() -> None:
+            if done.set_running_or_notify_cancel():
+                self.engine.reset_prefix_cache()
+                done.set_result(None)
+
+        self._submit(command)
+        await asyncio.wrap_future(done)
+
     def _check_alive(self) -> None:
         started = self._thread is not None
         if self._dead is not None or self._stopping or (started and not self._thread.is_alive()):
@@ -282,7 +299,14 @@ class AsyncEngine:
             for r in requests:
                 params = r.params.clone()
                 params.output_kind = RequestOutputKind.DELTA
-                self.engine.add_request(r.request_id, r.prompt, params, arrival_time)
+                self.engine.add_request(
+                    r.request_id,
+                    r.prompt,
+                    params,
+                    arrival_time,
+                    priority=r.priority,
+                    cache_salt=r.cache_salt,
+                )
                 done.append(r.request_id)
                 self._num_samples[r.request_id] = params.n
                 for index in range(params.n):

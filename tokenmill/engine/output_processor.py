@@ -45,6 +45,7 @@ class RequestState:
     num_cached_tokens: int = 0
     # [None, {token: Logprob}, ...] once complete: the first prompt token has no logprob.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once, when complete
     changed: set[int] = field(default_factory=set)  # samples with news since the last output
 
     @property
@@ -233,8 +234,21 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
-            prompt_logprobs=state.prompt_logprobs if finished or not delta else None,
+            prompt_logprobs=self._prompt_logprobs_to_send(state, delta),
         )
+
+    @staticmethod
+    def _prompt_logprobs_to_send(
+        state: RequestState, delta: bool
+    ) -> list[PositionLogprobs | None] | None:
+        logprobs = state.prompt_logprobs
+        if logprobs is None or len(logprobs) < len(state.prompt_token_ids):
+            return None
+        if delta:
+            if state.prompt_logprobs_sent:
+                return None
+            state.prompt_logprobs_sent = True
+        return logprobs
 
     def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:
         finished = sample.finish_reason is not None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tokenmill.core.scheduler import SpecDecodeStats
 from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.outputs import RequestOutput
 
@@ -92,7 +93,30 @@ class EngineMetrics:
         self.generation_tokens = counter(
             "generation_tokens", "Number of generation tokens processed."
         )
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        preemptions = Counter(
+            PREFIX + "num_preemptions",
+            "Cumulative number of preemptions, by mode (recompute or swap).",
+            ["model_name", "mode"],
+            registry=registry,
+        )
+        self.preemptions = {
+            mode: preemptions.labels(mode=mode, **labels) for mode in ("recompute", "swap")
+        }
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Verification steps with drafts, one per request and step."
+        )
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        per_position = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position within the drafts of a step (0 = first).",
+            ["model_name", "position"],
+            registry=registry,
+        )
+        self._per_position_family = per_position
+        self._labels = labels
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache lookups, in prompt tokens looked up."
         )
@@ -125,7 +149,14 @@ class EngineMetrics:
             _advance(
                 self.generation_tokens, stats.num_generation_tokens - last.num_generation_tokens
             )
-            _advance(self.preemptions, s.num_preemptions - before.num_preemptions)
+            for mode, counter in self.preemptions.items():
+                _advance(
+                    counter,
+                    s.num_preemptions_by_mode.get(mode, 0)
+                    - before.num_preemptions_by_mode.get(mode, 0),
+                )
+            if s.spec_decode is not None and before.spec_decode is not None:
+                self._record_spec_decode(s.spec_decode, before.spec_decode)
             _advance(
                 self.prefix_cache_queries, s.prefix_cache.queries - before.prefix_cache.queries
             )
@@ -134,6 +165,16 @@ class EngineMetrics:
         self.num_running.set(stats.scheduler.num_running)
         self.num_waiting.set(stats.scheduler.num_waiting)
         self.kv_cache_usage.set(stats.scheduler.kv_cache_usage)
+
+    def _record_spec_decode(self, now: SpecDecodeStats, before: SpecDecodeStats) -> None:
+        _advance(self.spec_drafts, now.num_drafts - before.num_drafts)
+        _advance(self.spec_draft_tokens, now.num_draft_tokens - before.num_draft_tokens)
+        _advance(self.spec_accepted_tokens, now.num_accepted_tokens - before.num_accepted_tokens)
+        for position, count in enumerate(now.num_accepted_tokens_per_pos):
+            previous = before.num_accepted_tokens_per_pos
+            old = previous[position] if position < len(previous) else 0
+            counter = self._per_position_family.labels(position=str(position), **self._labels)
+            _advance(counter, count - old)
 
     def record_outputs(self, outputs: list[RequestOutput]) -> None:
         """Latency observations from one step's delta outputs."""

@@ -57,6 +57,11 @@ def format_stats_line(stats: EngineStats, last: EngineStats, elapsed: float) -> 
     hit_rate = _prefix_cache_hit_rate(stats, last)
     if hit_rate is not None:
         parts.append(f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+    spec, spec_before = s.spec_decode, last.scheduler.spec_decode
+    if spec is not None and spec_before is not None and spec.num_drafts > spec_before.num_drafts:
+        accepted = spec.num_accepted_tokens - spec_before.num_accepted_tokens
+        drafts = spec.num_drafts - spec_before.num_drafts
+        parts.append(f"Mean acceptance length: {1 + accepted / drafts:.2f}")
     return ", ".join(parts)
 
 

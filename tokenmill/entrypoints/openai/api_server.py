@@ -159,6 +159,15 @@ def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRo
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @router.post(
+        "/reset_prefix_cache",
+        response_class=Response,
+        responses={200: {"description": "Every cached prefix is forgotten"}, **ENGINE_DEAD},
+    )
+    async def reset_prefix_cache() -> Response:
+        await ctx.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @router.post("/tokenize", responses=BAD_REQUEST)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return tokenize_prompt(ctx, request)

@@ -57,6 +57,10 @@ class SamplingRequest(RequestModel):
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions: scheduling priority (lower first, with --scheduling-policy priority)
+    # and a salt that keeps this tenant's prompts out of others' prefix-cache hits.
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingRequest):

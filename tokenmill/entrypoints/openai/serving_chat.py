@@ -66,7 +66,13 @@ async def create_chat_completion(
         requested, param = request.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), ctx.max_model_len, param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    engine_request = EngineRequest(request_id, prompt.token_ids, chat_params(request, max_tokens))
+    engine_request = EngineRequest(
+        request_id,
+        prompt.token_ids,
+        chat_params(request, max_tokens),
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+    )
     stream = await ctx.engine.add_requests([engine_request], arrival_time)
     run = ChatRun(ctx, request, request_id, len(prompt.token_ids))
     if request.stream:

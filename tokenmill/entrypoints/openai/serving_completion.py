@@ -67,6 +67,8 @@ async def create_completion(
                     request.max_tokens, len(prompt.token_ids), ctx.max_model_len, "max_tokens"
                 ),
             ),
+            priority=request.priority,
+            cache_salt=request.cache_salt,
         )
         for i, prompt in enumerate(prompts)
     ]

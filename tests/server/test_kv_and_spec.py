@@ -1,0 +1,82 @@
+"""Prefix caching and speculative decoding as a client sees them: cached_tokens in usage,
+cache_salt, /reset_prefix_cache, priority, and the spec-decode metrics."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_utils import API_KEY, MODEL, Server, scrape, start_server, stop_server
+
+# 64 distinct words, so the prompt spans several 16-token blocks.
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
+
+
+def unique_prompt() -> str:
+    return f"{uuid.uuid4().hex} " + " ".join([WORDS] * 4)
+
+
+def cached_tokens(client: openai.OpenAI, prompt: str, **extra) -> int:
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra or None
+    )
+    details = completion.usage.prompt_tokens_details
+    return details.cached_tokens if details is not None else 0
+
+
+def test_a_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = unique_prompt()
+    assert cached_tokens(client, prompt) == 0
+    assert cached_tokens(client, prompt) > 0
+
+
+def test_cache_salt_keeps_tenants_apart(client: openai.OpenAI) -> None:
+    prompt = unique_prompt()
+    assert cached_tokens(client, prompt, cache_salt="tenant-a") == 0
+    assert cached_tokens(client, prompt, cache_salt="tenant-b") == 0
+    assert cached_tokens(client, prompt) == 0
+    assert cached_tokens(client, prompt, cache_salt="tenant-a") > 0
+
+
+def test_reset_prefix_cache_forgets_prefixes(client: openai.OpenAI, http: httpx.Client) -> None:
+    prompt = unique_prompt()
+    cached_tokens(client, prompt)
+    assert http.post("/reset_prefix_cache").status_code == 200
+    assert cached_tokens(client, prompt) == 0
+
+
+def test_priority_is_accepted(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": 3}
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def spec_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("spec-server") / "server.log"
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
+    server = start_server(model_dir, log_path, "--speculative-config", config)
+    yield server
+    stop_server(server)
+
+
+def test_speculative_decoding_metrics_move(spec_server: Server, client: openai.OpenAI) -> None:
+    spec_client = openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key=API_KEY, max_retries=0)
+    prompt = " ".join([WORDS] * 3)
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    fast = spec_client.completions.create(**args, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert fast.choices[0].text == plain.choices[0].text
+    with httpx.Client(base_url=spec_server.url) as http:
+        metrics = scrape(http)
+    drafts = metrics["tokenmill:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["tokenmill:spec_decode_num_accepted_tokens_total"]
+    assert metrics["tokenmill:spec_decode_num_drafts_total"] > 0
+    assert drafts > 0 and 0 <= accepted <= drafts
+    per_position = [v for k, v in metrics.items() if "accepted_tokens_per_pos_total" in k]
+    assert sum(per_position) == accepted
