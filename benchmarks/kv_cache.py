@@ -108,7 +108,7 @@ def main() -> None:
     print(f"  prefix-caching overhead at 0% hits: {overhead:+.1%}")
     del on, off
 
-    budget = 48 * 1024 * 1024
+    budget = 16 * 1024 * 1024
     kv = {
         "float32 KV": LLM(**common, kv_cache_memory=budget, enable_prefix_caching=False),
         "fp8 KV": LLM(
@@ -118,10 +118,10 @@ def main() -> None:
     for label, llm in kv.items():
         print(f"  {label}: {llm.engine.kv_cache_manager.num_blocks} blocks in {budget >> 20} MiB")
     fp8 = compare(
-        "equal KV memory (48 MiB), 64 requests of 256 prompt + 256 output tokens",
+        f"equal KV memory ({budget >> 20} MiB), 64 requests of 256 prompt + 128 output tokens",
         kv,
         lambda r: unique_prompts(64, 256, vocab, seed=200 + r),
-        256,
+        128,
         args.repeats,
     )
     print(
