@@ -137,7 +137,6 @@ class Scheduler:
         self.spec_lookahead = spec_lookahead
         self.spec_stats = SpecDecodeStats() if spec_policy else None
         self._last_step: tuple[int, int, bool] | None = None  # (decodes, k, pure decode)
-        self._num_proposed_last = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -215,9 +214,10 @@ class Scheduler:
         pure_decode = not plan.new_reqs and total == num_decodes + sum(
             len(d) for d in plan.spec_tokens.values()
         )
-        # This step verifies what the previous step chose to propose: that is the k measured.
-        self._last_step = (num_decodes, self._num_proposed_last, pure_decode)
-        self._num_proposed_last = plan.num_to_propose
+        # The k measured is the drafts this step really verifies (the previous step's choice,
+        # or fewer where the proposer found nothing): a step with no drafts is a k=0 step.
+        k = max((len(d) for d in plan.spec_tokens.values()), default=0)
+        self._last_step = (num_decodes, k, pure_decode)
         return output
 
     def observe_step_time(self, seconds: float, num_generated: int) -> None:
