@@ -7,7 +7,8 @@ speculating makes the server slower. The break-even point depends on the machine
 the draft method and the text, so it is measured rather than modelled.
 
 The policy is a small bandit per batch-size bucket (decoding requests 1, 2-3, 4-7, ...): it
-keeps an exponential moving average of generated tokens per second of step time for each
+keeps an exponential moving average (decay 0.95: a step's timing is noisy on shared cores)
+of generated tokens per second of step time for each
 k in 0..max_k, runs the best, tries each k once first, and every `explore_every` steps tries
 a neighbour of the best so a change in acceptance (a new kind of prompt) is noticed. Only
 pure-decode steps are measured: a prefill chunk in the step would dominate its time. Because
@@ -22,7 +23,7 @@ from collections import defaultdict
 
 class SpeculationPolicy:
     def __init__(
-        self, max_k: int, adaptive: bool = True, explore_every: int = 16, decay: float = 0.8
+        self, max_k: int, adaptive: bool = True, explore_every: int = 16, decay: float = 0.95
     ) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
