@@ -1,4 +1,4 @@
-"""`tokenmill generate | bench` (and later `serve`)."""
+"""`tokenmill serve | generate | bench`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import logging
 import sys
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.entrypoints.openai.cli_args import add_server_args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
     _add_generate(commands)
     _add_bench(commands)
     args = parser.parse_args(argv)
@@ -21,6 +23,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input or config: a clear message, no traceback
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model"
+    )
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.openai.server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
+        args.model = args.model_tag
+    return run_server(args)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
@@ -88,6 +110,14 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     add_throughput_args(throughput)
     add_engine_args(throughput)
     throughput.set_defaults(handler=_bench_throughput)
+    _add_bench_serving(kinds)
+
+
+def _add_bench_serving(kinds: argparse._SubParsersAction) -> None:
+    """`bench serve | sweep | compare`: load generators for any OpenAI-compatible server."""
+    from tokenmill.bench.commands import add_serving_benchmarks
+
+    add_serving_benchmarks(kinds)
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:

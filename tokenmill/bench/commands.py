@@ -1,0 +1,65 @@
+"""The `tokenmill bench serve | sweep | compare` subcommands: parsers and error handling.
+
+Kept apart from the command modules so that `tokenmill --help` stays cheap and each command's
+failure (a server that is down, a bad flag value) ends in one clear line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from tokenmill.bench.client import BenchError
+from tokenmill.bench.server_process import ServerStartError
+
+
+def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
+    from tokenmill.bench import compare, serve, sweep
+
+    _add(
+        kinds,
+        "serve",
+        "load-test an OpenAI-compatible server",
+        serve.add_serve_args,
+        serve.run_serve,
+    )
+    _add(
+        kinds,
+        "sweep",
+        "bench serve over rising load; table, knee and plots",
+        sweep.add_sweep_args,
+        sweep.run_sweep_cli,
+    )
+    _add(
+        kinds,
+        "compare",
+        "the same workload against several server configurations",
+        compare.add_compare_args,
+        compare.run_compare_cli,
+    )
+
+
+def _add(
+    kinds: argparse._SubParsersAction,
+    name: str,
+    help_text: str,
+    add_args: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    parser = kinds.add_parser(
+        name,
+        help=help_text,
+        description=sys.modules[run.__module__].__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_args(parser)
+    parser.set_defaults(handler=lambda args: _guarded(run, args))
+
+
+def _guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return run(args)
+    except (BenchError, ServerStartError) as e:
+        print(f"tokenmill bench: error: {e}", file=sys.stderr)
+        return 1
