@@ -202,3 +202,12 @@ def test_sampled_tokens_follow_the_target_distribution(
     assert dof >= 4, "the distribution is too peaked for the test to mean much"
     print(f"{method} T={temperature} top_p={top_p}: chi2={statistic:.1f}, dof={dof}")
     assert statistic < chi_square_critical(dof)
+
+
+def test_n_samples_with_speculation_match_without(target, prompts) -> None:
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    plain = make(target, None).generate(prompts[:2], params, use_tqdm=False)
+    fast = make(target, spec).generate(prompts[:2], params, use_tqdm=False)
+    for a, b in zip(plain, fast):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
