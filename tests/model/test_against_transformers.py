@@ -133,3 +133,22 @@ def test_seeded_sampling_is_independent_of_batch_composition(checkpoint: Path, r
     assert alone == mixed
     reseeded = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=10, ignore_eos=True)
     assert llm.generate([prompts[2]], reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_repetition_penalty_matches_transformers(checkpoint: Path, reference) -> None:
+    prompts, _, _ = reference
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts[:3]:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                repetition_penalty=1.5,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    llm = LLM(model=str(checkpoint), dtype="float32")
+    assert generate_token_ids(llm, prompts[:3], repetition_penalty=1.5) == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -308,13 +309,23 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """One token per request, or, for requests with drafts, the verified drafts plus one:
         row j of such a request is sampled as if drafts[:j] were already output."""
-        params, prompts, outputs = [], [], []
+        params: list[SamplingParams] = []
+        prompts: list[Sequence[int]] = []
+        outputs: list[Sequence[int]] = []
         for state, request_drafts in zip(states, drafts):
-            output_ids = state.output_token_ids
+            # Only penalties read the token history; other rows need just the output length,
+            # so copying a long prompt every step is avoided.
+            history = state.sampling_params.needs_penalties
+            prompt = state.prompt_token_ids if history else ()
+            output_ids = state.output_token_ids if history else None
+            num_output = len(state.token_ids) - state.num_prompt_tokens
             for j in range(len(request_drafts) + 1):
                 params.append(state.sampling_params)
-                prompts.append(state.prompt_token_ids)
-                outputs.append(output_ids + request_drafts[:j] if j else output_ids)
+                prompts.append(prompt)
+                if output_ids is None:
+                    outputs.append(range(num_output + j))
+                else:
+                    outputs.append(output_ids + request_drafts[:j])
         metadata = SamplingMetadata.build(params, prompts, outputs, self.device, logits.shape[-1])
         verified = verify(self.sampler, logits, metadata, drafts)
         for state, token_ids in zip(states, verified.token_ids):
