@@ -80,3 +80,13 @@ def test_kv_budget_too_small_for_one_sequence_is_a_config_error(tiny_checkpoint)
 def test_unknown_engine_argument_is_rejected(tiny_checkpoint) -> None:
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(model=str(tiny_checkpoint("llama")), max_num_seq=4)
+
+
+def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(tiny_checkpoint) -> None:
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        LLM(
+            model=str(tiny_checkpoint("llama")),
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+        )

@@ -292,15 +292,21 @@ class LLMEngine:
                 )
 
     def _resolve_max_model_len(self, model_max: int) -> int:
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return model_max
-        if wanted > model_max:
+        config = self.config
+        max_model_len = model_max if config.max_model_len is None else config.max_model_len
+        if max_model_len > model_max:
             raise ConfigError(
-                f"max_model_len={wanted} is longer than the model's "
+                f"max_model_len={max_model_len} is longer than the model's "
                 f"max_position_embeddings={model_max}"
             )
-        return wanted
+        # Without chunking a prompt must fit one step's budget, or it would wait forever.
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); "
+                "raise it, lower max_model_len, or enable chunked prefill"
+            )
+        return max_model_len
 
 
 def _default_model() -> Path:
