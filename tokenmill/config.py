@@ -91,6 +91,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
+    # Where default sampling parameters come from, as vLLM's --generation-config: "auto" = the
+    # model's generation_config.json (temperature, top_p, ... when it sets them), "vllm" =
+    # none (temperature 1.0 etc.), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
 
     # KV cache
     block_size: int = 16

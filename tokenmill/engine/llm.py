@@ -30,6 +30,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """What `generate` uses without sampling params: the model's generation_config.json
+        defaults (see `EngineConfig.generation_config`), then `overrides`."""
+        return self.engine.default_sampling_params(**overrides)
+
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
@@ -51,7 +56,9 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = _broadcast(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -16,7 +17,13 @@ from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import checkpoint_dtype, eos_token_ids, load_hf_config, load_model
+from tokenmill.models.loader import (
+    checkpoint_dtype,
+    eos_token_ids,
+    load_hf_config,
+    load_model,
+    sampling_defaults,
+)
 from tokenmill.models.random_checkpoint import default_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -58,6 +65,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
+        self.default_sampling = self._default_sampling()
         kv_spec = self._kv_spec(model)
         draft = self._load_draft_model(model) if config.speculative_config else None
         draft_spec = None if draft is None else self._kv_spec(draft)
@@ -261,6 +269,20 @@ class LLMEngine:
                 f"shorter than max_model_len={self.max_model_len}"
             )
         return draft
+
+    def _default_sampling(self) -> dict[str, float]:
+        """Sampling parameters a request gets for the fields it leaves unset."""
+        source = self.config.generation_config
+        if source == "vllm":
+            return {}
+        defaults = sampling_defaults(self.model_dir if source == "auto" else source)
+        if defaults:
+            logger.info("default sampling parameters from generation_config.json: %s", defaults)
+        return defaults
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """`SamplingParams` with the model's defaults, then `overrides`."""
+        return SamplingParams(**{**self.default_sampling, **overrides})
 
     def _speculation_policy(self) -> SpeculationPolicy | None:
         spec = self.config.speculative_config

@@ -21,6 +21,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        help="default sampling parameters: auto = the model's generation_config.json, "
+        "vllm = none (temperature 1.0), or a directory with a generation_config.json",
+    )
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
     group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")

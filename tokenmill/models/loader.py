@@ -77,6 +77,26 @@ def eos_token_ids(model_dir: str | Path, hf_config: Any) -> set[int]:
     return {eos} if isinstance(eos, int) else set(eos)
 
 
+# generation_config.json fields that become default sampling parameters, as vLLM reads them.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(config_dir: str | Path) -> dict[str, float]:
+    """The sampling fields a generation_config.json sets explicitly (none when absent).
+
+    Read as raw JSON: a `GenerationConfig` object fills in transformers' own defaults, which
+    would override ours with values the model never asked for.
+    """
+    path = Path(config_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
+
+
 def load_model(
     model_dir: str | Path,
     hf_config: Any,

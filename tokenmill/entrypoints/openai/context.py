@@ -46,6 +46,11 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's generation_config.json sampling fields, for requests that omit them."""
+        return self.engine.engine.default_sampling
+
     def check_model(self, model: str | None) -> None:
         """Clients name the model in every request; a name we do not serve is their error."""
         if model is not None and model not in self.model_names:

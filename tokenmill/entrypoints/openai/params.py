@@ -42,7 +42,9 @@ def resolve_max_tokens(
     return requested
 
 
-def completion_params(request: CompletionRequest, max_tokens: int) -> SamplingParams:
+def completion_params(
+    request: CompletionRequest, max_tokens: int, model_defaults: dict[str, float]
+) -> SamplingParams:
     if request.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -50,17 +52,20 @@ def completion_params(request: CompletionRequest, max_tokens: int) -> SamplingPa
     logprobs = request.logprobs
     return _sampling_params(
         request,
+        model_defaults,
         max_tokens=max_tokens,
         logprobs=logprobs,
         prompt_logprobs=logprobs if request.echo and logprobs is not None else None,
     )
 
 
-def chat_params(request: ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def chat_params(
+    request: ChatCompletionRequest, max_tokens: int, model_defaults: dict[str, float]
+) -> SamplingParams:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, max_tokens=max_tokens, logprobs=logprobs)
+    return _sampling_params(request, model_defaults, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def check_stream_options(request: SamplingRequest) -> None:
@@ -68,10 +73,14 @@ def check_stream_options(request: SamplingRequest) -> None:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
 
-def _sampling_params(request: SamplingRequest, **fields: Any) -> SamplingParams:
+def _sampling_params(
+    request: SamplingRequest, model_defaults: dict[str, float], **fields: Any
+) -> SamplingParams:
+    """A field the request leaves unset (or null) takes the model's default from its
+    generation_config.json, else SamplingParams' own, as vLLM does."""
     for name, default in _NULLABLE_DEFAULTS.items():
         value = getattr(request, name)
-        fields[name] = default if value is None else value
+        fields[name] = model_defaults.get(name, default) if value is None else value
     return SamplingParams(
         n=request.n,
         seed=request.seed,

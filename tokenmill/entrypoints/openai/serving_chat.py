@@ -69,7 +69,7 @@ async def create_chat_completion(
     engine_request = EngineRequest(
         request_id,
         prompt.token_ids,
-        chat_params(request, max_tokens),
+        chat_params(request, max_tokens, ctx.sampling_defaults),
         priority=request.priority,
         cache_salt=request.cache_salt,
     )

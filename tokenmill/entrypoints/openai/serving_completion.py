@@ -66,6 +66,7 @@ async def create_completion(
                 resolve_max_tokens(
                     request.max_tokens, len(prompt.token_ids), ctx.max_model_len, "max_tokens"
                 ),
+                ctx.sampling_defaults,
             ),
             priority=request.priority,
             cache_salt=request.cache_salt,

@@ -1,0 +1,70 @@
+"""Default sampling parameters from the model's generation_config.json, as vLLM applies them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.loader import sampling_defaults
+
+PROMPTS = [[5, 9, 13, 200], [7, 7, 31]]
+
+
+def _with_generation_config(source: Path, destination: Path, **fields: object) -> Path:
+    shutil.copytree(source, destination)
+    path = destination / "generation_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, **fields}))
+    return destination
+
+
+def test_only_fields_the_file_sets_are_defaults(tiny_checkpoint, tmp_path: Path) -> None:
+    plain = tiny_checkpoint("llama")
+    assert "eos_token_id" in json.loads((plain / "generation_config.json").read_text())
+    assert sampling_defaults(plain) == {}
+    model = _with_generation_config(
+        plain, tmp_path / "m", do_sample=True, temperature=0.6, top_k=20
+    )
+    assert sampling_defaults(model) == {"temperature": 0.6, "top_k": 20}
+    assert sampling_defaults(tmp_path) == {}  # no file at all
+
+
+def test_broken_generation_config_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text("{temperature: 0.5")
+    with pytest.raises(ValueError, match=r"generation_config\.json is not valid JSON"):
+        sampling_defaults(tmp_path)
+
+
+def test_generate_without_params_uses_the_model_defaults(tiny_checkpoint, tmp_path: Path) -> None:
+    """A near-zero default temperature makes unparameterised generation greedy; with
+    generation_config="vllm" the same call samples at temperature 1.0 and differs."""
+    model = _with_generation_config(tiny_checkpoint("llama"), tmp_path / "m", temperature=1e-5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(model=str(model), dtype="float32", max_model_len=64)
+    defaults = llm.get_default_sampling_params(max_tokens=12, ignore_eos=True)
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (1e-5, 1.0, 12)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, defaults, use_tqdm=False)]
+    assert got == expected
+    unparameterised = llm.generate(PROMPTS, use_tqdm=False)
+    assert [o.outputs[0].token_ids[:12] for o in unparameterised] == expected
+
+    ignored = LLM(model=str(model), dtype="float32", max_model_len=64, generation_config="vllm")
+    assert ignored.get_default_sampling_params().temperature == 1.0
+    sampled = ignored.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True, seed=1))
+    assert [o.outputs[0].token_ids for o in sampled] != expected
+
+
+def test_generation_config_from_another_directory(tiny_checkpoint, tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    llm = LLM(
+        model=str(tiny_checkpoint("llama")),
+        dtype="float32",
+        max_model_len=64,
+        generation_config=str(tmp_path),
+    )
+    assert llm.get_default_sampling_params().top_p == 0.5
