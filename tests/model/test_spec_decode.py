@@ -211,3 +211,44 @@ def test_n_samples_with_speculation_match_without(target, prompts) -> None:
     fast = make(target, spec).generate(prompts[:2], params, use_tqdm=False)
     for a, b in zip(plain, fast):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+class _SkippingPolicy:
+    """Drafts 3 tokens on one step in three, none on the others: the draft model must catch
+    up on the tokens verified while it was idle before proposing again."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def choose(self, num_decodes: int) -> int:
+        self.calls += 1
+        return 3 if self.calls % 3 == 0 else 0
+
+    def observe(self, num_decodes: int, k: int, num_generated: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
+def test_draft_model_catches_up_after_steps_without_drafts(
+    target, prompts, reference, variant
+) -> None:
+    """The target drafting for itself: every proposal must be accepted, so a draft KV cache
+    left stale by skipped steps (or by preemption) would show up as a rejection."""
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    llm = make(target, spec, **ENGINE_VARIANTS[variant])
+    llm.engine.scheduler.spec_policy = _SkippingPolicy()
+    assert generate(llm, prompts, greedy()) == reference
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats is not None and stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_draft_catch_up_split_over_several_forwards(target, prompts, reference, monkeypatch):
+    """Catch-up forwards under a 7-token budget: prompts are split mid-request."""
+    monkeypatch.setattr("tokenmill.spec_decode.draft_model.CATCH_UP_TOKENS_PER_FORWARD", 7)
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    llm = make(target, spec)
+    llm.engine.scheduler.spec_policy = _SkippingPolicy()
+    assert generate(llm, prompts, greedy()) == reference
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 0

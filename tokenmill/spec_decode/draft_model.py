@@ -1,10 +1,12 @@
 """Drafts from a smaller model that shares the target's tokenizer.
 
 The draft model keeps its own KV cache in the target's block layout: same block ids, same slot
-mapping, its own tensors. It runs on every target step's inputs (so its cache covers exactly
-the positions the target computed, rejected drafts included, which later steps overwrite), then
-proposes k tokens greedily, one batched decode step per token. Its proposals are deterministic,
-which is what the verifier assumes (see rejection_sampler.py).
+mapping, its own tensors. It computes that cache lazily: only when asked to propose does it
+run over the tokens it has not seen yet (a whole prompt the first time, afterwards the tokens
+verified since its last proposal), then it proposes k tokens greedily, one batched decode step
+per token. Steps where the policy drafts nothing therefore cost the draft model nothing, so
+speculation switched down to k = 0 under load costs what no speculation costs. Proposals are
+deterministic, which is what the verifier assumes (see rejection_sampler.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.layers.attention import AttentionMetadata, build_attention_group
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.worker.kv_cache import KVCacheSpec
+from tokenmill.worker.step_layout import layout_step, query_length_class
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import CachedRequestState, StepInputs
+    from tokenmill.worker.model_runner import CachedRequestState
+
+# Tokens per catch-up forward: a batch of new prompts is split like a prefill under a budget.
+CATCH_UP_TOKENS_PER_FORWARD = 2048
+
+# (request, first position, end position) of one request's tokens in a catch-up forward.
+Piece = tuple["CachedRequestState", int, int]
 
 
 class DraftModelProposer:
@@ -35,64 +43,96 @@ class DraftModelProposer:
         self.device = device
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
         self.max_position = model.shape.max_position
-
-    @torch.inference_mode()
-    def observe_step(self, inputs: StepInputs) -> None:
-        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        self.sliding_window = model.shape.sliding_window
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
-        """k greedy steps for every request, each fed its last verified token first. A request
-        stops early where its block table has no slot left (it is near `max_model_len`)."""
-        proposals: dict[str, list[int]] = {s.req_id: [] for s in states}
-        active = list(states)
-        tokens = [s.token_ids[-1] for s in active]
-        for step in range(num_tokens):
+        """k greedy tokens for every request that has room for them. A request stops early
+        where its block table has no slot left (it is near `max_model_len`)."""
+        active = [s for s in states if self._has_slot(s, len(s.token_ids) - 1)]
+        if not active:
+            return {}
+        tokens = self._catch_up(active)
+        proposals: dict[str, list[int]] = {s.req_id: [t] for s, t in zip(active, tokens)}
+        for step in range(1, num_tokens):
             positions = [len(s.token_ids) - 1 + step for s in active]
-            keep = [
-                i
-                for i, (s, p) in enumerate(zip(active, positions))
-                if p < len(s.block_ids) * self.block_size and p < self.max_position
-            ]
+            keep = [i for i, (s, p) in enumerate(zip(active, positions)) if self._has_slot(s, p)]
             if not keep:
                 break
             active = [active[i] for i in keep]
-            tokens = [tokens[i] for i in keep]
             positions = [positions[i] for i in keep]
-            next_tokens = self._decode_step(active, tokens, positions)
-            for state, token in zip(active, next_tokens):
+            tokens = self._decode_step(active, [tokens[i] for i in keep], positions)
+            for state, token in zip(active, tokens):
                 proposals[state.req_id].append(token)
-            tokens = next_tokens
-        return {req_id: drafts for req_id, drafts in proposals.items() if drafts}
+        return proposals
+
+    def _has_slot(self, state: CachedRequestState, position: int) -> bool:
+        return position < len(state.block_ids) * self.block_size and position < self.max_position
+
+    def _catch_up(self, states: list[CachedRequestState]) -> list[int]:
+        """Run the draft over each request's tokens it has no KV for, through the last one,
+        and return its greedy next token per request. Positions after a request's last
+        token hold the previous proposals' KV, which may be wrong: they are never counted."""
+        first_tokens: dict[str, int] = {}
+        pieces: list[Piece] = []
+        room = CATCH_UP_TOKENS_PER_FORWARD
+        for state in states:
+            start, end = state.num_draft_computed_tokens, len(state.token_ids)
+            while start < end:
+                if room == 0:
+                    first_tokens.update(self._forward_pieces(pieces))
+                    pieces, room = [], CATCH_UP_TOKENS_PER_FORWARD
+                count = min(end - start, room)
+                pieces.append((state, start, start + count))
+                start, room = start + count, room - count
+            state.num_draft_computed_tokens = end
+        first_tokens.update(self._forward_pieces(pieces))
+        return [first_tokens[s.req_id] for s in states]
+
+    def _forward_pieces(self, pieces: list[Piece]) -> dict[str, int]:
+        """One forward over the pieces; the greedy next token of each piece that ends at its
+        request's last token."""
+        if not pieces:
+            return {}
+        pieces = sorted(pieces, key=lambda p: query_length_class(p[2] - p[1]))
+        query_lens = np.array([end - start for _, start, end in pieces], dtype=np.int64)
+        seq_lens = np.array([end for _, _, end in pieces], dtype=np.int64)
+        input_ids = [t for state, start, end in pieces for t in state.token_ids[start:end]]
+        last_rows = np.cumsum(query_lens) - 1
+        finishing = [i for i, (s, _, end) in enumerate(pieces) if end == len(s.token_ids)]
+        hidden = self._forward([p[0] for p in pieces], input_ids, query_lens, seq_lens)
+        if not finishing:
+            return {}
+        rows = torch.from_numpy(last_rows[finishing]).to(self.device)
+        next_tokens = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        return {pieces[i][0].req_id: t for i, t in zip(finishing, next_tokens)}
 
     def _decode_step(
         self, states: list[CachedRequestState], tokens: list[int], positions: list[int]
     ) -> list[int]:
-        positions_np = np.array(positions, dtype=np.int64)
-        seq_lens = positions_np + 1
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_tables = np.zeros((len(states), max_blocks), dtype=np.int64)
-        for row, (state, n) in enumerate(zip(states, -(-seq_lens // self.block_size))):
-            block_tables[row, :n] = state.block_ids[:n]
-        slots = (
-            block_tables[np.arange(len(states)), positions_np // self.block_size] * self.block_size
-            + positions_np % self.block_size
-        )
-        group = build_attention_group(
-            token_start=0,
-            query_lens=torch.ones(len(states), dtype=torch.long),
-            seq_lens=torch.from_numpy(seq_lens),
-            block_tables=torch.from_numpy(block_tables),
-            block_size=self.block_size,
-            sliding_window=None,
-        )
-        for name in ("block_tables", "mask"):
-            setattr(group, name, getattr(group, name).to(self.device))
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(self.device), groups=[group]
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(
-            input_ids, torch.from_numpy(positions_np).to(self.device), self.kv_caches, metadata
-        )
+        seq_lens = np.array(positions, dtype=np.int64) + 1
+        query_lens = np.ones(len(states), dtype=np.int64)
+        hidden = self._forward(states, tokens, query_lens, seq_lens)
         return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+    def _forward(
+        self,
+        states: list[CachedRequestState],
+        input_ids: list[int],
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> torch.Tensor:
+        positions, metadata = layout_step(
+            [s.block_ids for s in states],
+            query_lens,
+            seq_lens,
+            self.block_size,
+            self.sliding_window,
+            self.device,
+        )
+        return self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_caches,
+            metadata,
+        )

@@ -8,7 +8,7 @@ from array import array
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import CachedRequestState, StepInputs
+    from tokenmill.worker.model_runner import CachedRequestState
 
 _ITEM = array("i").itemsize
 
@@ -21,9 +21,6 @@ class NgramProposer:
             )
         self.min_n = min_n
         self.max_n = max_n
-
-    def observe_step(self, inputs: StepInputs) -> None:
-        pass
 
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
         proposals = {}

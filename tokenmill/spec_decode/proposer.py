@@ -5,13 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import CachedRequestState, StepInputs
+    from tokenmill.worker.model_runner import CachedRequestState
 
 
 class Proposer(Protocol):
-    def observe_step(self, inputs: StepInputs) -> None:
-        """See the target's forward inputs (a draft model computes its own KV for them)."""
-
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
         """Up to `num_tokens` drafts per request, to follow its last (verified) token."""
         ...

@@ -12,19 +12,14 @@ import numpy as np
 import torch
 
 from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from tokenmill.layers.attention import AttentionGroup, AttentionMetadata, build_attention_group
+from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.rejection_sampler import verify
 from tokenmill.worker.kv_cache import KVCacheSpec
-
-
-def query_length_class(query_len: int) -> int:
-    """Attention groups by query length: decodes (1), draft verifications and short chunks
-    (up to 16), long prefill chunks. Padding within a group then stays small."""
-    return 0 if query_len == 1 else 1 if query_len <= 16 else 2
+from tokenmill.worker.step_layout import layout_step, query_length_class
 
 
 @dataclass
@@ -37,6 +32,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Positions whose KV the draft model has computed (speculative decoding; see draft_model).
+    num_draft_computed_tokens: int = 0
     # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
     token_array: array = field(default_factory=lambda: array("i"))
 
@@ -111,8 +108,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
-        if self.proposer is not None:
-            self.proposer.observe_step(inputs)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if inputs.sampling_states:
             output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
@@ -179,12 +174,13 @@ class ModelRunner:
             dtype=np.int64,
             count=int(ends[-1]),
         )
-        seq_of_token = np.repeat(np.arange(len(states)), query_lens)
-        positions = np.arange(int(ends[-1])) - np.repeat(starts - computed, query_lens)
-        block_tables = self._block_table_array(states, seq_lens)
-        slot_mapping = (
-            block_tables[seq_of_token, positions // self.block_size] * self.block_size
-            + positions % self.block_size
+        positions, metadata = layout_step(
+            [s.block_ids for s in states],
+            query_lens,
+            seq_lens,
+            self.block_size,
+            self.sliding_window,
+            self.device,
         )
         samples = [e == len(s.token_ids) for s, e in zip(states, known_ends)]
         logits_indices = [
@@ -193,10 +189,6 @@ class ModelRunner:
             if sample
             for index in range(int(end) - 1 - len(d), int(end))
         ]
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            groups=self._attention_groups(query_lens, seq_lens, block_tables, starts),
-        )
         return StepInputs(
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
@@ -256,50 +248,6 @@ class ModelRunner:
             )
             offset += count
         return result
-
-    def _block_table_array(
-        self, states: list[CachedRequestState], seq_lens: np.ndarray
-    ) -> np.ndarray:
-        num_blocks = -(-seq_lens // self.block_size)
-        table = np.zeros((len(states), int(num_blocks.max())), dtype=np.int64)
-        for row, (state, n) in enumerate(zip(states, num_blocks)):
-            table[row, :n] = state.block_ids[:n]
-        return table
-
-    def _attention_groups(
-        self,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: np.ndarray,
-        starts: np.ndarray,
-    ) -> list[AttentionGroup]:
-        """One attention group per query length class present (requests arrive sorted)."""
-        classes = np.array([query_length_class(int(n)) for n in query_lens])
-        groups = []
-        for cls in np.unique(classes):
-            rows = np.flatnonzero(classes == cls)
-            first, last = int(rows[0]), int(rows[-1]) + 1
-            group_seq_lens = seq_lens[first:last]
-            max_blocks = int(-(-group_seq_lens.max() // self.block_size))
-            groups.append(
-                build_attention_group(
-                    token_start=int(starts[first]),
-                    query_lens=torch.from_numpy(query_lens[first:last]),
-                    seq_lens=torch.from_numpy(group_seq_lens),
-                    block_tables=torch.from_numpy(
-                        np.ascontiguousarray(block_tables[first:last, :max_blocks])
-                    ),
-                    block_size=self.block_size,
-                    sliding_window=self.sliding_window,
-                )
-            )
-        if self.device.type != "cpu":
-            for group in groups:
-                for name in ("block_tables", "mask", "padded_index"):
-                    value = getattr(group, name)
-                    if value is not None:
-                        setattr(group, name, value.to(self.device, non_blocking=True))
-        return groups
 
     def _sample(
         self,

@@ -1,0 +1,99 @@
+"""Where a step's flat tokens go in the paged KV cache: positions, slots, attention groups.
+
+Shared by the model runner (the target's steps) and the draft-model proposer (its own steps
+over the same block tables), so both lay out tokens the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tokenmill.layers.attention import AttentionGroup, AttentionMetadata, build_attention_group
+
+
+def query_length_class(query_len: int) -> int:
+    """Attention groups by query length: decodes (1), draft verifications and short chunks
+    (up to 16), long prefill chunks. Padding within a group then stays small."""
+    return 0 if query_len == 1 else 1 if query_len <= 16 else 2
+
+
+def block_table_array(
+    block_ids: Sequence[Sequence[int]], seq_lens: np.ndarray, block_size: int
+) -> np.ndarray:
+    """`[num_seqs, max_blocks]` block ids covering each sequence's `seq_lens` tokens."""
+    num_blocks = -(-seq_lens // block_size)
+    table = np.zeros((len(block_ids), int(num_blocks.max())), dtype=np.int64)
+    for row, (ids, n) in enumerate(zip(block_ids, num_blocks)):
+        table[row, :n] = ids[:n]
+    return table
+
+
+def layout_step(
+    block_ids: Sequence[Sequence[int]],
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> tuple[np.ndarray, AttentionMetadata]:
+    """The positions of a step's tokens and its attention metadata.
+
+    Sequence i contributes `query_lens[i]` tokens, the last ones of its first `seq_lens[i]`;
+    sequences must come sorted by `query_length_class` so that each group is contiguous.
+    """
+    ends = np.cumsum(query_lens)
+    starts = ends - query_lens
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    positions = np.arange(int(ends[-1])) - np.repeat(starts - (seq_lens - query_lens), query_lens)
+    block_tables = block_table_array(block_ids, seq_lens, block_size)
+    slot_mapping = (
+        block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    )
+    metadata = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
+        groups=_attention_groups(
+            query_lens, seq_lens, block_tables, starts, block_size, sliding_window, device
+        ),
+    )
+    return positions, metadata
+
+
+def _attention_groups(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    starts: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> list[AttentionGroup]:
+    """One attention group per query length class present."""
+    classes = np.array([query_length_class(int(n)) for n in query_lens])
+    groups = []
+    for cls in np.unique(classes):
+        rows = np.flatnonzero(classes == cls)
+        first, last = int(rows[0]), int(rows[-1]) + 1
+        group_seq_lens = seq_lens[first:last]
+        max_blocks = int(-(-group_seq_lens.max() // block_size))
+        groups.append(
+            build_attention_group(
+                token_start=int(starts[first]),
+                query_lens=torch.from_numpy(query_lens[first:last]),
+                seq_lens=torch.from_numpy(group_seq_lens),
+                block_tables=torch.from_numpy(
+                    np.ascontiguousarray(block_tables[first:last, :max_blocks])
+                ),
+                block_size=block_size,
+                sliding_window=sliding_window,
+            )
+        )
+    if device.type != "cpu":
+        for group in groups:
+            for name in ("block_tables", "mask", "padded_index"):
+                value = getattr(group, name)
+                if value is not None:
+                    setattr(group, name, value.to(device, non_blocking=True))
+    return groups
