@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import random
 
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.policy import SpeculationPolicy
 
 
@@ -46,4 +51,102 @@ def test_it_speculates_at_batch_one_and_not_at_batch_64() -> None:
     throughput(policy, 1)
     throughput(policy, 64)
     assert policy.choose(1) >= 3
+    assert policy.choose(64) == 0
+
+
+def _next_tokens(history: list[int], count: int) -> list[int]:
+    """The fake model's greedy continuation of `history` (see test_scheduler.fake_next_token)."""
+    tokens = list(history)
+    for _ in range(count):
+        tokens.append((sum(tokens) * 31 + len(tokens)) % 97)
+    return tokens[len(history) :]
+
+
+def _simulate(propose_ms_per_draft: float, steps: int = 600) -> tuple[float, int]:
+    """One long request decoding through the real Scheduler with the adaptive policy, on a
+    simulated machine: verifying costs 1 ms + 0.05 ms per token, proposing costs
+    `propose_ms_per_draft` per draft, and 90 % of drafts match the model. Returns tokens per
+    simulated second and the k the policy settles on."""
+    rng = random.Random(0)
+    scheduler = Scheduler(
+        KVCacheManager(512, 16),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=4096,
+        spec_policy=SpeculationPolicy(4),
+    )
+    params = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0.0)
+    scheduler.add_request(Request("r", list(range(1, 9)), params, max_tokens=3000))
+    total_tokens, total_seconds = 0, 0.0
+    for _ in range(steps):
+        out = scheduler.schedule()
+        request = scheduler.requests["r"]
+        drafts = out.scheduled_spec_tokens.get("r", [])
+        output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        seconds = 0.001 + 0.00005 * out.total_num_scheduled_tokens
+        if request.num_computed_tokens + out.num_scheduled_tokens["r"] - len(drafts) == (
+            request.num_tokens
+        ):
+            truth = _next_tokens(request.all_token_ids, len(drafts) + 1)
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
+                accepted += 1
+            generated = truth[: accepted + 1]
+            output = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[generated])
+            k = out.num_spec_tokens_to_propose
+            if k:
+                future = _next_tokens(request.all_token_ids + generated, k)
+                output.spec_token_ids = {"r": [t if rng.random() < 0.9 else 96 - t for t in future]}
+                output.propose_seconds = propose_ms_per_draft * k / 1000
+                seconds += output.propose_seconds
+        scheduler.update_from_output(out, output)
+        num_generated = sum(len(t) for t in output.sampled_token_ids)
+        scheduler.observe_step_time(seconds, output)
+        total_tokens += num_generated
+        total_seconds += seconds
+    assert scheduler.spec_policy is not None
+    return total_tokens / total_seconds, scheduler.spec_policy.choose(1)
+
+
+def test_policy_charges_drafts_to_the_step_that_verifies_them() -> None:
+    """Proposing is paid in the step before the drafts are verified. With drafts that cost
+    about a target step each, no k pays: the policy must settle on 0 and run at the speed of
+    no speculation (1.05 ms per token). With cheap drafts it must keep drafting."""
+    off_rate = 1 / 0.00105
+    slow_rate, slow_k = _simulate(propose_ms_per_draft=1.0)
+    assert slow_k == 0
+    assert slow_rate >= 0.93 * off_rate, slow_rate / off_rate
+    fast_rate, fast_k = _simulate(propose_ms_per_draft=0.02)
+    assert fast_k >= 3
+    assert fast_rate >= 2.0 * off_rate, fast_rate / off_rate
+
+
+def _throughput_with_prefill(policy: SpeculationPolicy, num_decodes: int) -> float:
+    """Decode tokens per second of decode time, with steps that also prefill: up to 2000
+    prompt tokens at 0.02 ms each (up to 40 ms, more than the decodes cost) and,
+    adversarially, more of them in k = 0 steps."""
+    rng = random.Random(num_decodes)
+    total_tokens, total_seconds = 0, 0.0
+    for _ in range(800):
+        k = policy.choose(num_decodes)
+        tokens, seconds = simulated_step(num_decodes, k, rng)
+        prefill = rng.randrange(1000) + (1000 if k == 0 else 0)
+        policy.observe(num_decodes, k, tokens, seconds + 0.00002 * prefill, prefill)
+        total_tokens += tokens
+        total_seconds += seconds
+    return total_tokens / total_seconds
+
+
+def test_prefill_chunks_in_the_same_steps_do_not_hide_the_decode_cost() -> None:
+    """The fit separates prefill from decode cost; a plain tokens/s average of the steps
+    would favour k > 0 at batch 64, where speculating loses."""
+    for num_decodes in (1, 64):
+        fixed = {
+            k: _throughput_with_prefill(SpeculationPolicy(k, adaptive=False), num_decodes)
+            for k in (0, 4)
+        }
+        policy = SpeculationPolicy(4)
+        adaptive = _throughput_with_prefill(policy, num_decodes)
+        assert adaptive >= 0.95 * fixed[0], (num_decodes, fixed, adaptive)
+        assert adaptive >= 0.88 * max(fixed.values()), (num_decodes, fixed, adaptive)
     assert policy.choose(64) == 0

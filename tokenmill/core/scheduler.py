@@ -84,6 +84,15 @@ class SpecDecodeStats:
 
 
 @dataclass
+class _MeasuredStep:
+    """What the speculation policy learns from a step once its time is known."""
+
+    decode_ids: set[str]  # requests decoding (one known token, plus drafts to verify)
+    k: int  # drafts per request verified
+    num_prefill_tokens: int  # the step's other tokens: prompt chunks
+
+
+@dataclass
 class _StepPlan:
     """What one `schedule()` call has decided so far."""
 
@@ -136,7 +145,8 @@ class Scheduler:
         self.spec_policy = spec_policy
         self.spec_lookahead = spec_lookahead
         self.spec_stats = SpecDecodeStats() if spec_policy else None
-        self._last_step: tuple[int, int, bool] | None = None  # (decodes, k, pure decode)
+        self._last_step: _MeasuredStep | None = None
+        self._last_propose_seconds = 0.0  # what the last step spent proposing drafts
 
     @property
     def num_preemptions(self) -> int:
@@ -210,23 +220,37 @@ class Scheduler:
             num_spec_tokens_to_propose=plan.num_to_propose,
         )
         self.finished_req_ids = set()
-        num_decodes = sum(1 for r in plan.num_scheduled if r in plan.cached_reqs)
-        pure_decode = not plan.new_reqs and total == num_decodes + sum(
-            len(d) for d in plan.spec_tokens.values()
-        )
+        # Decoding requests: one known token (plus drafts) each; the rest is prefill.
+        decode_ids = {
+            r
+            for r, n in plan.num_scheduled.items()
+            if r in plan.cached_reqs and n - len(plan.spec_tokens.get(r, ())) == 1
+        }
+        num_decode_tokens = sum(plan.num_scheduled[r] for r in decode_ids)
         # The k measured is the drafts this step really verifies (the previous step's choice,
         # or fewer where the proposer found nothing): a step with no drafts is a k=0 step.
         k = max((len(d) for d in plan.spec_tokens.values()), default=0)
-        self._last_step = (num_decodes, k, pure_decode)
+        self._last_step = _MeasuredStep(decode_ids, k, total - num_decode_tokens)
         return output
 
-    def observe_step_time(self, seconds: float, num_generated: int) -> None:
-        """Feed the speculation policy what the last step cost and yielded."""
+    def observe_step_time(self, seconds: float, output: ModelRunnerOutput) -> None:
+        """Feed the speculation policy what the last step's decodes cost and yielded: verifying
+        its drafts (the step, less the proposing it did for the next step) plus proposing them
+        (in the step before). Charging a step its own proposing instead would bill the drafts
+        of the next step's k to this step's k, and make switching to k = 0 look slow."""
         if self.spec_policy is None or self._last_step is None:
             return
-        num_decodes, k, pure_decode = self._last_step
-        if pure_decode:
-            self.spec_policy.observe(num_decodes, k, num_generated, seconds)
+        cost = seconds - output.propose_seconds + self._last_propose_seconds
+        self._last_propose_seconds = output.propose_seconds
+        step = self._last_step
+        num_generated = sum(
+            len(tokens)
+            for req_id, tokens in zip(output.req_ids, output.sampled_token_ids)
+            if req_id in step.decode_ids
+        )
+        self.spec_policy.observe(
+            len(step.decode_ids), step.k, num_generated, cost, step.num_prefill_tokens
+        )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0

@@ -77,6 +77,7 @@ class ModelRunnerOutput:
     sampled_token_ranks: list[list[int]] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     spec_token_ids: dict[str, list[int]] | None = None  # drafts for the next step
+    propose_seconds: float = 0.0  # of this step's time, spent proposing those drafts
 
 
 @dataclass

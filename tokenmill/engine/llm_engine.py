@@ -195,8 +195,7 @@ class LLMEngine:
         else:
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
-            num_generated = sum(len(t) for t in runner_output.sampled_token_ids)
-            self.scheduler.observe_step_time(time.perf_counter() - run_start, num_generated)
+            self.scheduler.observe_step_time(time.perf_counter() - run_start, runner_output)
         core_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

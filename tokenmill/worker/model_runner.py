@@ -113,7 +113,10 @@ class ModelRunner:
             output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
             num_drafts = scheduler_output.num_spec_tokens_to_propose
             if self.proposer is not None and num_drafts > 0:
+                propose_start = time.perf_counter()
                 output.spec_token_ids = self.proposer.propose(inputs.sampling_states, num_drafts)
+                self._synchronize()
+                output.propose_seconds = time.perf_counter() - propose_start
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         return output
