@@ -2,10 +2,12 @@
 
     python benchmarks/spec_decode.py [--model PATH] [--draft-model PATH] [--repeats 3]
 
-1. Batch-1 decode tokens/s on prompts whose answer echoes the input (copy a passage): no
-   speculation vs n-gram prompt lookup vs the draft model.
-2. Throughput at concurrency 1, 8, 32, 64 (max_num_seqs = concurrency, 2x that many requests):
-   speculation off, n-gram with a fixed k, n-gram with the adaptive policy.
+With no model: the demo target and its draft (tokenmill.demo), on held-out demo prompts.
+1. Batch-1 decode tokens/s on prompts whose answer echoes the input (copy a passage) and on
+   the mix of all demo tasks: no speculation vs n-gram prompt lookup vs the draft model.
+2. Throughput at concurrency 1, 8, 32, 64 (max_num_seqs = concurrency, 2x that many requests)
+   on echo prompts: speculation off, then each method with a fixed k and with the adaptive
+   policy.
 Medians of interleaved repeats; greedy, so every configuration generates the same tokens.
 """
 
@@ -16,32 +18,29 @@ import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
-
-PASSAGES = [
-    "The little fox ran across the green field and jumped over the old fence by the river.",
-    "Mira packed three apples, two books and a warm blanket before she walked to the station.",
-    "Every morning the baker opens the shop, lights the oven and sings a song to the bread.",
-    "The robot counted the blue boxes twice, wrote the number on a card and gave it to Sam.",
-]
+from tokenmill.core.scheduler import SpecDecodeStats
+from tokenmill.demo.eval import heldout
+from tokenmill.demo.tasks import CHECKABLE_TASKS
 
 
-def echo_prompts(llm: LLM, count: int) -> list[str]:
-    """Copy-a-passage requests, in the chat format when the tokenizer has a template."""
+def chat_prompts(llm: LLM, tasks: list[str], count: int) -> list[str]:
+    """`count` held-out demo prompts of `tasks` (round robin), rendered by the chat template."""
+    per_task = -(-count // len(tasks))
+    examples = heldout(per_task, tasks)
+    by_task = [[e for e in examples if e.task == t] for t in tasks]
+    chosen = [by_task[i % len(tasks)][i // len(tasks)] for i in range(count)]
     tokenizer = llm.get_tokenizer()
-    prompts = []
-    for i in range(count):
-        passage = " ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(2))
-        message = f"Repeat this text exactly: {passage}"
-        if tokenizer.chat_template:
-            message = tokenizer.apply_chat_template(
-                [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-            )
-        prompts.append(message)
-    return prompts
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": e.prompt}], tokenize=False, add_generation_prompt=True
+        )
+        for e in chosen
+    ]
 
 
 def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    """Replies end where the model ends them (after the copy), as a client would see."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=False)
     seconds = time.perf_counter() - start
@@ -60,61 +59,73 @@ def median_tokens_per_s(
     return {name: statistics.median(r) for name, r in runs.items()}
 
 
-def acceptance(llm: LLM) -> str:
-    stats = llm.get_stats().scheduler.spec_decode
-    if stats is None or not stats.num_draft_tokens:
+def acceptance(llm: LLM, before: SpecDecodeStats | None) -> str:
+    """Acceptance since the `before` snapshot of the engine's counters."""
+    now = llm.get_stats().scheduler.spec_decode
+    if now is None or before is None:
         return ""
-    rate = stats.num_accepted_tokens / stats.num_draft_tokens
-    return f"  (acceptance {rate:.0%}, mean acceptance length {stats.mean_acceptance_length:.2f})"
+    drafts = now.num_draft_tokens - before.num_draft_tokens
+    accepted = now.num_accepted_tokens - before.num_accepted_tokens
+    steps = now.num_drafts - before.num_drafts
+    if not drafts:
+        return "  (no drafts)"
+    mean_length = 1 + accepted / steps
+    return f"  (acceptance {accepted / drafts:.0%}, mean acceptance length {mean_length:.2f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--model", default=None, help="default: the demo target")
+    parser.add_argument("--draft-model", default=None, help="default: the demo target's draft")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     args = parser.parse_args()
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
+    if args.draft_model or args.model is None:
+        methods["draft"] = {
+            "method": "draft_model",
+            "model": args.draft_model,  # None: the demo draft
+            "num_speculative_tokens": args.k,
+        }
 
-    print("## batch 1: echo-style prompts, tokens/s")
-    batch1 = {
-        "no speculation": LLM(model=args.model, max_num_seqs=1),
-        "ngram k=4": LLM(model=args.model, max_num_seqs=1, speculative_config=ngram),
-    }
-    if args.draft_model:
-        draft = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 4}
-        batch1["draft model k=4"] = LLM(model=args.model, max_num_seqs=1, speculative_config=draft)
-    rates = median_tokens_per_s(
-        batch1, lambda llm: echo_prompts(llm, 2), args.max_tokens, args.repeats
-    )
-    base = rates["no speculation"]
-    for name, rate in rates.items():
-        print(f"  {name:<20} {rate:8.1f} tok/s  {rate / base:5.2f}x{acceptance(batch1[name])}")
+    def engine(max_num_seqs: int, spec: dict | None = None) -> LLM:
+        return LLM(model=args.model, max_num_seqs=max_num_seqs, speculative_config=spec)
+
+    echo, mix = ["copy"], list(CHECKABLE_TASKS)
+    batch1 = {"off": engine(1)}
+    for name, spec in methods.items():
+        batch1[f"{name} fixed k={args.k}"] = engine(1, {**spec, "adaptive": False})
+        batch1[f"{name} adaptive"] = engine(1, spec)
+    for label, tasks in (("echo (copy) prompts", echo), ("all demo tasks", mix)):
+        print(f"## batch 1, {label}: tokens/s")
+        before = {name: llm.get_stats().scheduler.spec_decode for name, llm in batch1.items()}
+        rates = median_tokens_per_s(
+            batch1, lambda llm, t=tasks: chat_prompts(llm, t, 2 * len(t)), args.max_tokens,
+            args.repeats,
+        )  # fmt: skip
+        base = rates["off"]
+        for name, rate in rates.items():
+            accepted = acceptance(batch1[name], before[name])
+            print(f"  {name:<22} {rate:8.1f} tok/s  {rate / base:5.2f}x{accepted}")
     del batch1
 
-    print("\n## throughput by concurrency, tokens/s (echo-style prompts)")
-    print(f"  {'concurrency':>11} {'off':>8} {'fixed k=4':>10} {'adaptive':>9}")
+    print("\n## throughput by concurrency, echo prompts, tokens/s (ratio to off)")
+    names = [f"{m} {mode}" for m in methods for mode in ("fixed", "adaptive")]
+    print(f"  {'concurrency':>11} {'off':>8} " + " ".join(f"{n:>16}" for n in names))
     for concurrency in (1, 8, 32, 64):
-        engines = {
-            "off": LLM(model=args.model, max_num_seqs=concurrency),
-            "fixed": LLM(
-                model=args.model,
-                max_num_seqs=concurrency,
-                speculative_config={**ngram, "adaptive": False},
-            ),
-            "adaptive": LLM(model=args.model, max_num_seqs=concurrency, speculative_config=ngram),
-        }
+        engines = {"off": engine(concurrency)}
+        for name, spec in methods.items():
+            engines[f"{name} fixed"] = engine(concurrency, {**spec, "adaptive": False})
+            engines[f"{name} adaptive"] = engine(concurrency, spec)
         count = max(2 * concurrency, 4)
         rates = median_tokens_per_s(
-            engines, lambda llm, n=count: echo_prompts(llm, n), args.max_tokens, args.repeats
-        )
-        off, fixed, adaptive = rates["off"], rates["fixed"], rates["adaptive"]
-        print(
-            f"  {concurrency:>11} {off:8.1f} {fixed:10.1f} {adaptive:9.1f}"
-            f"   fixed/off {rates['fixed'] / rates['off']:.2f}x,"
-            f" adaptive/off {rates['adaptive'] / rates['off']:.2f}x"
-        )
+            engines, lambda llm, n=count: chat_prompts(llm, echo, n), args.max_tokens,
+            args.repeats,
+        )  # fmt: skip
+        off = rates["off"]
+        cells = " ".join(f"{rates[n]:7.1f} ({rates[n] / off:.2f}x)" for n in names)
+        print(f"  {concurrency:>11} {off:8.1f} {cells}")
         del engines
 
 

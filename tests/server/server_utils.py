@@ -36,12 +36,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: Path, log_path: Path, *extra_args: str) -> Server:
-    """Start `tokenmill serve` and wait until /health answers 200."""
+def start_server(model_dir: Path | None, log_path: Path, *extra_args: str) -> Server:
+    """Start `tokenmill serve` and wait until /health answers 200. With no `model_dir`, the
+    server runs as a newcomer starts it: default model, default name."""
     port = free_port()
+    model_args = [] if model_dir is None else [str(model_dir), "--served-model-name", MODEL]
     command = [
-        sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(model_dir),
-        "--port", str(port), "--served-model-name", MODEL, "--api-key", API_KEY,
+        sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *model_args,
+        "--port", str(port), "--api-key", API_KEY,
         "--max-model-len", str(MAX_MODEL_LEN), "--disable-uvicorn-access-log",
         *extra_args,
     ]  # fmt: skip

@@ -343,9 +343,9 @@ def _tokenizer_dir(args: argparse.Namespace, configs: list[ServerConfig]) -> str
     if args.tokenizer or args.model:
         return args.tokenizer or args.model
     if all(c.url is None for c in configs):
-        from tokenmill.models.random_checkpoint import default_model_path
+        from tokenmill.demo import demo_model_path
 
-        return str(default_model_path())  # what `tokenmill serve` without --model serves
+        return str(demo_model_path("target"))  # what `tokenmill serve` without --model serves
     url = next(c.url for c in configs if c.url is not None)
     return asyncio.run(resolve_model(url, None, None))[1]
 

@@ -15,6 +15,7 @@ from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.demo import DEMO_TARGET_NAME, default_draft_for, demo_model_path
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
@@ -24,7 +25,6 @@ from tokenmill.models.loader import (
     load_model,
     sampling_defaults,
 )
-from tokenmill.models.random_checkpoint import default_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
@@ -253,10 +253,14 @@ class LLMEngine:
         assert isinstance(spec, SpeculativeConfig)
         if spec.method != "draft_model":
             return None
-        if spec.model is None:
-            raise ConfigError("speculative_config method draft_model needs a model path")
-        hf_config, architecture = load_hf_config(spec.model)
-        draft = load_model(spec.model, hf_config, architecture, self.dtype, self.device)
+        draft_dir = spec.model or default_draft_for(self.model_dir)
+        if draft_dir is None:
+            raise ConfigError(
+                "speculative_config method draft_model needs a model path (only the built-in "
+                "demo target has a default draft)"
+            )
+        hf_config, architecture = load_hf_config(draft_dir)
+        draft = load_model(draft_dir, hf_config, architecture, self.dtype, self.device)
         if draft.shape.vocab_size != target.shape.vocab_size:
             raise ConfigError(
                 f"the draft model's vocabulary ({draft.shape.vocab_size}) differs from the "
@@ -331,10 +335,6 @@ class LLMEngine:
 
 
 def _default_model() -> Path:
-    path = default_model_path()
-    logger.warning(
-        "no model given: using the built-in default model at %s. Its weights are random, "
-        "so its output is meaningless.",
-        path,
-    )
+    path = demo_model_path("target")
+    logger.info("no model given: using the built-in demo model %s (%s)", DEMO_TARGET_NAME, path)
     return path

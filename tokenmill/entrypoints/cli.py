@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(commands)
     _add_generate(commands)
     _add_bench(commands)
+    _add_eval(commands)
+    _add_models(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -125,6 +127,34 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
     run_throughput(args, engine_config_from_args(args))
     return 0
+
+
+def _add_eval(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "eval", help="exact-match accuracy per task of the demo model on held-out prompts"
+    )
+    from tokenmill.demo.commands import add_eval_args
+
+    add_eval_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from tokenmill.demo.commands import run_eval
+
+    return run_eval(args)
+
+
+def _add_models(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("models", help="list the built-in models and what they can do")
+    parser.set_defaults(handler=_models)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from tokenmill.demo.commands import run_models
+
+    return run_models(args)
 
 
 if __name__ == "__main__":

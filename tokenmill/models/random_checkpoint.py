@@ -1,6 +1,6 @@
 """Small random-weight checkpoints in the real Hugging Face format.
 
-Tests and the built-in default model need real `config.json` + safetensors + `tokenizer.json`
+Tests and benchmarks need real `config.json` + safetensors + `tokenizer.json`
 directories without downloading anything, so everything here is generated locally and
 deterministically: a byte-level BPE trained on a built-in corpus, and random weights scaled so
 that next-token logits are well spread (greedy decoding has no near-ties).
@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import random
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +83,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 
-DEFAULT_MODEL_NAME = "default-random-llama-v1"
 
 # Target standard deviation of the next-token logits of a random model.
 _LOGIT_STD = 4.0
@@ -228,9 +225,9 @@ def build_corpus(num_sentences: int = 8000, seed: int = 0) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    """Train the byte-level BPE once per process and vocab size; returns tokenizer.json text."""
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on `texts`: Qwen2-style pre-tokenizer (one digit per token),
+    BOS added to plain prompts by the post-processor."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -247,7 +244,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(build_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.Sequence(
         [
@@ -259,22 +256,34 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
             ),
         ]
     )
-    return tokenizer.to_str()
+    return tokenizer
 
 
-def train_tokenizer(save_dir: str | Path, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """Train (deterministically) a byte-level BPE with ChatML template and save it to save_dir."""
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+def wrap_tokenizer(tokenizer: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
+    """The transformers tokenizer with our special tokens and the ChatML chat template."""
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
         clean_up_tokenization_spaces=False,
-        model_max_length=2048,
+        model_max_length=model_max_length,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train the byte-level BPE once per process and vocab size; returns tokenizer.json text."""
+    return train_bpe(build_corpus(), vocab_size).to_str()
+
+
+def train_tokenizer(save_dir: str | Path, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """Train (deterministically) a byte-level BPE with ChatML template and save it to save_dir."""
+    tokenizer = wrap_tokenizer(Tokenizer.from_str(_trained_tokenizer_json(vocab_size)), 2048)
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(save_dir))
     return tokenizer
@@ -436,53 +445,6 @@ def save_random_checkpoint(
     return save_dir
 
 
-# ---------------------------------------------------------------------------------------------
-# Built-in default model
-# ---------------------------------------------------------------------------------------------
-
-
 def cache_dir() -> Path:
     """Where built artefacts live: $TOKENMILL_CACHE, else ~/.cache/tokenmill."""
     return Path(os.environ.get("TOKENMILL_CACHE", "~/.cache/tokenmill")).expanduser()
-
-
-def _build_default_model(save_dir: Path) -> None:
-    """The default model's recipe; bump DEFAULT_MODEL_NAME's version when changing it."""
-    tokenizer_dir = save_dir / ".tokenizer"
-    train_tokenizer(tokenizer_dir, vocab_size=2048)
-    save_random_checkpoint(
-        save_dir,
-        "llama",
-        tokenizer_dir=tokenizer_dir,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=688,
-        max_position_embeddings=2048,
-        seed=0,
-    )
-    shutil.rmtree(tokenizer_dir)
-    (save_dir / "tokenmill_random.json").write_text(
-        json.dumps({"name": DEFAULT_MODEL_NAME, "random_weights": True}) + "\n"
-    )
-
-
-def default_model_path() -> Path:
-    """The built-in default model, built once into the cache (race-safe across processes)."""
-    final = cache_dir() / DEFAULT_MODEL_NAME
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=final.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-        _build_default_model(tmp)
-        try:
-            os.rename(tmp, final)  # atomic: readers see nothing or a complete directory
-        except OSError:
-            if not final.is_dir():
-                raise  # a real failure, not a lost race
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

@@ -13,20 +13,20 @@ import logging
 import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from tokenmill.demo import DEMO_TARGET_NAME
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.api_server import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
-from tokenmill.models.random_checkpoint import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("tokenmill.server")
 
 
 def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
-    model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     async_engine = AsyncEngine(

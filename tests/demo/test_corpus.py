@@ -1,0 +1,88 @@
+"""The synthetic corpus: reproducible by seed, correct answers, held-out prompts kept out."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+
+from tokenmill.demo.corpus import (
+    MAX_HELDOUT_PER_TASK,
+    build_corpus,
+    heldout_examples,
+    iter_corpus,
+    training_exclusions,
+)
+from tokenmill.demo.tasks import CHECKABLE_TASKS, Example
+
+
+def test_same_seed_gives_the_same_corpus_and_another_seed_does_not() -> None:
+    assert build_corpus(7, 300) == build_corpus(7, 300)
+    assert build_corpus(7, 300) != build_corpus(8, 300)
+
+
+def test_corpus_mixes_every_task() -> None:
+    tasks = {e.task for e in build_corpus(0, 2000)}
+    assert set(CHECKABLE_TASKS) <= tasks
+    assert {"story", "story_chat", "greeting"} <= tasks
+
+
+def test_heldout_slices_are_prefixes_of_larger_slices() -> None:
+    small, large = heldout_examples(3), heldout_examples(10)
+    for task in CHECKABLE_TASKS:
+        assert [e for e in small if e.task == task] == [e for e in large if e.task == task][:3]
+
+
+def test_heldout_set_depends_on_its_seed_only() -> None:
+    assert heldout_examples(5, seed=1) == heldout_examples(5, seed=1)
+    assert heldout_examples(5, seed=1) != heldout_examples(5, seed=2)
+    assert heldout_examples(4, tasks=["add"]) == [e for e in heldout_examples(4) if e.task == "add"]
+
+
+def test_training_corpus_contains_no_heldout_prompt() -> None:
+    excluded = training_exclusions()
+    assert len(excluded) == MAX_HELDOUT_PER_TASK * len(CHECKABLE_TASKS)
+    docs = itertools.islice(iter_corpus(0, excluded), 20_000)
+    assert not any(d.prompt in excluded for d in docs)
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", text)]
+
+
+def _check_answer(e: Example) -> None:
+    """An independent reading of each task's prompt, so a generator bug can't teach nonsense."""
+    prompt = e.prompt or ""
+    listing = prompt.split(":", 1)[-1].split("?", 1)[-1].strip()
+    if e.task == "copy":
+        assert prompt.endswith("\n" + e.answer)
+    elif e.task == "reverse":
+        assert e.answer.split() == listing.split()[::-1]
+    elif e.task == "sort":
+        assert _numbers(e.answer) == sorted(_numbers(listing))
+    elif e.task in ("add", "subtract"):
+        a, b = _numbers(prompt)
+        if prompt.startswith("Subtract"):
+            a, b = b, a
+        assert int(e.answer) == (a + b if e.task == "add" else a - b) >= 0
+    elif e.task == "count":
+        assert int(e.answer) == len(listing.split(","))
+    elif e.task == "case":
+        assert e.answer in (listing.upper(), listing.lower()) and e.answer != listing
+    elif e.task == "lookup":  # the reply quotes the one table line of the asked-for key
+        key = prompt.rsplit(" ", 1)[-1].rstrip("?")
+        assert e.answer.startswith(f"- {key}: ") and _numbers(e.answer)
+        assert f"\n{e.answer}\n" in prompt and prompt.count(f"- {key}:") == 1
+    elif e.task == "pattern":
+        assert len(e.answer.split()) == 3
+    else:
+        pytest.fail(f"no check for task {e.task}")
+
+
+@pytest.mark.parametrize("task", sorted(CHECKABLE_TASKS))
+def test_every_answer_is_right(task: str) -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        _check_answer(CHECKABLE_TASKS[task](rng))
