@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import ConfigError
 from tokenmill.models.loader import sampling_defaults
 
 PROMPTS = [[5, 9, 13, 200], [7, 7, 31]]
@@ -68,3 +69,16 @@ def test_generation_config_from_another_directory(tiny_checkpoint, tmp_path: Pat
         generation_config=str(tmp_path),
     )
     assert llm.get_default_sampling_params().top_p == 0.5
+
+
+def test_transformers_default_top_k_is_not_a_model_default(tiny_checkpoint, tmp_path) -> None:
+    model = _with_generation_config(tiny_checkpoint("llama"), tmp_path / "m", top_k=50, top_p=0.9)
+    assert sampling_defaults(model) == {"top_p": 0.9}
+
+
+def test_bad_generation_config_fails_at_start_up(tiny_checkpoint, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="has none"):
+        LLM(model=str(tiny_checkpoint("llama")), generation_config=str(tmp_path / "typo"))
+    model = _with_generation_config(tiny_checkpoint("llama"), tmp_path / "m", temperature=-1.0)
+    with pytest.raises(ConfigError, match="invalid default"):
+        LLM(model=str(model), max_model_len=64)

@@ -278,7 +278,16 @@ class LLMEngine:
         source = self.config.generation_config
         if source == "vllm":
             return {}
+        if source != "auto" and not (Path(source) / "generation_config.json").is_file():
+            raise ConfigError(
+                f"generation_config must be auto, vllm or a directory with a "
+                f"generation_config.json; {source!r} has none"
+            )
         defaults = sampling_defaults(self.model_dir if source == "auto" else source)
+        try:
+            SamplingParams(**defaults)
+        except InvalidRequestError as e:
+            raise ConfigError(f"generation_config.json sets an invalid default: {e}") from e
         if defaults:
             logger.info("default sampling parameters from generation_config.json: %s", defaults)
         return defaults

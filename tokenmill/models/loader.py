@@ -79,6 +79,10 @@ def eos_token_ids(model_dir: str | Path, hf_config: Any) -> set[int]:
 
 # generation_config.json fields that become default sampling parameters, as vLLM reads them.
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# vLLM applies only the fields that differ from transformers' defaults. transformers 4 wrote
+# `top_k: 50` into many files as its default, not as the model's wish; the other v4 defaults
+# equal ours (temperature 1.0 etc.), so applying them changes nothing.
+_TRANSFORMERS_V4_DEFAULTS = {"top_k": 50}
 
 
 def sampling_defaults(config_dir: str | Path) -> dict[str, float]:
@@ -94,7 +98,11 @@ def sampling_defaults(config_dir: str | Path) -> dict[str, float]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
-    return {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
+    return {
+        k: config[k]
+        for k in SAMPLING_DEFAULT_FIELDS
+        if config.get(k) is not None and config[k] != _TRANSFORMERS_V4_DEFAULTS.get(k)
+    }
 
 
 def load_model(
