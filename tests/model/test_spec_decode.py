@@ -238,14 +238,22 @@ def test_draft_model_catches_up_after_steps_without_drafts(
     llm = make(target, spec, **ENGINE_VARIANTS[variant])
     llm.engine.scheduler.spec_policy = _SkippingPolicy()
     assert generate(llm, prompts, greedy()) == reference
-    stats = llm.get_stats().scheduler.spec_decode
-    assert stats is not None and stats.num_draft_tokens > 0
-    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    stats = llm.get_stats().scheduler
+    assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
+    assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
+    if variant == "preempting":
+        assert stats.num_preemptions > 0
 
 
-def test_draft_catch_up_split_over_several_forwards(target, prompts, reference, monkeypatch):
-    """Catch-up forwards under a 7-token budget: prompts are split mid-request."""
-    monkeypatch.setattr("tokenmill.spec_decode.draft_model.CATCH_UP_TOKENS_PER_FORWARD", 7)
+@pytest.mark.parametrize("forward_tokens, extra_tokens", [(7, 256), (2048, 3)])
+def test_draft_catch_up_split_over_forwards_and_steps(
+    target, prompts, reference, monkeypatch, forward_tokens, extra_tokens
+):
+    """Catch-up forwards of 7 tokens split prompts mid-request; a 3-token budget beyond the
+    steady state's spreads a request's catch-up over several steps before it drafts."""
+    module = "tokenmill.spec_decode.draft_model"
+    monkeypatch.setattr(f"{module}.CATCH_UP_TOKENS_PER_FORWARD", forward_tokens)
+    monkeypatch.setattr(f"{module}.CATCH_UP_EXTRA_TOKENS", extra_tokens)
     spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
     llm = make(target, spec)
     llm.engine.scheduler.spec_policy = _SkippingPolicy()

@@ -193,7 +193,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.max_num_batched_tokens)
         if self.spec_policy is not None:
-            plan.num_to_propose = self.spec_policy.choose(len(self.running))
+            # Requests that will decode this step (one token left to compute), as observed.
+            num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            plan.num_to_propose = self.spec_policy.choose(num_decoding)
             plan.lookahead = plan.num_to_propose if self.spec_lookahead else 0
         admitting = self._may_admit()
         self._schedule_running(plan)

@@ -3,8 +3,9 @@
 The draft model keeps its own KV cache in the target's block layout: same block ids, same slot
 mapping, its own tensors. It computes that cache lazily: only when asked to propose does it
 run over the tokens it has not seen yet (a whole prompt the first time, afterwards the tokens
-verified since its last proposal), then it proposes k tokens greedily, one batched decode step
-per token. Steps where the policy drafts nothing therefore cost the draft model nothing, so
+verified since its last proposal; within a budget per step, so a request far behind drafts
+a step or a few later), then it proposes k tokens greedily, one batched decode step per
+token. Steps where the policy drafts nothing therefore cost the draft model nothing, so
 speculation switched down to k = 0 under load costs what no speculation costs. Proposals are
 deterministic, which is what the verifier assumes (see rejection_sampler.py).
 """
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 
 # Tokens per catch-up forward: a batch of new prompts is split like a prefill under a budget.
 CATCH_UP_TOKENS_PER_FORWARD = 2048
+# Catch-up tokens per step beyond the steady state's: bounds what drafting again after steps
+# without drafts (the policy exploring) costs, when every running request is behind.
+CATCH_UP_EXTRA_TOKENS = 256
 
 # (request, first position, end position) of one request's tokens in a catch-up forward.
 Piece = tuple["CachedRequestState", int, int]
@@ -47,12 +51,24 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
-        """k greedy tokens for every request that has room for them. A request stops early
-        where its block table has no slot left (it is near `max_model_len`)."""
+        """k greedy tokens for every request that has room for them and whose catch-up fits
+        this step's budget. A request stops early where its block table has no slot left
+        (it is near `max_model_len`)."""
         active = [s for s in states if self._has_slot(s, len(s.token_ids) - 1)]
         if not active:
             return {}
-        tokens = self._catch_up(active)
+        # Steady state needs at most k + 1 tokens per request (the accepted drafts and the
+        # bonus token); new prompts, and requests back from steps without drafts, share
+        # CATCH_UP_EXTRA_TOKENS more, smallest gap first, and draft once caught up.
+        budget = CATCH_UP_EXTRA_TOKENS + (num_tokens + 1) * len(active)
+        ends: list[tuple[CachedRequestState, int]] = []
+        for state in sorted(active, key=lambda s: len(s.token_ids) - s.num_draft_computed_tokens):
+            gap = len(state.token_ids) - state.num_draft_computed_tokens
+            ends.append((state, state.num_draft_computed_tokens + min(gap, budget)))
+            budget -= min(gap, budget)
+        first_tokens = self._catch_up(ends)
+        active = [s for s in active if s.req_id in first_tokens]
+        tokens = [first_tokens[s.req_id] for s in active]
         proposals: dict[str, list[int]] = {s.req_id: [t] for s, t in zip(active, tokens)}
         for step in range(1, num_tokens):
             positions = [len(s.token_ids) - 1 + step for s in active]
@@ -69,15 +85,16 @@ class DraftModelProposer:
     def _has_slot(self, state: CachedRequestState, position: int) -> bool:
         return position < len(state.block_ids) * self.block_size and position < self.max_position
 
-    def _catch_up(self, states: list[CachedRequestState]) -> list[int]:
-        """Run the draft over each request's tokens it has no KV for, through the last one,
-        and return its greedy next token per request. Positions after a request's last
-        token hold the previous proposals' KV, which may be wrong: they are never counted."""
+    def _catch_up(self, ends: list[tuple[CachedRequestState, int]]) -> dict[str, int]:
+        """Run the draft over each request's tokens it has no KV for, up to the given end;
+        for requests brought up to their last token, return the greedy next token. Positions
+        after a request's last token hold the previous proposals' KV, which may be wrong:
+        they are never counted."""
         first_tokens: dict[str, int] = {}
         pieces: list[Piece] = []
         room = CATCH_UP_TOKENS_PER_FORWARD
-        for state in states:
-            start, end = state.num_draft_computed_tokens, len(state.token_ids)
+        for state, end in ends:
+            start = state.num_draft_computed_tokens
             while start < end:
                 if room == 0:
                     first_tokens.update(self._forward_pieces(pieces))
@@ -87,7 +104,7 @@ class DraftModelProposer:
                 start, room = start + count, room - count
             state.num_draft_computed_tokens = end
         first_tokens.update(self._forward_pieces(pieces))
-        return [first_tokens[s.req_id] for s in states]
+        return first_tokens
 
     def _forward_pieces(self, pieces: list[Piece]) -> dict[str, int]:
         """One forward over the pieces; the greedy next token of each piece that ends at its

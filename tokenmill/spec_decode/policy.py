@@ -1,4 +1,4 @@
-"""How many tokens to speculate this step: never slower than not speculating.
+"""How many tokens to speculate this step, aiming never to be slower than not speculating.
 
 Speculation pays when a forward pass costs about the same for 1 or k + 1 tokens per request
 (small batches: reading the weights dominates) and the drafts are often right. At high
@@ -10,9 +10,9 @@ The policy is a small bandit per batch-size bucket (decoding requests 1, 2-3, 4-
 k in 0..max_k: it runs the k with the best measured decode throughput and now and then
 (every 16 steps, backing off to every 128 while the best k stays the same) tries a neighbour
 of the best, so a change in acceptance (a new kind of prompt) is noticed. The first bucket
-tries every k; later ones start from the best k of the nearest bucket measured (batch sizes
-next to each other behave alike), because for a draft model trying a k after k = 0 is
-expensive: it catches up on every request's context.
+tries every k; later ones first compare k = 0 with the best k of the nearest bucket
+measured (batch sizes next to each other behave alike), because for a draft model every
+switch from k = 0 to drafting costs a catch-up over the requests' contexts.
 Under load most steps also carry prefill chunks of newly admitted requests, so a step's time
 is modelled as
 
@@ -37,6 +37,7 @@ class _StepFit:
     y = seconds, t = decode tokens generated."""
 
     weight: float = 0.0
+    fastest: float = float("inf")  # the shortest step seen
     x: float = 0.0
     y: float = 0.0
     t: float = 0.0
@@ -45,6 +46,7 @@ class _StepFit:
 
     def add(self, x: float, y: float, t: float, decay: float) -> None:
         self.weight = decay * self.weight + 1.0
+        self.fastest = min(self.fastest, y)
         self.x = decay * self.x + x
         self.y = decay * self.y + y
         self.t = decay * self.t + t
@@ -86,7 +88,9 @@ class SpeculationPolicy:
         return max(num_decodes, 1).bit_length()
 
     def choose(self, num_decodes: int) -> int:
-        if not self.adaptive or num_decodes == 0:
+        """k for a step with `num_decodes` decoding requests (0: requests finishing their
+        prefill draft as a batch of one would)."""
+        if not self.adaptive:
             return self.max_k
         bucket = self.bucket(num_decodes)
         self.steps[bucket] += 1
@@ -94,20 +98,21 @@ class SpeculationPolicy:
         if untried and {b for b, _ in self.fits} <= {bucket}:
             return untried[0]  # the first bucket: try every k
         rates = self.throughput(bucket)
-        if not rates:
-            return self._starting_k(bucket)
+        for k in (0, self._starting_k(bucket)):  # a new bucket compares these two first
+            if k not in rates:
+                return k
         best = max(rates, key=rates.__getitem__)
         if self.steps[bucket] < self.next_explore.get(bucket, self.explore_every):
             return best
         return self._explore(bucket, best)
 
     def _starting_k(self, bucket: int) -> int:
-        """A bucket seen for the first time starts from the best k of the nearest bucket
-        measured (batch sizes next to each other behave alike), or from max_k."""
-        measured = {b for b, _ in self.fits}
-        if not measured:
+        """The best k of the nearest other bucket measured (batch sizes next to each other
+        behave alike), else max_k."""
+        others = {b for b, _ in self.fits} - {bucket}
+        if not others:
             return self.max_k
-        nearest = min(measured, key=lambda b: (abs(b - bucket), b))
+        nearest = min(others, key=lambda b: (abs(b - bucket), b))
         rates = self.throughput(nearest)
         return max(rates, key=rates.__getitem__)
 
@@ -162,7 +167,8 @@ class SpeculationPolicy:
         rates = {}
         for k, fit in fits.items():
             cost = (fit.y - slope * fit.x) / fit.weight
-            # A fit can overshoot on few samples; a step's cost is never below its fastest.
-            cost = max(cost, 1e-3 * fit.y / fit.weight)
+            # A fit can overshoot on few samples: a decode cost under half the shortest step
+            # seen is not believed.
+            cost = max(cost, 0.5 * fit.fastest)
             rates[k] = fit.t / fit.weight / cost
         return rates
