@@ -15,7 +15,7 @@ import gc
 import time
 
 from tokenmill import LLM
-from tokenmill.demo.eval import evaluate, heldout, offline_replies
+from tokenmill.demo.eval import heldout, offline_replies, replies_to, score
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 
 SETTINGS: dict[str, dict] = {
@@ -36,18 +36,22 @@ def main() -> None:
     args = parser.parse_args()
     examples = heldout(args.num_per_task)
     columns: dict[str, dict[str, int]] = {}
+    baseline: list[str] | None = None
     for name, settings in SETTINGS.items():
         llm = LLM(dtype="float32", **settings)
         start = time.perf_counter()
-        report = evaluate(examples, offline_replies(llm))
+        replies = replies_to(examples, offline_replies(llm))
         seconds = time.perf_counter() - start
+        report = score(examples, replies)
+        baseline = baseline or replies
         stats = llm.get_stats().scheduler
         columns[name] = {t: s.num_correct for t, s in report.scores.items()}
         columns[name]["(preemptions)"] = stats.num_preemptions
+        columns[name]["(replies unlike baseline)"] = sum(a != b for a, b in zip(replies, baseline))
         print(f"{name}: overall {report.overall:.3f} in {seconds:.0f} s", flush=True)
         del llm
         gc.collect()
-    rows = [*CHECKABLE_TASKS, "(preemptions)"]
+    rows = [*CHECKABLE_TASKS, "(preemptions)", "(replies unlike baseline)"]
     print(f"\ncorrect of {args.num_per_task} per task")
     print("| task | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")

@@ -9,7 +9,9 @@ import re
 import pytest
 
 from tokenmill.demo.corpus import (
+    CURRICULUM_WEIGHTS,
     MAX_HELDOUT_PER_TASK,
+    POLISH_WEIGHTS,
     build_corpus,
     heldout_examples,
     iter_corpus,
@@ -41,11 +43,17 @@ def test_heldout_set_depends_on_its_seed_only() -> None:
     assert heldout_examples(4, tasks=["add"]) == [e for e in heldout_examples(4) if e.task == "add"]
 
 
-def test_training_corpus_contains_no_heldout_prompt() -> None:
+@pytest.mark.parametrize("weights", [None, CURRICULUM_WEIGHTS, POLISH_WEIGHTS])
+def test_training_corpus_contains_no_heldout_prompt(weights) -> None:
+    """The streams train.py draws from (main mix, copy curriculum, polish mix) drop every
+    held-out prompt, which they would otherwise contain."""
     excluded = training_exclusions()
     assert len(excluded) == MAX_HELDOUT_PER_TASK * len(CHECKABLE_TASKS)
-    docs = itertools.islice(iter_corpus(0, excluded), 20_000)
-    assert not any(d.prompt in excluded for d in docs)
+    unfiltered = itertools.islice(iter_corpus(0, (), weights), 20_000)
+    if weights is not CURRICULUM_WEIGHTS:  # 5-20 random words: never a held-out prompt
+        assert any(d.prompt in excluded for d in unfiltered)
+    filtered = itertools.islice(iter_corpus(0, excluded, weights), 20_000)
+    assert not any(d.prompt in excluded for d in filtered)
 
 
 def _numbers(text: str) -> list[int]:

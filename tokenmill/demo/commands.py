@@ -31,6 +31,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
         "--url", default=None, help="evaluate a running server (e.g. http://localhost:8000)"
     )
     group.add_argument("--served-model-name", default=None, help="with --url; default: first")
+    group.add_argument("--api-key", default=None, help="with --url: the server's API key")
     group.add_argument("--concurrency", type=int, default=32, help="with --url: parallel requests")
     group.add_argument("--output-json", type=Path, default=None, help="write the scores here")
     group.add_argument(
@@ -58,7 +59,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-per-task must be >= 1, got {args.num_per_task}")
     examples = heldout(args.num_per_task, tasks, seed=args.eval_seed)
     if args.url:
-        reply_fn = server_replies(args.url, args.served_model_name, args.concurrency)
+        reply_fn = server_replies(args.url, args.served_model_name, args.concurrency, args.api_key)
         source = args.url
     else:
         llm = _offline_llm(args)

@@ -3,8 +3,9 @@
 Greedy replies are compared with the expected answers after stripping surrounding
 whitespace. The held-out prompts come from their own seed and never appear in the training
 corpus. Because greedy decoding is deterministic, an engine setting that must not change the
-model's answers (chunked prefill, prefix caching, FP8 KV cache, speculative decoding,
-preemption) shows up here as a changed table: run it with and without the setting.
+model's answers (chunked prefill, prefix caching, speculative decoding, preemption) shows up
+here as a changed table: run it with and without the setting. FP8 KV rounds the cache and
+may move a few answers (benchmarks/eval_settings.py).
 """
 
 from __future__ import annotations
@@ -95,20 +96,29 @@ def is_correct(example: Example, reply: str) -> bool:
     return reply.strip() == example.answer
 
 
-def evaluate(examples: Sequence[Example], reply_fn: ReplyFn) -> EvalReport:
-    """Score `reply_fn`'s greedy replies to every example's prompt, per task."""
+def replies_to(examples: Sequence[Example], reply_fn: ReplyFn) -> list[str]:
+    """`reply_fn`'s greedy reply to every example's prompt, in order."""
     prompts = [e.prompt or "" for e in examples]
     max_tokens = [len(e.answer) + _EXTRA_TOKENS for e in examples]
-    replies = reply_fn(prompts, max_tokens)
+    return reply_fn(prompts, max_tokens)
+
+
+def score(examples: Sequence[Example], replies: Sequence[str]) -> EvalReport:
+    """Exact-match scores of `replies` (one per example), per task."""
     scores: dict[str, TaskScore] = {}
-    for example, reply in zip(examples, replies):
-        score = scores.setdefault(example.task, TaskScore(example.task))
-        score.num_total += 1
+    for example, reply in zip(examples, replies, strict=True):
+        task_score = scores.setdefault(example.task, TaskScore(example.task))
+        task_score.num_total += 1
         if is_correct(example, reply):
-            score.num_correct += 1
+            task_score.num_correct += 1
         else:
-            score.failures.append((example, reply))
+            task_score.failures.append((example, reply))
     return EvalReport(scores)
+
+
+def evaluate(examples: Sequence[Example], reply_fn: ReplyFn) -> EvalReport:
+    """Score `reply_fn`'s greedy replies to every example's prompt, per task."""
+    return score(examples, replies_to(examples, reply_fn))
 
 
 def offline_replies(llm: Any) -> ReplyFn:
@@ -124,12 +134,17 @@ def offline_replies(llm: Any) -> ReplyFn:
     return reply
 
 
-def server_replies(base_url: str, model: str | None = None, concurrency: int = 32) -> ReplyFn:
+def server_replies(
+    base_url: str, model: str | None = None, concurrency: int = 32, api_key: str | None = None
+) -> ReplyFn:
     """Replies from a running OpenAI-compatible server's /v1/chat/completions."""
     base_url = base_url.rstrip("/")
     if not base_url.endswith("/v1"):
         base_url += "/v1"
-    name = model or _get_json(f"{base_url}/models")["data"][0]["id"]
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    name = model or _get_json(f"{base_url}/models", headers)["data"][0]["id"]
 
     def one(prompt: str, max_tokens: int) -> str:
         body = {
@@ -138,7 +153,8 @@ def server_replies(base_url: str, model: str | None = None, concurrency: int = 3
             "temperature": 0.0,
             "max_tokens": max_tokens,
         }
-        return _post_json(f"{base_url}/chat/completions", body)["choices"][0]["message"]["content"]
+        response = _post_json(f"{base_url}/chat/completions", body, headers)
+        return response["choices"][0]["message"]["content"]
 
     def reply(prompts: Sequence[str], max_tokens: Sequence[int]) -> list[str]:
         with ThreadPoolExecutor(concurrency) as pool:
@@ -147,15 +163,13 @@ def server_replies(base_url: str, model: str | None = None, concurrency: int = 3
     return reply
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.load(response)
+def _get_json(url: str, headers: dict[str, str]) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
+        return json.load(r)
 
 
-def _post_json(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def _post_json(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=600) as response:
         return json.load(response)
 

@@ -231,7 +231,7 @@ def train(
     base_checkpoint: Path | None = None,
 ) -> None:
     """Train `name` from scratch, or only its polish schedule from `base_checkpoint` (the
-    model as the first schedule left it; `--work-dir`'s `checkpoint` after a full run)."""
+    model as the main schedule left it: `<work-dir>/<name>/main`, saved by a full run)."""
     spec = DEMO_MODELS[name]
     train_spec = _with_steps(spec.train, num_steps)
     run_dir = work_dir / name
@@ -281,13 +281,16 @@ def train(
         )
         step_offset += phase_spec.num_steps
         num_tokens += rows.input_ids.numel()
-    summary = {
-        "num_parameters": num_params,
-        "num_train_tokens": num_tokens,
-        "num_steps": step_offset,
-        "train_seconds": base_seconds + round(time.time() - start),
-        "final_val_loss": history["val"][-1]["losses"],
-    }
+        summary = {
+            "num_parameters": num_params,
+            "num_train_tokens": num_tokens,
+            "num_steps": step_offset,
+            "train_seconds": base_seconds + round(time.time() - start),
+            "final_val_loss": history["val"][-1]["losses"],
+        }
+        if phase == "train" and spec.polish is not None:
+            # What --base-checkpoint takes to rerun only the polish.
+            save_checkpoint(model, tokenizer, spec, run_dir / "main", summary)
     save_checkpoint(model, tokenizer, spec, out_dir, summary)
     logger.info("%s: saved to %s after %.0f s", name, out_dir, time.time() - start)
 
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "--base-checkpoint",
         type=Path,
         default=None,
-        help="skip the first schedule: polish this checkpoint (what the first one produced)",
+        help="skip the main schedule: polish this checkpoint (<work-dir>/<model>/main)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
