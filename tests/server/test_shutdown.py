@@ -74,7 +74,11 @@ def test_sigterm_drains_in_flight_requests_then_exits(model_dir: Path, tmp_path:
         # "ended by SIGTERM" (the log line below shows the shutdown ran to completion).
         assert server.process.returncode in (0, -signal.SIGTERM)
         assert time.monotonic() - signal_time < GRACE_SECONDS + 10
-        assert long_events and long_events[-1] != "[DONE]", "the long stream should be cut"
+        # Cut: the connection closes mid-stream, or (when the engine shuts down before uvicorn
+        # cancels the stream, as happens on a loaded machine) an error event ends it.
+        assert long_events, "the long stream never started"
+        errored = any(e.startswith('{"error"') for e in long_events)
+        assert long_events[-1] != "[DONE]" or errored, "the long stream should be cut"
         received = sum(len(json.loads(e)["choices"]) for e in long_events if e.startswith("{"))
         assert received < 128 * 2000
         assert "Application shutdown complete" in server.log
