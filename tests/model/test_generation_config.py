@@ -76,6 +76,15 @@ def test_transformers_default_top_k_is_not_a_model_default(tiny_checkpoint, tmp_
     assert sampling_defaults(model) == {"top_p": 0.9}
 
 
+def test_max_new_tokens_is_the_default_max_tokens(tiny_checkpoint, tmp_path: Path) -> None:
+    model = _with_generation_config(tiny_checkpoint("llama"), tmp_path / "m", max_new_tokens=7)
+    llm = LLM(model=str(model), max_model_len=64)
+    assert llm.get_default_sampling_params().max_tokens == 7
+    params = llm.get_default_sampling_params(ignore_eos=True)
+    output = llm.generate([[5, 9, 13]], params, use_tqdm=False)[0].outputs[0]
+    assert len(output.token_ids) == 7
+
+
 def test_bad_generation_config_fails_at_start_up(tiny_checkpoint, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has none"):
         LLM(model=str(tiny_checkpoint("llama")), generation_config=str(tmp_path / "typo"))

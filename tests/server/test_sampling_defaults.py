@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.params import chat_params, completion_params
+from tokenmill.entrypoints.openai.params import chat_params, completion_params, resolve_max_tokens
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL_DEFAULTS = {"temperature": 0.2, "top_k": 20}
@@ -25,3 +25,10 @@ def test_request_values_win_and_null_means_default() -> None:
 def test_without_model_defaults_openai_defaults_apply() -> None:
     params = chat_params(ChatCompletionRequest(messages=MESSAGES), 8, {})
     assert (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)
+
+
+def test_model_max_new_tokens_caps_requests_that_set_no_max_tokens() -> None:
+    assert resolve_max_tokens(None, 10, 100, "max_tokens", model_default=32) == 32
+    assert resolve_max_tokens(None, 80, 100, "max_tokens", model_default=32) == 20
+    assert resolve_max_tokens(50, 10, 100, "max_tokens", model_default=32) == 50
+    assert resolve_max_tokens(None, 10, 100, "max_tokens") == 90

@@ -98,11 +98,14 @@ def sampling_defaults(config_dir: str | Path) -> dict[str, float]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
-    return {
+    defaults = {
         k: config[k]
         for k in SAMPLING_DEFAULT_FIELDS
         if config.get(k) is not None and config[k] != _TRANSFORMERS_V4_DEFAULTS.get(k)
     }
+    if config.get("max_new_tokens") is not None:  # a cap for requests that set none
+        defaults["max_tokens"] = config["max_new_tokens"]
+    return defaults
 
 
 def load_model(

@@ -26,15 +26,20 @@ _NULLABLE_DEFAULTS = {
 
 
 def resolve_max_tokens(
-    requested: int | None, num_prompt_tokens: int, max_model_len: int, param: str
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    param: str,
+    model_default: int | None = None,
 ) -> int:
-    """The tokens to generate: as requested, or (null) the rest of the context; a 400 when the
-    prompt and the request together exceed the context, as vLLM answers."""
+    """The tokens to generate: as requested, or (null) the rest of the context, capped by the
+    model's `max_new_tokens` if its generation_config.json sets one; a 400 when the prompt and
+    the request together exceed the context, as vLLM answers."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         if room <= 0:
             raise context_length_error(num_prompt_tokens, None, max_model_len, "messages")
-        return room
+        return room if model_default is None else min(room, model_default)
     if requested < 0:
         raise bad_request(f"{param} must be >= 0, got {requested}", param=param)
     if requested > room:

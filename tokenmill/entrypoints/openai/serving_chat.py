@@ -64,7 +64,13 @@ async def create_chat_completion(
         requested, param = request.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = request.max_tokens, "max_tokens"
-    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), ctx.max_model_len, param)
+    max_tokens = resolve_max_tokens(
+        requested,
+        len(prompt.token_ids),
+        ctx.max_model_len,
+        param,
+        ctx.sampling_defaults.get("max_tokens"),
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_request = EngineRequest(
         request_id,

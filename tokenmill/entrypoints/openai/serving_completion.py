@@ -64,7 +64,11 @@ async def create_completion(
             completion_params(
                 request,
                 resolve_max_tokens(
-                    request.max_tokens, len(prompt.token_ids), ctx.max_model_len, "max_tokens"
+                    request.max_tokens,
+                    len(prompt.token_ids),
+                    ctx.max_model_len,
+                    "max_tokens",
+                    ctx.sampling_defaults.get("max_tokens"),
                 ),
                 ctx.sampling_defaults,
             ),
