@@ -101,7 +101,7 @@ def main() -> None:
         print(f"## batch 1, {label}: tokens/s")
         before = {name: llm.get_stats().scheduler.spec_decode for name, llm in batch1.items()}
         rates = median_tokens_per_s(
-            batch1, lambda llm, t=tasks: chat_prompts(llm, t, 2 * len(t)), args.max_tokens,
+            batch1, lambda llm, t=tasks: chat_prompts(llm, t, max(8, 2 * len(t))), args.max_tokens,
             args.repeats,
         )  # fmt: skip
         base = rates["off"]
