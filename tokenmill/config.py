@@ -91,6 +91,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
+    # How linear layers run: auto = weights reordered for oneDNN on the CPU in float32
+    # (layers/linear.py), else torch's F.linear; torch = always F.linear.
+    linear_backend: str = "auto"
     # Where default sampling parameters come from, as vLLM's --generation-config: "auto" = the
     # model's generation_config.json (temperature, top_p, ... when it sets them), "vllm" =
     # none (temperature 1.0 etc.), or a directory holding a generation_config.json.
@@ -138,6 +141,7 @@ class EngineConfig:
         _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "static"))
         _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
+        _check_choice("linear_backend", self.linear_backend, ("auto", "torch"))
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")

@@ -61,7 +61,14 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         torch.manual_seed(config.seed)
-        model = load_model(model_dir, self.hf_config, self.architecture, self.dtype, self.device)
+        model = load_model(
+            model_dir,
+            self.hf_config,
+            self.architecture,
+            self.dtype,
+            self.device,
+            config.linear_backend,
+        )
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
@@ -260,7 +267,9 @@ class LLMEngine:
                 "demo target has a default draft)"
             )
         hf_config, architecture = load_hf_config(draft_dir)
-        draft = load_model(draft_dir, hf_config, architecture, self.dtype, self.device)
+        draft = load_model(
+            draft_dir, hf_config, architecture, self.dtype, self.device, self.config.linear_backend
+        )
         if draft.shape.vocab_size != target.shape.vocab_size:
             raise ConfigError(
                 f"the draft model's vocabulary ({draft.shape.vocab_size}) differs from the "

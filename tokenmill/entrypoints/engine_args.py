@@ -22,6 +22,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     group.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "torch"],
+        help="auto: linear weights reordered for oneDNN on the CPU in float32; torch: F.linear",
+    )
+    group.add_argument(
         "--generation-config",
         default="auto",
         help="default sampling parameters: auto = the model's generation_config.json, "

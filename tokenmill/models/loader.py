@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig
 
+from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
 from tokenmill.models.llama import LlamaForCausalLM
 
 # Architectures (config.json `architectures`) -> model class.
@@ -114,12 +115,21 @@ def load_model(
     architecture: str,
     dtype: torch.dtype,
     device: torch.device,
+    linear_backend: str = "auto",
 ) -> LlamaForCausalLM:
     with torch.device(device):
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype)
     model.to(dtype=dtype)
     load_weights(model, Path(model_dir))
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if (
+        linear_backend == "auto"
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and onednn_linear_available()
+    ):
+        use_onednn_linears(model)
+    return model
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
