@@ -222,6 +222,12 @@ class Scheduler:
             num_spec_tokens_to_propose=plan.num_to_propose,
         )
         self.finished_req_ids = set()
+        if self.spec_policy is not None:
+            self._last_step = self._measured_step(plan, total)
+        return output
+
+    @staticmethod
+    def _measured_step(plan: _StepPlan, total: int) -> _MeasuredStep:
         # Decoding requests: one known token (plus drafts) each; the rest is prefill.
         decode_ids = {
             r
@@ -232,8 +238,7 @@ class Scheduler:
         # The k measured is the drafts this step really verifies (the previous step's choice,
         # or fewer where the proposer found nothing): a step with no drafts is a k=0 step.
         k = max((len(d) for d in plan.spec_tokens.values()), default=0)
-        self._last_step = _MeasuredStep(decode_ids, k, total - num_decode_tokens)
-        return output
+        return _MeasuredStep(decode_ids, k, total - num_decode_tokens)
 
     def observe_step_time(self, seconds: float, output: ModelRunnerOutput) -> None:
         """Feed the speculation policy what the last step's decodes cost and yielded: verifying
