@@ -16,7 +16,9 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.demo import DEMO_TARGET_NAME, default_draft_for, demo_model_path
+from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     checkpoint_dtype,
@@ -32,7 +34,6 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.policy import SpeculationPolicy
 from tokenmill.spec_decode.proposer import Proposer
-from tokenmill.worker.kv_cache import KVCacheSpec, num_kv_blocks, num_swap_blocks
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.worker.kv_cache import read_kv, write_kv
+from tokenmill.layers.kv_cache import read_kv, write_kv
 
 # KV cache of one layer: [2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = torch.Tensor

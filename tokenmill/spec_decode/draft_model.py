@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.worker.kv_cache import KVCacheSpec
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
 if TYPE_CHECKING:

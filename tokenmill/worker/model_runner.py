@@ -13,12 +13,12 @@ import torch
 
 from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.rejection_sampler import verify
-from tokenmill.worker.kv_cache import KVCacheSpec
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
 
