@@ -22,7 +22,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import CachedRequestState
+    from tokenmill.worker.request_state import CachedRequestState
 
 # Tokens per catch-up forward: a batch of new prompts is split like a prefill under a budget.
 CATCH_UP_TOKENS_PER_FORWARD = 2048

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import CachedRequestState
+    from tokenmill.worker.request_state import CachedRequestState
 
 
 class Proposer(Protocol):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,38 +18,8 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.rejection_sampler import verify
+from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_layout import layout_step, query_length_class
-
-
-@dataclass
-class CachedRequestState:
-    """What the runner remembers of a request between steps."""
-
-    req_id: str
-    token_ids: list[int]  # prompt + output so far, including tokens this runner sampled
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    # Positions whose KV the draft model has computed (speculative decoding; see draft_model).
-    num_draft_computed_tokens: int = 0
-    # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
-    token_array: array = field(default_factory=lambda: array("i"))
-
-    def __post_init__(self) -> None:
-        self.token_array = array("i", self.token_ids)
-
-    def append(self, token_ids: list[int]) -> None:
-        self.token_ids.extend(token_ids)
-        self.token_array.extend(token_ids)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""The runner's per-request state, which proposers read too (kept apart from the runner so
+that spec_decode need not import it)."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers of a request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far, including tokens this runner sampled
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Positions whose KV the draft model has computed (speculative decoding; see draft_model).
+    num_draft_computed_tokens: int = 0
+    # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
+    token_array: array = field(default_factory=lambda: array("i"))
+
+    def __post_init__(self) -> None:
+        self.token_array = array("i", self.token_ids)
+
+    def append(self, token_ids: list[int]) -> None:
+        self.token_ids.extend(token_ids)
+        self.token_array.extend(token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
