@@ -18,9 +18,9 @@ import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.scheduler import SpecDecodeStats
 from tokenmill.demo.eval import heldout
 from tokenmill.demo.tasks import CHECKABLE_TASKS
+from tokenmill.metrics.stats import SpecDecodeStats
 
 
 def chat_prompts(llm: LLM, tasks: list[str], count: int) -> list[str]:

@@ -7,9 +7,9 @@ import hashlib
 from array import array
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.metrics.stats import PrefixCacheStats
 from tokenmill.request import Request
 
 
@@ -27,18 +27,6 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
     digest.update(array("q", token_ids).tobytes())
     digest.update(extra)
     return digest.digest()
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prompt tokens looked up in the prefix cache and found there, since start."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:

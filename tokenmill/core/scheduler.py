@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tokenmill.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request_queue import RequestQueue
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
@@ -23,6 +23,7 @@ from tokenmill.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.policy import SpeculationPolicy
 
@@ -39,48 +40,6 @@ CACHE_AWARE_WINDOW = 8
 # ...but the request at the head is passed over at most this many times, so the oldest request
 # waits for no more than this many extra admissions (a few steps) and never starves.
 MAX_HEAD_SKIPS = 4
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_scheduled_tokens: int  # in the last step
-    num_preemptions: int  # since start, both modes
-    num_kv_blocks_used: int
-    num_kv_blocks: int
-    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
-    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    spec_decode: SpecDecodeStats | None = None
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.num_kv_blocks_used / self.num_kv_blocks
-
-
-@dataclass
-class SpecDecodeStats:
-    """Since start: verification steps with drafts, drafts proposed, drafts accepted, and
-    accepted drafts by position (index 0: the first draft of a step)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens generated per verification step: accepted drafts + 1."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos.append(0)
-        for position in range(num_accepted):
-            self.num_accepted_tokens_per_pos[position] += 1
 
 
 @dataclass

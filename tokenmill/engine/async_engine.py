@@ -19,9 +19,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from tokenmill.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.engine.output_processor import child_request_id
 from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams

@@ -10,7 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 

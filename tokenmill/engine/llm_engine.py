@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +12,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.scheduler import Scheduler, SchedulerStats
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.demo import DEMO_TARGET_NAME, default_draft_for, demo_model_path
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     checkpoint_dtype,
@@ -39,15 +39,6 @@ from tokenmill.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int]
-
-
-@dataclass
-class EngineStats:
-    scheduler: SchedulerStats
-    num_steps: int
-    num_prompt_tokens: int  # prompt tokens computed since start
-    # (a prompt recomputed after preemption counts again)
-    num_generation_tokens: int
 
 
 class LLMEngine:

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tokenmill.core.scheduler import SpecDecodeStats
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.metrics.stats import EngineStats, SpecDecodeStats
 from tokenmill.outputs import RequestOutput
 
 PREFIX = "tokenmill:"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.metrics.stats import EngineStats
 
 logger = logging.getLogger("tokenmill.stats")
 

@@ -1,0 +1,64 @@
+"""What the engine reports about itself: plain records, read by the Prometheus metrics, the
+stats line and the benchmarks. Counters are totals since start; a reader takes differences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and found there, since start."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Since start: verification steps with drafts, drafts proposed, drafts accepted, and
+    accepted drafts by position (index 0: the first draft of a step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.append(0)
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int  # in the last step
+    num_preemptions: int  # since start, both modes
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    spec_decode: SpecDecodeStats | None = None
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks
+
+
+@dataclass
+class EngineStats:
+    scheduler: SchedulerStats
+    num_steps: int
+    num_prompt_tokens: int  # prompt tokens computed since start
+    # (a prompt recomputed after preemption counts again)
+    num_generation_tokens: int
