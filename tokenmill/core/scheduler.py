@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tokenmill.core.draft_length_policy import DraftLengthPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request_queue import RequestQueue
 from tokenmill.core.scheduler_output import (
@@ -25,7 +26,6 @@ from tokenmill.core.scheduler_output import (
 )
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from tokenmill.request import Request, RequestStatus
-from tokenmill.spec_decode.policy import SpeculationPolicy
 
 # fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
 # first, and the lowest-priority running request is preempted first. static: the baseline that
@@ -78,7 +78,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         preemption_mode: str = "recompute",
-        spec_policy: SpeculationPolicy | None = None,
+        spec_policy: DraftLengthPolicy | None = None,
         spec_lookahead: bool = False,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
