@@ -15,7 +15,7 @@ from tokenmill.bench.compare import (
 )
 from tokenmill.bench.metrics import RequestRecord, compute_metrics
 from tokenmill.bench.presets import PRESETS, Headline, ServerConfig
-from tokenmill.bench.serve import ServeResult
+from tokenmill.bench.report import ServeResult
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -29,10 +29,9 @@ from tokenmill.bench.datasets import DatasetConfig, add_dataset_args, dataset_ov
 from tokenmill.bench.metrics import compute_metrics, parse_percentiles
 from tokenmill.bench.plots import format_value
 from tokenmill.bench.presets import PRESETS, THROUGHPUT, Headline, Preset, ServerConfig
-from tokenmill.bench.report import metrics_to_dict
+from tokenmill.bench.report import ServeResult, metrics_to_dict
 from tokenmill.bench.serve import (
     LoadSettings,
-    ServeResult,
     Target,
     add_measure_args,
     add_request_args,

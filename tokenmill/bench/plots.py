@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from tokenmill.bench.metrics import RequestRecord
 
 if TYPE_CHECKING:
-    from tokenmill.bench.serve import ServeResult
+    from tokenmill.bench.report import ServeResult
 
 _DPI = 80
 _COLORS = {"wait": "#bbbbbb", "first": "#f28e2b", "stream": "#4e79a7", "fail": "#e15759"}

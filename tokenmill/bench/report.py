@@ -3,7 +3,7 @@ scripts and eyes trained on one read the other."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tokenmill.bench.metrics import LATENCY_METRICS, BenchmarkMetrics, RequestRecord
@@ -107,3 +107,13 @@ def _compact(record: RequestRecord) -> dict[str, Any]:
 def records_from_dict(result: dict[str, Any]) -> list[RequestRecord]:
     """The records back from a saved JSON result (for plotting one later)."""
     return [RequestRecord(**r) for r in result["requests"]]
+
+
+@dataclass
+class ServeResult:
+    metrics: BenchmarkMetrics
+    records: list[RequestRecord]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.info, **metrics_to_dict(self.metrics), **records_to_dict(self.records)}

@@ -13,7 +13,7 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,13 +38,12 @@ from tokenmill.bench.datasets import (
 )
 from tokenmill.bench.metrics import (
     DEFAULT_PERCENTILES,
-    BenchmarkMetrics,
     RequestRecord,
     compute_metrics,
     parse_goodput,
     parse_percentiles,
 )
-from tokenmill.bench.report import format_report, metrics_to_dict, records_to_dict
+from tokenmill.bench.report import ServeResult, format_report
 
 
 @dataclass
@@ -68,16 +67,6 @@ class LoadSettings:
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}/s"
         cap = self.max_concurrency or "none"
         return f"request rate {rate}, burstiness {self.burstiness:g}, max concurrency {cap}"
-
-
-@dataclass
-class ServeResult:
-    metrics: BenchmarkMetrics
-    records: list[RequestRecord]
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.info, **metrics_to_dict(self.metrics), **records_to_dict(self.records)}
 
 
 def arrival_offsets(

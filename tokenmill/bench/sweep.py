@@ -16,10 +16,9 @@ from typing import Any
 
 from tokenmill.bench.metrics import SLO_METRICS, parse_percentiles
 from tokenmill.bench.plots import SweepPoint
-from tokenmill.bench.report import metrics_to_dict
+from tokenmill.bench.report import ServeResult, metrics_to_dict
 from tokenmill.bench.serve import (
     LoadSettings,
-    ServeResult,
     Target,
     add_target_args,
     prepare_target,
