@@ -6,6 +6,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.version import __version__ as __version__
+
 # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning.
 # On a machine whose cores are shared (a benchmark client beside the server, other jobs),
 # spinning threads that wait at a barrier for a descheduled peer made a decode step 30x
@@ -15,16 +17,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.llm import LLM
+    from tokenmill.entrypoints.llm import LLM
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
 
 # Imported on first use, so `import tokenmill.core...` (and the CLI's --help) stays light.
 _LAZY = {
-    "LLM": "tokenmill.engine.llm",
+    "LLM": "tokenmill.entrypoints.llm",
     "EngineConfig": "tokenmill.config",
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",

@@ -107,7 +107,7 @@ def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> fl
 def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[ThroughputResult]:
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.engine.llm import LLM
+    from tokenmill.entrypoints.llm import LLM
 
     config.max_num_seqs = args.batch_size
     llm = LLM(**asdict(config))

@@ -57,7 +57,8 @@ def draft_matches(target, draft, prompt_ids: list[int], reply_ids: list[int]) ->
 
 def measure(num_per_task: int, max_tokens: int = 160) -> dict[str, dict[str, float]]:
     """Acceptance per task (chat replies) and for story continuations."""
-    from tokenmill import LLM, SamplingParams
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
 
     target_dir, draft_dir = demo_model_path("target"), demo_model_path("draft")
     llm = LLM(model=str(target_dir), dtype="float32")

@@ -80,8 +80,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def _offline_llm(args: argparse.Namespace):
     from tokenmill.demo import demo_model_path
-    from tokenmill.engine.llm import LLM
     from tokenmill.entrypoints.engine_args import engine_config_from_args
+    from tokenmill.entrypoints.llm import LLM
 
     config = engine_config_from_args(args)
     if config.model is None:  # the eval is about the demo model, whatever the default is

@@ -14,7 +14,6 @@ from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import ModelRunnerOutput
-from tokenmill.demo import DEMO_TARGET_NAME, default_draft_for, demo_model_path
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.layers.kv_cache import KVCacheSpec
@@ -44,7 +43,9 @@ PromptType = str | list[int]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_dir = Path(config.model) if config.model else _default_model()
+        if config.model is None:
+            raise ConfigError("no model given: set EngineConfig.model to a checkpoint directory")
+        model_dir = Path(config.model)
         self.model_dir = model_dir
         self.hf_config, self.architecture = load_hf_config(model_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -252,7 +253,7 @@ class LLMEngine:
         assert isinstance(spec, SpeculativeConfig)
         if spec.method != "draft_model":
             return None
-        draft_dir = spec.model or default_draft_for(self.model_dir)
+        draft_dir = spec.model
         if draft_dir is None:
             raise ConfigError(
                 "speculative_config method draft_model needs a model path (only the built-in "
@@ -342,9 +343,3 @@ class LLMEngine:
                 "raise it, lower max_model_len, or enable chunked prefill"
             )
         return max_model_len
-
-
-def _default_model() -> Path:
-    path = demo_model_path("target")
-    logger.info("no model given: using the built-in demo model %s (%s)", DEMO_TARGET_NAME, path)
-    return path

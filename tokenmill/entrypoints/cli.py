@@ -68,7 +68,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill.engine.llm import LLM
+    from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
     params = SamplingParams(

@@ -23,7 +23,13 @@ MAX_FUNCTION_LINES = 60
 # only from its own layer or the layers below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # values every layer shares: settings, requests, sampling parameters, outputs
-    ("tokenmill.config", "tokenmill.sampling_params", "tokenmill.request", "tokenmill.outputs"),
+    (
+        "tokenmill.version",
+        "tokenmill.config",
+        "tokenmill.sampling_params",
+        "tokenmill.request",
+        "tokenmill.outputs",
+    ),
     ("tokenmill.metrics",),  # stats records, Prometheus, the stats line
     ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
     ("tokenmill.models",),
@@ -33,10 +39,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tokenmill.spec_decode",),
     ("tokenmill.worker",),  # ...so the runner can use proposers and verification
     ("tokenmill.engine",),
-    ("tokenmill.entrypoints.llm", "tokenmill.entrypoints.default_model"),  # the offline API
     ("tokenmill.testing",),  # random checkpoints, this checker
-    ("tokenmill.demo",),
-    ("tokenmill.bench",),
+    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their training
+    # the offline API, which fills in the demo models where no model is given
+    ("tokenmill.entrypoints.llm", "tokenmill.entrypoints.default_model"),
+    ("tokenmill.bench", "tokenmill.demo.acceptance"),  # measurements through the APIs
     # the CLI and the server; `eval` is a CLI command that lives beside the demo models
     ("tokenmill.entrypoints", "tokenmill.demo.commands"),
     ("tokenmill",),  # the package's public names (`from tokenmill import LLM`)

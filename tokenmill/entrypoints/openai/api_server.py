@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-import tokenmill
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
@@ -43,6 +42,7 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.serving_chat import create_chat_completion
 from tokenmill.entrypoints.openai.serving_completion import create_completion
 from tokenmill.entrypoints.openai.serving_tokenization import detokenize_tokens, tokenize_prompt
+from tokenmill.version import __version__
 
 Responses = dict[int | str, dict[str, Any]]
 
@@ -97,7 +97,7 @@ def build_app(ctx: ServerContext, registry: CollectorRegistry, api_key: str | No
         yield
         ctx.engine.shutdown()
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_operations_router(ctx, registry))
@@ -153,7 +153,7 @@ def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRo
 
     @router.get("/version")
     async def version() -> VersionResponse:
-        return VersionResponse(version=tokenmill.__version__)
+        return VersionResponse(version=__version__)
 
     @router.get("/metrics", response_class=Response, responses={200: _prometheus_text()})
     async def metrics() -> Response:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from tokenmill.demo import DEMO_TARGET_NAME
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.api_server import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
@@ -25,7 +26,7 @@ logger = logging.getLogger("tokenmill.server")
 
 
 def run_server(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)

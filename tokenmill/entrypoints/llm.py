@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -25,7 +26,7 @@ class LLM:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(with_default_models(EngineConfig(model=model, **engine_args)))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
