@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.models.random_checkpoint import save_random_checkpoint, train_tokenizer
+from tokenmill.testing.random_checkpoint import save_random_checkpoint, train_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ from tokenmill.demo.corpus import (
 from tokenmill.demo.data import IGNORE_INDEX, PackedRows, encode, pack
 from tokenmill.demo.tasks import Example
 from tokenmill.demo.tokenizer import train_tokenizer
-from tokenmill.models.random_checkpoint import IM_END_TOKEN
+from tokenmill.testing.random_checkpoint import IM_END_TOKEN
 
 logger = logging.getLogger("tokenmill.demo.train")
 
