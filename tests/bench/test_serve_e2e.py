@@ -145,3 +145,14 @@ def test_bench_compare_repeats_each_config_and_reports_a_refused_one_as_unavaila
     assert configs["refused"]["runs"] == []
     assert_png(out_dir / "compare.png")
     assert "refused | unavailable" in (out_dir / "compare.md").read_text()
+
+
+def test_plots_without_matplotlib_fail_before_the_run(monkeypatch, capsys) -> None:
+    """matplotlib is the optional `bench` extra: asking for plots without it is refused up
+    front (no server is contacted: port 9 has none), with the install command."""
+    from tokenmill.bench import plots
+
+    monkeypatch.setattr(plots, "matplotlib_available", lambda: False)
+    args = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--plot", "plots"]
+    assert main([*args, "--disable-tqdm"]) == 1
+    assert 'pip install "tokenmill[bench]"' in capsys.readouterr().err

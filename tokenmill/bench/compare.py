@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import plots
 from tokenmill.bench.client import BenchError
 from tokenmill.bench.datasets import DatasetConfig, add_dataset_args, dataset_overrides
 from tokenmill.bench.metrics import compute_metrics, parse_percentiles
@@ -252,8 +253,6 @@ def _cpu_model() -> str:
 def plot_outcomes(
     outcomes: list[ConfigOutcome], headlines: tuple[Headline, ...], path: Path, title: str
 ) -> Path:
-    from tokenmill.bench import plots
-
     metrics = {
         f"{h.label}\n({'higher' if h.higher_is_better else 'lower'} is better)": [
             o.headlines.get(h.label) for o in outcomes
@@ -436,4 +435,7 @@ def _write_outputs(
     markdown = f"{format_table(outcomes, headlines, markdown=True)}\n\n{ratios}\n"
     (out_dir / "compare.md").write_text(markdown)
     title = f"{name}: {load.describe()}, {runs} ({info['cpu']}, {info['num_cpus']} CPUs)"
-    print(f"wrote {plot_outcomes(outcomes, headlines, out_dir / 'compare.png', title)}")
+    if plots.matplotlib_available():
+        print(f"wrote {plot_outcomes(outcomes, headlines, out_dir / 'compare.png', title)}")
+    else:
+        print(f"no compare.png: {plots.MISSING_MATPLOTLIB}")

@@ -8,12 +8,14 @@ them apart needs server-side timestamps, which an OpenAI-compatible API does not
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenmill.bench.client import BenchError
 from tokenmill.bench.metrics import RequestRecord
 
 if TYPE_CHECKING:
@@ -21,6 +23,20 @@ if TYPE_CHECKING:
 
 _DPI = 80
 _COLORS = {"wait": "#bbbbbb", "first": "#f28e2b", "stream": "#4e79a7", "fail": "#e15759"}
+
+
+# matplotlib is an optional extra: serving and the tests of the engine do not need it.
+MISSING_MATPLOTLIB = 'plots need matplotlib: pip install "tokenmill[bench]" (or matplotlib)'
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def require_matplotlib() -> None:
+    """Fail before a benchmark runs, not after, when its plots cannot be drawn."""
+    if not matplotlib_available():
+        raise BenchError(MISSING_MATPLOTLIB)
 
 
 def _pyplot():

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from tokenmill.bench import plots
 from tokenmill.bench.client import (
     ENDPOINTS,
     BenchError,
@@ -261,6 +262,8 @@ class Target:
 
 def prepare_target(args: argparse.Namespace) -> Target:
     """Parse and check the shared flags, find the model and tokenizer, build the dataset."""
+    if getattr(args, "plot", None):
+        plots.require_matplotlib()
     model, tokenizer_dir = asyncio.run(resolve_model(args.base_url, args.model, args.tokenizer))
     return make_target(args, DatasetConfig.from_args(args), args.base_url, model, tokenizer_dir)
 
@@ -334,8 +337,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.save_result:
         save_json(result.to_dict(), args.save_result)
     if args.plot:
-        from tokenmill.bench import plots
-
         for path in plots.plot_serve_result(result, Path(args.plot)):
             print(f"wrote {path}")
     return 0
