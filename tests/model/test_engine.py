@@ -179,6 +179,20 @@ def test_engine_statistics_are_readable(llm: LLM) -> None:
     assert after.scheduler.num_running == after.scheduler.num_waiting == 0
     assert after.scheduler.num_kv_blocks_used == 0
     assert after.scheduler.num_kv_blocks > 0
+    forward = after.forward_seconds - before.forward_seconds
+    assert 0 < forward <= after.step_seconds - before.step_seconds
+
+
+def test_running_request_ids_name_requests_not_their_samples(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("pair", PROMPT, greedy(n=2, max_tokens=4))
+    engine.add_request("single", "Hello", greedy(max_tokens=4))
+    assert engine.running_request_ids() == set()  # nothing scheduled yet
+    engine.step()
+    assert engine.running_request_ids() == {"pair", "single"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.running_request_ids() == set()
 
 
 def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) -> None:

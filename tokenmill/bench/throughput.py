@@ -71,15 +71,15 @@ def run_tokenmill(llm, workload: Workload) -> tuple[float, float]:
     params = [
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens
     ]
-    engine = llm.engine
-    forward_before, step_before = engine.runner.forward_seconds, engine.step_seconds
+    before = llm.get_stats()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == workload.num_output_tokens, (generated, workload.num_output_tokens)
-    forward = engine.runner.forward_seconds - forward_before
-    step = engine.step_seconds - step_before
+    after = llm.get_stats()
+    forward = after.forward_seconds - before.forward_seconds
+    step = after.step_seconds - before.step_seconds
     return seconds, 1.0 - forward / step
 
 

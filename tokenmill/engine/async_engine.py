@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.engine.output_processor import child_request_id
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats_logger import StatsLogger
@@ -104,6 +103,8 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.default_sampling = engine.default_sampling  # from generation_config.json
         self.last_stats: EngineStats = engine.get_stats()
         self.metrics = metrics
         if metrics is not None:
@@ -115,7 +116,6 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._num_samples: dict[str, int] = {}  # engine thread only: n of each live request
-        self._child_to_parent: dict[str, str] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -310,10 +310,6 @@ class AsyncEngine:
                 )
                 done.append(r.request_id)
                 self._num_samples[r.request_id] = params.n
-                for index in range(params.n):
-                    self._child_to_parent[child_request_id(r.request_id, index, params.n)] = (
-                        r.request_id
-                    )
         except Exception as e:
             self._abort(done, reason=None)
             added.set_exception(e)
@@ -329,16 +325,12 @@ class AsyncEngine:
                 self.metrics.record_aborted(request_id, num_samples, reason)
 
     def _forget(self, request_id: str) -> int:
-        num_samples = self._num_samples.pop(request_id, 0)
-        for index in range(num_samples):
-            self._child_to_parent.pop(child_request_id(request_id, index, num_samples), None)
-        return num_samples
+        return self._num_samples.pop(request_id, 0)
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the requests the broken step was running (all of them if it ran none); abort
         them in the engine so their KV blocks come back, and keep serving the rest."""
-        running = {r.request_id for r in self.engine.scheduler.running}
-        failed = {self._child_to_parent[c] for c in running if c in self._child_to_parent}
+        failed = self.engine.running_request_ids() & set(self._num_samples)
         failed = failed or set(self._num_samples)
         self._abort(sorted(failed), "error")
         message = f"the engine failed while running this request: {error!r}"

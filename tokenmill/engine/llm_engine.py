@@ -181,9 +181,6 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use keep their contents)."""
         self.scheduler.reset_prefix_cache()
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests)
-
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -211,7 +208,18 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
             num_generation_tokens=self.num_generation_tokens,
+            step_seconds=self.step_seconds,
+            forward_seconds=self.runner.forward_seconds,
         )
+
+    def running_request_ids(self) -> set[str]:
+        """The requests (as added, not their samples) the scheduler is running."""
+        samples = self.output_processor.child_to_sample
+        return {
+            samples[r.request_id][0].request_id
+            for r in self.scheduler.running
+            if r.request_id in samples
+        }
 
     # ---- helpers -----------------------------------------------------------------------------
 

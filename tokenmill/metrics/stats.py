@@ -62,3 +62,5 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens computed since start
     # (a prompt recomputed after preemption counts again)
     num_generation_tokens: int
+    step_seconds: float = 0.0  # wall time inside steps that ran requests, since start
+    forward_seconds: float = 0.0  # of which in the model's forward and logits

@@ -31,7 +31,7 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(
-            self.engine.tokenizer, self.engine.engine.vocab_size, self.engine.max_model_len
+            self.engine.tokenizer, self.engine.vocab_size, self.engine.max_model_len
         )
 
     @property
@@ -49,7 +49,7 @@ class ServerContext:
     @property
     def sampling_defaults(self) -> dict[str, float]:
         """The model's generation_config.json sampling fields, for requests that omit them."""
-        return self.engine.engine.default_sampling
+        return self.engine.default_sampling
 
     def check_model(self, model: str | None) -> None:
         """Clients name the model in every request; a name we do not serve is their error."""
