@@ -9,18 +9,26 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.layers.sampler import (
-    Sampler,
-    SamplingMetadata,
-    compute_probs,
-    process_logits,
-)
+from tokenmill.layers.sampler import Sampler, SamplingMetadata, process_logits, random_probs
 from tokenmill.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # Chi-square critical values at p = 0.001, by degrees of freedom.
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 PROBS5 = [0.4, 0.3, 0.15, 0.1, 0.05]
+
+
+def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution the sampler draws each row from, built from its own steps (greedy rows
+    one-hot): what the draws and the row-by-row references are checked against."""
+    logits = process_logits(logits.float(), md)
+    greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    if md.all_greedy:
+        return greedy
+    probs = random_probs(logits, md)
+    if md.greedy_mask is not None:
+        probs = torch.where(md.greedy_mask[:, None], greedy, probs)
+    return probs
 
 
 def build(

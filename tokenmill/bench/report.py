@@ -104,11 +104,6 @@ def _compact(record: RequestRecord) -> dict[str, Any]:
     return out
 
 
-def records_from_dict(result: dict[str, Any]) -> list[RequestRecord]:
-    """The records back from a saved JSON result (for plotting one later)."""
-    return [RequestRecord(**r) for r in result["requests"]]
-
-
 @dataclass
 class ServeResult:
     metrics: BenchmarkMetrics

@@ -116,11 +116,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} are free")

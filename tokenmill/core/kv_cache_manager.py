@@ -57,10 +57,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
     # ---- prefix cache ------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from tokenmill.demo import DEMO_MODEL_NAMES, WEIGHTS_DIR
 
@@ -57,9 +56,3 @@ def describe_models() -> str:
         "Measure it: tokenmill eval  (exact-match accuracy per task, on held-out prompts)",
     ]
     return "\n".join(lines)
-
-
-def model_info(path: Path) -> dict | None:
-    """The demo metadata of a checkpoint directory, or None for any other model."""
-    info_file = Path(path) / "tokenmill_demo.json"
-    return json.loads(info_file.read_text()) if info_file.is_file() else None

@@ -111,12 +111,6 @@ class OutputProcessor:
             self.child_to_sample.pop(child_id, None)
         return child_ids
 
-    def child_ids(self, request_id: str) -> list[str]:
-        state = self.requests.get(request_id)
-        if state is None:
-            return []
-        return [child_request_id(request_id, s.index, state.params.n) for s in state.samples]
-
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

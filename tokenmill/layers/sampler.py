@@ -14,7 +14,6 @@ import torch
 
 from tokenmill.sampling_params import SamplingParams
 
-_GREEDY_EPS = 1e-5  # same threshold as SamplingParams.is_greedy
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
 
@@ -132,7 +131,7 @@ class Sampler(torch.nn.Module):
         if md.all_greedy:
             assert greedy is not None
             return greedy
-        sampled = self._exponential_race(_random_probs(logits, md), md)
+        sampled = self._exponential_race(random_probs(logits, md), md)
         if md.greedy_mask is not None:
             assert greedy is not None
             sampled = torch.where(md.greedy_mask, greedy, sampled)
@@ -161,21 +160,6 @@ class Sampler(torch.nn.Module):
             gen = torch.Generator(device=device)
             self._seeded_generators[device] = gen
         return gen
-
-
-def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The final target distribution [B, V] the sampler draws from; greedy rows are one-hot.
-
-    Separate from `Sampler` so speculative decoding can verify drafts against the same thing.
-    """
-    logits = process_logits(logits.float(), metadata)
-    if metadata.all_greedy:
-        return _one_hot(logits.argmax(dim=-1), logits.shape[-1])
-    probs = _random_probs(logits, metadata)
-    if metadata.greedy_mask is not None:
-        greedy = _one_hot(logits.argmax(dim=-1), logits.shape[-1])
-        probs = torch.where(metadata.greedy_mask[:, None], greedy, probs)
-    return probs
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -234,7 +218,7 @@ def _splitmix64(value: int) -> int:
     return z ^ (z >> 31)
 
 
-def _random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, softmax; never modifies `logits`."""
     assert md.temperature is not None
     logits = logits / md.temperature[:, None]  # new tensor: the masks below work in place
@@ -270,10 +254,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """In place: drop tokens with prob < min_p * max prob, i.e. logit < max + log(min_p)."""
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
     return logits.masked_fill_(logits < threshold, _NEG_INF)
-
-
-def _one_hot(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return torch.nn.functional.one_hot(ids, vocab_size).float()
 
 
 def _temperature_fields(

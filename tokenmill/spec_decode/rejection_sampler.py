@@ -28,7 +28,6 @@ from tokenmill.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata
 @dataclass
 class VerifiedTokens:
     token_ids: list[list[int]]  # per request: the accepted drafts, then one sampled token
-    num_accepted: list[int]  # per request: how many drafts were accepted
     logprobs: LogprobsTensors | None  # per row; row j of a request holds its j-th output token
     row_starts: list[int]  # the first row of each request
 
@@ -43,7 +42,7 @@ def verify(
     row j of a request must be described with the output it would have after j drafts."""
     sampler_output = sampler(logits, metadata)
     sampled = sampler_output.sampled_token_ids.tolist()
-    token_ids, num_accepted, row_starts, row = [], [], [], 0
+    token_ids, row_starts, row = [], [], 0
     for request_drafts in drafts:
         row_starts.append(row)
         accepted = 0
@@ -52,6 +51,5 @@ def verify(
         ):
             accepted += 1
         token_ids.append(sampled[row : row + accepted + 1])
-        num_accepted.append(accepted)
         row += len(request_drafts) + 1
-    return VerifiedTokens(token_ids, num_accepted, sampler_output.logprobs, row_starts)
+    return VerifiedTokens(token_ids, sampler_output.logprobs, row_starts)

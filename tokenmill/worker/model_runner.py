@@ -47,7 +47,6 @@ class ModelRunner:
         self.model = model
         self.block_size = kv_cache_spec.block_size
         self.device = device
-        self.vocab_size = model.shape.vocab_size
         self.sliding_window = model.shape.sliding_window
         self.kv_caches = kv_cache_spec.allocate(num_kv_blocks, device)
         # The swap pool lives in host memory (pinned, so copies to a GPU run asynchronously).
