@@ -44,7 +44,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # times its samples were preempted (recompute or swap)
 
 
 @dataclass

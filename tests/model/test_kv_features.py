@@ -76,9 +76,12 @@ def test_preempted_requests_resume_with_identical_output(
     checkpoint, prompts, reference, mode
 ) -> None:
     llm = engine(checkpoint, num_kv_blocks=14, preemption_mode=mode, enable_prefix_caching=False)
-    assert run_in_waves(llm, prompts) == reference
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
     by_mode = llm.get_stats().scheduler.num_preemptions_by_mode
     assert by_mode[mode] > 0
+    # Each preemption is counted on the request it hit.
+    assert sum(o.metrics.num_preemptions for o in outputs) == sum(by_mode.values())
 
 
 def test_reset_prefix_cache_drops_hits(checkpoint, prompts) -> None:

@@ -434,6 +434,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
+            num_preemptions=request.num_preemptions,
         )
         if runner_output.logprobs is not None and new_token_ids:
             assert runner_output.logprob_token_ids and runner_output.sampled_token_ranks

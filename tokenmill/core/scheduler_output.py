@@ -94,6 +94,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    num_preemptions: int = 0  # of this request so far
 
     @property
     def finished(self) -> bool:

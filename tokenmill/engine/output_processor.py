@@ -32,6 +32,7 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # for delta outputs
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -147,6 +148,8 @@ class OutputProcessor:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
         state.num_cached_tokens = out.num_cached_tokens
+        sample.num_preemptions = max(sample.num_preemptions, out.num_preemptions)
+        metrics.num_preemptions = sum(s.num_preemptions for s in state.samples)
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
             self._append_logprobs(state.params, sample, out)
