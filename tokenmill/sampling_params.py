@@ -44,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # A slow (Python) tokenizer's decode option, as in vLLM; fast ones join added tokens as is.
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by the engine from the model's generation config; not a user knob.

@@ -29,9 +29,25 @@ class SlowTokenizer:
         self._tokenizer = tokenizer
         self.decoded_lengths: list[int] = []
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = False,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """As a slow Hugging Face tokenizer: added tokens are separate pieces of the text,
+        joined by spaces unless `spaces_between_special_tokens` is False."""
         self.decoded_lengths.append(len(ids))
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        special = set(self._tokenizer.all_special_ids)
+        pieces, run = [], []
+        for token_id in ids:
+            if token_id in special and not skip_special_tokens:
+                pieces += [self._tokenizer.decode(run), self._tokenizer.decode([token_id])]
+                run = []
+            elif token_id not in special:
+                run.append(token_id)
+        pieces = [p for p in [*pieces, self._tokenizer.decode(run)] if p]
+        return (" " if spaces_between_special_tokens else "").join(pieces)
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +308,21 @@ def test_recovers_from_decode_stream_invalid_prefix(
     assert raised
     assert all(FFFD not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+@pytest.mark.parametrize(("spaces", "expected"), [(True, "Hi <s> there"), (False, "Hi<s>there")])
+def test_slow_tokenizers_get_spaces_between_special_tokens(
+    tokenizer: PreTrainedTokenizerFast, spaces: bool, expected: str
+) -> None:
+    """As in vLLM, the option reaches a slow tokenizer's decode (a fast one has no such option)."""
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    output_ids = [*tokenizer.encode("Hi", add_special_tokens=False), bos]
+    output_ids += tokenizer.encode("there", add_special_tokens=False)
+    detok = IncrementalDetokenizer(
+        SlowTokenizer(tokenizer),  # type: ignore[arg-type]
+        tokenizer.encode("Well", add_special_tokens=False),
+        skip_special_tokens=False,
+        spaces_between_special_tokens=spaces,
+    )
+    deltas, _ = stream(detok, output_ids, [1] * len(output_ids))
+    assert "".join(deltas) == expected

@@ -44,14 +44,22 @@ class _FastStream:
 class _OffsetStream:
     """The classic prefix/read-offset algorithm, for tokenizers without a Rust backend."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         self._ids: list[int] = []
         self._read_offset = 0  # ids before this are already emitted; the window starts at 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip, spaces_between_special_tokens=self._spaces
+        )
 
     def step(self, token_ids: list[int]) -> str | None:
         self._ids.extend(token_ids)
@@ -65,12 +73,20 @@ class _OffsetStream:
         return full_text[len(prefix_text) :]
 
 
-def _new_stream(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> _TextStream:
-    """A Rust DecodeStream when the tokenizer has a `tokenizers` backend, else the fallback."""
+def _new_stream(
+    tokenizer: PreTrainedTokenizerBase,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+) -> _TextStream:
+    """A Rust DecodeStream when the tokenizer has a `tokenizers` backend, else the fallback.
+
+    `spaces_between_special_tokens` is a slow (Python) tokenizer's decode option, as in vLLM,
+    whose fast-tokenizer path ignores it too: a Rust decoder joins added tokens without spaces.
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, Tokenizer):
         return _FastStream(backend, skip_special_tokens)
-    return _OffsetStream(tokenizer, skip_special_tokens)
+    return _OffsetStream(tokenizer, skip_special_tokens, spaces_between_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -89,9 +105,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         # Held back while streaming so a partial stop string is never sent.
@@ -119,7 +137,9 @@ class IncrementalDetokenizer:
 
     def _primed_stream(self, context: list[int]) -> _TextStream:
         """A new stream that has consumed `context` (its text is discarded)."""
-        stream = _new_stream(self.tokenizer, self.skip_special_tokens)
+        stream = _new_stream(
+            self.tokenizer, self.skip_special_tokens, self.spaces_between_special_tokens
+        )
         for token_id in context:  # one by one so each token's text is committed as context
             stream.step([token_id])
         return stream
@@ -135,7 +155,9 @@ class IncrementalDetokenizer:
             # Rare non-monotonic decodes break DecodeStream's state: restart it from the
             # last emitted tokens and replay what was not emitted yet.
             start = max(0, self._num_emitted - _PROMPT_CONTEXT_TOKENS)
-            self._stream = _OffsetStream(self.tokenizer, self.skip_special_tokens)
+            self._stream = _OffsetStream(
+                self.tokenizer, self.skip_special_tokens, self.spaces_between_special_tokens
+            )
             self._stream.step(self._ids[start : self._num_emitted])
             text = self._stream.step(self._ids[self._num_emitted :])
         if text is None:

@@ -91,6 +91,7 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
             sample = SampleState(index=index, detokenizer=detokenizer)
             if params.logprobs is not None:
