@@ -1,4 +1,4 @@
-"""Paged attention: one interface, chosen once at start-up, over flat tokens of many requests.
+"""Paged attention over the flat tokens of many requests (one backend: `TorchPagedAttention`).
 
 A step's tokens arrive flat (`[num_tokens, heads, head_dim]`), requests one after another,
 ordered so that single-token requests (decodes) come first. New keys and values are written
@@ -85,7 +85,7 @@ def build_attention_group(
 class TorchPagedAttention:
     """The portable backend: gathers each request's context from the cache and runs
     `scaled_dot_product_attention` on a padded batch per group. Correct for any mix of chunk
-    and context lengths; the reference that faster backends are tested against."""
+    and context lengths; the reference any faster backend would be tested against."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads

@@ -163,14 +163,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeCache,
         hidden: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, metadata
-        )
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
