@@ -1,16 +1,26 @@
 """Prefix caching and speculative decoding as a client sees them: cached_tokens in usage,
-cache_salt, /reset_prefix_cache, priority, and the spec-decode metrics."""
+cache_salt, /reset_prefix_cache, priority ordering, and the spec-decode metrics."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_utils import API_KEY, MODEL, Server, scrape, start_server, stop_server
+from server_utils import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MODEL,
+    Server,
+    scrape,
+    start_server,
+    stop_server,
+)
 
 # 64 distinct words, so the prompt spans several 16-token blocks.
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi"
@@ -49,11 +59,53 @@ def test_reset_prefix_cache_forgets_prefixes(client: openai.OpenAI, http: httpx.
     assert cached_tokens(client, prompt) == 0
 
 
-def test_priority_is_accepted(client: openai.OpenAI) -> None:
-    completion = client.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": 3}
-    )
-    assert completion.choices[0].finish_reason == "length"
+@pytest.fixture(scope="module")
+def priority_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One request at a time, so the waiting queue's order is the order requests finish in."""
+    log_path = tmp_path_factory.mktemp("priority-server") / "server.log"
+    args = ["--scheduling-policy", "priority", "--max-num-seqs", "1"]
+    server = start_server(model_dir, log_path, *args)
+    yield server
+    stop_server(server)
+
+
+def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
+    """While a long request runs, a low-priority request arrives, then a high-priority one
+    (lower value first): the later, higher-priority request runs first. Under fcfs the
+    low-priority one would, having arrived first."""
+    client = openai.OpenAI(base_url=f"{priority_server.url}/v1", api_key=API_KEY, max_retries=0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    http = httpx.Client(base_url=priority_server.url, headers=headers, timeout=60)
+    finished: list[str] = []
+
+    def complete(name: str, max_tokens: int, priority: int) -> None:
+        extra = {"priority": priority, "ignore_eos": True}
+        client.completions.create(model=MODEL, prompt=name, max_tokens=max_tokens, extra_body=extra)
+        finished.append(name)
+
+    def wait_for(running: int, waiting: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            metrics = scrape(http)
+            if (
+                metrics["tokenmill:num_requests_running"] == running
+                and metrics["tokenmill:num_requests_waiting"] == waiting
+            ):
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"never {running} running and {waiting} waiting")
+
+    with ThreadPoolExecutor(3) as pool, http:
+        jobs = [pool.submit(complete, "blocker", MAX_MODEL_LEN // 2, 0)]
+        wait_for(running=1, waiting=0)
+        jobs.append(pool.submit(complete, "low", 32, 10))
+        wait_for(running=1, waiting=1)
+        jobs.append(pool.submit(complete, "high", 32, 0))
+        wait_for(running=1, waiting=2)
+        for job in jobs:
+            job.result()
+    # (32 steps apart, so the client threads' timing cannot swap them)
+    assert finished.index("high") < finished.index("low")
 
 
 @pytest.fixture(scope="module")
