@@ -122,17 +122,28 @@ def test_fp8_kv_doubles_blocks_and_stays_close(checkpoint, prompts, reference) -
     full_blocks = full.engine.kv_cache_manager.num_blocks
     assert fp8.engine.kv_cache_manager.num_blocks == 4 * full_blocks  # float32 -> 8 bits
 
+    fp8_agreement, max_error = agreement_with(full, fp8, prompts, "fp8 (e4m3)")
+    assert fp8_agreement > 0.5
+    assert max_error < 1.0
+
+
+def agreement_with(
+    exact: LLM, approx: LLM, prompts: list[list[int]], label: str
+) -> tuple[float, float]:
+    """The fraction of greedy tokens `approx` generates as `exact` does before their first
+    divergence, and the largest logprob error of the same token at those positions."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    exact = full.generate(prompts, params, use_tqdm=False)
-    approx = fp8.generate(prompts, params, use_tqdm=False)
     agree = total = 0
     max_error = 0.0
-    for a, b in zip(exact, approx):
+    pairs = zip(
+        exact.generate(prompts, params, use_tqdm=False),
+        approx.generate(prompts, params, use_tqdm=False),
+    )
+    for a, b in pairs:
         ids_a, ids_b = a.outputs[0].token_ids, b.outputs[0].token_ids
         same = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), len(ids_a))
         agree += same
         total += len(ids_a)
-        # Logprobs of the same token at positions before the first divergence.
         for pos in range(same):
             token = ids_a[pos]
             error = abs(
@@ -141,15 +152,18 @@ def test_fp8_kv_doubles_blocks_and_stays_close(checkpoint, prompts, reference) -
             )
             max_error = max(max_error, error)
     print(
-        f"fp8 KV: {agree}/{total} greedy tokens agree before divergence, "
+        f"{label} KV: {agree}/{total} greedy tokens agree before divergence, "
         f"max logprob error {max_error:.3f}"
     )
-    assert agree / total > 0.5
-    assert max_error < 1.0
+    return agree / total, max_error
 
 
-def test_fp8_e5m2_runs(checkpoint, prompts) -> None:
+def test_fp8_e5m2_stays_close_to_float32(checkpoint, prompts) -> None:
+    """e5m2 keeps 2 mantissa bits to e4m3's 3 (relative error up to 1/8), so on this random
+    model greedy paths part sooner (measured: 28/60 tokens agree before the first divergence,
+    e4m3 52/60), but the logprobs stay close (measured max error 0.23, e4m3 0.11)."""
     llm = engine(checkpoint, kv_cache_dtype="fp8_e5m2")
-    out = llm.generate(prompts[:2], greedy(), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
     assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e5m2
+    fp8_agreement, max_error = agreement_with(engine(checkpoint), llm, prompts, "fp8_e5m2")
+    assert fp8_agreement > 0.3
+    assert max_error < 0.5
