@@ -46,3 +46,13 @@ def test_default_draft_is_the_demo_draft_and_changes_no_answer(chats) -> None:
 def test_other_models_need_an_explicit_draft(tiny_checkpoint) -> None:
     with pytest.raises(ConfigError, match="needs a model path"):
         LLM(model=str(tiny_checkpoint("llama")), speculative_config={"method": "draft_model"})
+
+
+def test_the_engine_itself_has_no_default_model() -> None:
+    """The demo default is filled in by the entrypoints (`LLM`, `serve`), so the engine never
+    imports the demo package; given no model directly, it says so."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ConfigError, match="no model given"):
+        LLMEngine(EngineConfig())
