@@ -1,0 +1,210 @@
+"""What /v1/completions and /v1/chat/completions share: checking a request on arrival, handing
+its engine requests over, and turning the outputs into one response or a stream of chunks.
+
+An endpoint subclasses `GenerationRun` with how its choices and chunks look; the engine round
+trip, the collect loop, the stream loop, usage and error handling live here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.engine.async_engine import EngineRequest, RequestStream
+from tokenmill.entrypoints.openai.context import (
+    ServerContext,
+    finish_reason,
+    log_ignored_fields,
+    make_usage,
+)
+from tokenmill.entrypoints.openai.errors import error_event
+from tokenmill.entrypoints.openai.inputs import Prompt
+from tokenmill.entrypoints.openai.params import check_stream_options, resolve_max_tokens
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
+    CompletionResponse,
+    FinishReason,
+    ResponseModel,
+    SamplingRequest,
+    UsageInfo,
+)
+from tokenmill.entrypoints.openai.streaming import (
+    DONE_EVENT,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse_event,
+)
+from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT", bound=SamplingRequest)
+Chunk = ChatCompletionChunk | CompletionResponse
+
+
+def begin_request(ctx: ServerContext, request: SamplingRequest, endpoint: str) -> float:
+    """The checks every generation request gets before its prompt is read; its arrival time."""
+    arrival_time = time.time()
+    ctx.check_model(request.model)
+    log_ignored_fields(request, endpoint)
+    check_stream_options(request)
+    return arrival_time
+
+
+@dataclass
+class ChoiceState:
+    """One choice as its outputs arrive."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        self.logprobs.extend(completion.logprobs or [])
+        self.finish_reason = finish_reason(completion)
+        self.stop_reason = completion.stop_reason
+
+
+@dataclass
+class PromptState:
+    """One prompt (one engine request) and what its outputs told about it."""
+
+    prompt: Prompt
+    logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+
+class GenerationRun(ABC, Generic[RequestT]):
+    """The state of one generation request while its engine outputs arrive.
+
+    Prompt `i` is engine request `{request_id}-{i}`; its `n` samples are choices
+    `i * n .. i * n + n - 1`.
+    """
+
+    endpoint: str  # for log lines
+
+    def __init__(
+        self, ctx: ServerContext, request: RequestT, request_id: str, prompts: list[Prompt]
+    ) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.prompts = [PromptState(p) for p in prompts]
+        self.choices = [self.new_choice() for _ in range(len(prompts) * request.n)]
+        self._prompt_index = {self._engine_request_id(i): i for i in range(len(prompts))}
+        options = request.stream_options
+        self.include_usage = bool(options and options.include_usage)
+
+    # ---- what an endpoint defines --------------------------------------------------------
+
+    def new_choice(self) -> ChoiceState:
+        return ChoiceState()
+
+    @abstractmethod
+    def sampling_params(self, prompt: Prompt) -> SamplingParams:
+        """The engine's parameters for one prompt (raises on bad input, before any work)."""
+
+    @abstractmethod
+    def response(self) -> ResponseModel:
+        """The whole response, once every choice has finished."""
+
+    def opening_chunks(self) -> list[Chunk]:
+        """Chunks sent as soon as the stream opens."""
+        return []
+
+    @abstractmethod
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:
+        """The stream chunks for one engine output (none while an output is held back)."""
+
+    @abstractmethod
+    def usage_chunk(self) -> Chunk:
+        """The last chunk under `stream_options.include_usage`: no choices, the usage."""
+
+    # ---- the shared path -----------------------------------------------------------------
+
+    async def serve(self, raw_request: Request, arrival_time: float) -> Response:
+        """Queue the engine requests, then answer with the whole response or a stream."""
+        engine_requests = [
+            EngineRequest(
+                self._engine_request_id(i),
+                state.prompt.token_ids,
+                self.sampling_params(state.prompt),
+                priority=self.request.priority,
+                cache_salt=self.request.cache_salt,
+            )
+            for i, state in enumerate(self.prompts)
+        ]
+        stream = await self.ctx.engine.add_requests(engine_requests, arrival_time)
+        if self.request.stream:
+            return EventStreamResponse(self.events(stream))
+        response = await cancel_on_disconnect(raw_request, self.collect(stream))
+        if response is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(response.model_dump())
+
+    def max_tokens(self, prompt: Prompt, requested: int | None, param: str) -> int:
+        """`requested` checked against the context left after `prompt` (see params.py)."""
+        return resolve_max_tokens(
+            requested,
+            len(prompt.token_ids),
+            self.ctx.max_model_len,
+            param,
+            self.ctx.sampling_defaults.get("max_tokens"),
+        )
+
+    async def collect(self, stream: RequestStream) -> ResponseModel:
+        async with stream:
+            async for output in stream:
+                prompt_index = self._absorb_prompt(output)
+                for completion in output.outputs:
+                    self.choices[prompt_index * self.request.n + completion.index].add(completion)
+        return self.response()
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        """Server-sent events: the chunks, the usage chunk if asked for, then `[DONE]`; a
+        failure after the 200 has gone out is one error event before `[DONE]`."""
+        try:
+            async with stream:
+                for chunk in self.opening_chunks():
+                    yield sse_event(chunk)
+                async for output in stream:
+                    for chunk in self.chunks(self._absorb_prompt(output), output):
+                        yield sse_event(chunk)
+            if self.include_usage:
+                yield sse_event(self.usage_chunk())
+        except Exception as e:
+            logger.warning("%s stream %s failed: %r", self.endpoint, self.request_id, e)
+            yield error_event(e)
+        yield DONE_EVENT
+
+    def usage(self) -> UsageInfo:
+        """The whole request's usage: each prompt once, every choice's tokens."""
+        return make_usage(
+            sum(len(s.prompt.token_ids) for s in self.prompts),
+            sum(len(c.token_ids) for c in self.choices),
+            sum(s.num_cached_tokens for s in self.prompts),
+        )
+
+    def _engine_request_id(self, prompt_index: int) -> str:
+        return f"{self.request_id}-{prompt_index}"
+
+    def _absorb_prompt(self, output: RequestOutput) -> int:
+        prompt_index = self._prompt_index[output.request_id]
+        state = self.prompts[prompt_index]
+        state.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            state.logprobs = output.prompt_logprobs
+        return prompt_index
