@@ -121,10 +121,6 @@ class GenerationRun(ABC, Generic[RequestT]):
     def response(self) -> ResponseModel:
         """The whole response, once every choice has finished."""
 
-    def opening_chunks(self) -> list[Chunk]:
-        """Chunks sent as soon as the stream opens."""
-        return []
-
     @abstractmethod
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:
         """The stream chunks for one engine output (none while an output is held back)."""
@@ -178,8 +174,6 @@ class GenerationRun(ABC, Generic[RequestT]):
         failure after the 200 has gone out is one error event before `[DONE]`."""
         try:
             async with stream:
-                for chunk in self.opening_chunks():
-                    yield sse_event(chunk)
                 async for output in stream:
                     for chunk in self.chunks(self._absorb_prompt(output), output):
                         yield sse_event(chunk)

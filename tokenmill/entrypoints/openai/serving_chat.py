@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: messages through the tokenizer's chat template, `n` replies.
 
 A stream opens each choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI does,
-then sends content deltas; the last delta of a choice carries its finish_reason.
+then sends content deltas; the last delta of a choice carries its finish_reason. The opening
+deltas go out with the first token, not on acceptance, as vLLM sends them: clients time the
+first chunk as the time to first token.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
     """The state of one chat request (one prompt) while its engine outputs arrive."""
 
     endpoint = "chat"
+    _opened = False  # whether the stream has sent its opening (role) deltas
 
     def sampling_params(self, prompt: Prompt) -> SamplingParams:
         request = self.request
@@ -72,17 +75,19 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
             usage=self.usage(),
         )
 
-    def opening_chunks(self) -> list[Chunk]:
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:
+        opening = [] if self._opened else self._opening_chunks()
+        self._opened = True
+        return [*opening, *(self._chunk([self._stream_choice(c)]) for c in output.outputs)]
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return self._chunk([], usage=True)
+
+    def _opening_chunks(self) -> list[Chunk]:
         opening = DeltaMessage(role="assistant", content="")
         return [
             self._chunk([ChatStreamChoice(index=i, delta=opening)]) for i in range(self.request.n)
         ]
-
-    def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:
-        return [self._chunk([self._stream_choice(c)]) for c in output.outputs]
-
-    def usage_chunk(self) -> ChatCompletionChunk:
-        return self._chunk([], usage=True)
 
     def _stream_choice(self, completion: CompletionOutput) -> ChatStreamChoice:
         self.choices[completion.index].token_ids.extend(completion.token_ids)
