@@ -57,6 +57,24 @@ def test_chat_stream_with_usage_and_n(client: openai.OpenAI) -> None:
     assert sorted(finished) == [0, 1, 2]
 
 
+def test_chat_continuous_usage_stats_count_up_from_the_role_chunk(
+    client: openai.OpenAI,
+) -> None:
+    chunks = list(
+        chat(
+            client, max_tokens=5, stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    role, *content, last = chunks
+    prompt_tokens = last.usage.prompt_tokens
+    assert role.choices[0].delta.role == "assistant"
+    assert (role.usage.prompt_tokens, role.usage.completion_tokens) == (prompt_tokens, 0)
+    assert [c.usage.completion_tokens for c in content] == [1, 2, 3, 4, 5]
+    assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in content)
+    assert last.choices == [] and last.usage.completion_tokens == 5
+
+
 def test_content_as_text_parts_equals_the_joined_string(client: openai.OpenAI) -> None:
     parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}]
     as_parts = chat(client, messages=[{"role": "user", "content": parts}])

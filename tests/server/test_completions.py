@@ -73,6 +73,32 @@ def test_include_usage_adds_a_final_usage_only_chunk(client: openai.OpenAI) -> N
     assert {c.choices[0].index for c in content} == {0, 1, 2, 3}
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's `continuous_usage_stats` (sent by guidellm and aiperf): a chunk carries its
+    prompt's tokens and its choice's tokens so far; the last chunk still sums everything."""
+    prompts = [PROMPT, "Hello"]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompts, n=2, max_tokens=4, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    *content, last = chunks
+    prompt_tokens = [greedy(client, p, max_tokens=1).usage.prompt_tokens for p in prompts]
+    counts = {index: 0 for index in range(4)}
+    for chunk in content:
+        index = chunk.choices[0].index
+        assert chunk.usage.prompt_tokens == prompt_tokens[index // 2]
+        assert chunk.usage.completion_tokens > counts[index]  # one token per step here
+        counts[index] = chunk.usage.completion_tokens
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + counts[index]
+    assert counts == {index: 4 for index in range(4)}
+    assert last.choices == [] and last.usage.completion_tokens == 16
+
+
 def test_n_samples_are_distinct_choices(client: openai.OpenAI) -> None:
     completion = client.completions.create(
         model=MODEL, prompt=PROMPT, n=3, max_tokens=12, temperature=1.0, seed=1,

@@ -32,6 +32,8 @@ class ResponseModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingRequest(RequestModel):

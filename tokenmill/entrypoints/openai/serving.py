@@ -107,6 +107,9 @@ class GenerationRun(ABC, Generic[RequestT]):
         self._prompt_index = {self._engine_request_id(i): i for i in range(len(prompts))}
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(
+            options and options.continuous_usage_stats
+        )
 
     # ---- what an endpoint defines --------------------------------------------------------
 
@@ -190,6 +193,18 @@ class GenerationRun(ABC, Generic[RequestT]):
             sum(len(s.prompt.token_ids) for s in self.prompts),
             sum(len(c.token_ids) for c in self.choices),
             sum(s.num_cached_tokens for s in self.prompts),
+        )
+
+    def chunk_usage(self, choice_index: int) -> UsageInfo | None:
+        """Under `continuous_usage_stats`, a chunk's usage: its prompt and its choice's tokens
+        so far, as vLLM reports it (the final usage chunk still sums every choice)."""
+        if not self.continuous_usage:
+            return None
+        state = self.prompts[choice_index // self.request.n]
+        return make_usage(
+            len(state.prompt.token_ids),
+            len(self.choices[choice_index].token_ids),
+            state.num_cached_tokens,
         )
 
     def _engine_request_id(self, prompt_index: int) -> str:

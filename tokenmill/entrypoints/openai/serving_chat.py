@@ -26,6 +26,7 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving import Chunk, GenerationRun, begin_request
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -78,16 +79,21 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:
         opening = [] if self._opened else self._opening_chunks()
         self._opened = True
-        return [*opening, *(self._chunk([self._stream_choice(c)]) for c in output.outputs)]
+        return [*opening, *(self._content_chunk(c) for c in output.outputs)]
 
     def usage_chunk(self) -> ChatCompletionChunk:
-        return self._chunk([], usage=True)
+        return self._chunk([], self.usage())
 
     def _opening_chunks(self) -> list[Chunk]:
         opening = DeltaMessage(role="assistant", content="")
         return [
-            self._chunk([ChatStreamChoice(index=i, delta=opening)]) for i in range(self.request.n)
+            self._chunk([ChatStreamChoice(index=i, delta=opening)], self.chunk_usage(i))
+            for i in range(self.request.n)
         ]
+
+    def _content_chunk(self, completion: CompletionOutput) -> ChatCompletionChunk:
+        choice = self._stream_choice(completion)
+        return self._chunk([choice], self.chunk_usage(choice.index))
 
     def _stream_choice(self, completion: CompletionOutput) -> ChatStreamChoice:
         self.choices[completion.index].token_ids.extend(completion.token_ids)
@@ -111,11 +117,13 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
             content=chat_logprobs(self.ctx.tokenizer, token_ids, positions, num_top)
         )
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: bool = False) -> ChatCompletionChunk:
+    def _chunk(
+        self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.ctx.model_name,
             choices=choices,
-            usage=self.usage() if usage else None,
+            usage=usage,
         )

@@ -21,6 +21,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving import (
     ChoiceState,
@@ -73,7 +74,7 @@ class CompletionRun(GenerationRun[CompletionRequest]):
 
     def response(self) -> CompletionResponse:
         choices = [self._whole_choice(i, choice) for i, choice in enumerate(self.choices)]
-        return self._response(choices, usage=True)
+        return self._response(choices, self.usage())
 
     def _whole_choice(self, index: int, choice: _Choice) -> CompletionChoice:
         prefix, logprobs = self._echo(index, choice)
@@ -99,7 +100,7 @@ class CompletionRun(GenerationRun[CompletionRequest]):
         return [self._chunk(prompt_index, c) for o in ready for c in o.outputs]
 
     def usage_chunk(self) -> CompletionResponse:
-        return self._response([], usage=True)
+        return self._response([], self.usage())
 
     def _chunk(self, prompt_index: int, completion: CompletionOutput) -> CompletionResponse:
         index = prompt_index * self.request.n + completion.index
@@ -117,7 +118,7 @@ class CompletionRun(GenerationRun[CompletionRequest]):
             finish_reason=finish_reason(completion),
             stop_reason=completion.stop_reason,
         )
-        return self._response([delta], usage=False)
+        return self._response([delta], self.chunk_usage(index))
 
     def _waiting_for_prompt_logprobs(self, state: PromptState) -> bool:
         """Streamed echo sends the prompt first, so with logprobs it waits for the prompt's."""
@@ -151,13 +152,16 @@ class CompletionRun(GenerationRun[CompletionRequest]):
             choice.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         return logprobs
 
-    def _response(self, choices: list[CompletionChoice], usage: bool) -> CompletionResponse:
-        response = CompletionResponse(
-            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices
+    def _response(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=usage,
         )
-        if usage:
-            response.usage = self.usage()
-        return response
 
 
 def _empty_logprobs() -> CompletionLogprobs:
