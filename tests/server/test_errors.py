@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from server_utils import API_KEY, MAX_MODEL_LEN, MODEL, Server
 
@@ -25,8 +26,6 @@ LONG_PROMPT = "word " * (2 * MAX_MODEL_LEN)
 
 # (id, path, JSON body, expected param or None)
 BAD_JSON_BODIES = [
-    ("unknown-model", "/v1/completions", completion(model="gpt-4"), "model"),
-    ("unknown-model-chat", "/v1/chat/completions", chat(model="nope"), "model"),
     ("missing-prompt", "/v1/completions", {"model": MODEL}, "prompt"),
     ("prompt-wrong-type", "/v1/completions", completion(prompt={"a": 1}), "prompt"),
     ("empty-prompt", "/v1/completions", completion(prompt="", add_special_tokens=False), "prompt"),
@@ -122,7 +121,6 @@ BAD_JSON_BODIES = [
         chat(max_completion_tokens=10**6),
         "max_completion_tokens",
     ),
-    ("tokenize-model", "/tokenize", {"model": "nope", "prompt": "x"}, "model"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**12]}, "tokens"),
     ("detokenize-wrong-type", "/detokenize", {"tokens": "abc"}, "tokens"),
 ]
@@ -181,9 +179,31 @@ def test_context_length_error_uses_vllms_words(http: httpx.Client) -> None:
     assert error["code"] == "context_length_exceeded"
 
 
-def test_unknown_model_error_names_it(http: httpx.Client) -> None:
-    error = http.post("/v1/completions", json=completion(model="gpt-4")).json()["error"]
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/completions", completion(model="gpt-4")),
+        ("POST", "/v1/chat/completions", chat(model="gpt-4")),
+        ("GET", "/v1/models/gpt-4", None),
+        ("POST", "/tokenize", {"model": "gpt-4", "prompt": "x"}),
+        ("POST", "/detokenize", {"model": "gpt-4", "tokens": [1]}),
+    ],
+    ids=["completions", "chat", "retrieve", "tokenize", "detokenize"],
+)
+def test_an_unknown_model_is_404_model_not_found(
+    http: httpx.Client, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    """As OpenAI and vLLM answer: the openai client raises NotFoundError."""
+    response = http.request(method, path, json=body)
+    assert_openai_error(response, 404, "model")
+    error = response.json()["error"]
     assert "gpt-4" in error["message"] and error["code"] == "model_not_found"
+
+
+def test_the_openai_client_raises_not_found_for_an_unknown_model(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4", messages=GOOD_MESSAGES, max_tokens=1)
+    assert raised.value.code == "model_not_found"
 
 
 @pytest.mark.parametrize(
@@ -210,7 +230,7 @@ def test_operational_routes_stay_open(server: Server) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/models/not-served"), ("GET", "/v2/x")],
+    [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v2/x")],
 )
 def test_unknown_routes_and_models_are_404(http: httpx.Client, method: str, path: str) -> None:
     assert_openai_error(http.request(method, path), 404)

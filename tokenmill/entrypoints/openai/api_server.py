@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
-    NOT_FOUND,
     OpenAIError,
     error_response,
     install_error_handlers,
@@ -51,9 +50,12 @@ def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorResponse, "description": description}
 
 
-BAD_REQUEST: Responses = {400: _error("Invalid request: parameters, prompt length, model name")}
+NOT_FOUND_RESPONSE: Responses = {404: _error("No such model (`model_not_found`)")}
+BAD_REQUEST: Responses = {
+    400: _error("Invalid request: parameters, prompt length"),
+    **NOT_FOUND_RESPONSE,
+}
 UNAUTHORIZED: Responses = {401: _error("Missing or wrong API key")}
-NOT_FOUND_RESPONSE: Responses = {404: _error("No such model")}
 ENGINE_DEAD: Responses = {503: _error("The engine is not running")}
 SERVER_ERRORS: Responses = {
     500: _error("The engine failed while running this request"),
@@ -115,8 +117,7 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
 
     @router.get("/models/{model_id:path}", responses={**auth, **NOT_FOUND_RESPONSE})
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in ctx.model_names:
-            raise OpenAIError(404, f"The model `{model_id}` does not exist.", NOT_FOUND, "model")
+        ctx.check_model(model_id)
         return _model_card(ctx, model_id)
 
     @router.post(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError
-from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.errors import model_not_found
 from tokenmill.entrypoints.openai.inputs import PromptBuilder
 from tokenmill.entrypoints.openai.protocol import (
     FinishReason,
@@ -54,11 +54,7 @@ class ServerContext:
     def check_model(self, model: str | None) -> None:
         """Clients name the model in every request; a name we do not serve is their error."""
         if model is not None and model not in self.model_names:
-            raise bad_request(
-                f"The model `{model}` does not exist. This server serves {self.model_names}.",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model, self.model_names)
 
 
 def log_ignored_fields(request: RequestModel, endpoint: str) -> None:

@@ -46,6 +46,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, INVALID_REQUEST, param, code)
 
 
+def model_not_found(model: str, served: list[str]) -> OpenAIError:
+    """A model this server does not serve: 404 `model_not_found`, as OpenAI and vLLM answer
+    (the openai client raises `NotFoundError`)."""
+    message = f"The model `{model}` does not exist. This server serves {served}."
+    return OpenAIError(404, message, INVALID_REQUEST, param="model", code="model_not_found")
+
+
 def error_info(error: BaseException) -> tuple[int, ErrorInfo]:
     """The status and error body for any exception a request can end with."""
     if isinstance(error, OpenAIError):
