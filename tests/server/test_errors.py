@@ -92,6 +92,21 @@ BAD_JSON_BODIES = [
         completion(stream_options={"include_usage": True}),
         "stream_options",
     ),
+    # Types as strict as OpenAI's: no coercion of strings, numbers or floats.
+    ("stream-as-string", "/v1/completions", completion(stream="yes"), "stream"),
+    ("echo-as-number", "/v1/completions", completion(echo=0), "echo"),
+    ("max-tokens-as-string", "/v1/completions", completion(max_tokens="4"), "max_tokens"),
+    ("n-as-float", "/v1/chat/completions", chat(n=2.0), "n"),
+    ("temperature-as-string", "/v1/chat/completions", chat(temperature="0.5"), "temperature"),
+    ("logprobs-as-number", "/v1/chat/completions", chat(logprobs=1), "logprobs"),
+    ("ignore-eos-as-string", "/v1/completions", completion(ignore_eos="true"), "ignore_eos"),
+    ("token-as-bool", "/v1/completions", completion(prompt=[1, True]), "prompt"),
+    (
+        "include-usage-as-string",
+        "/v1/chat/completions",
+        chat(stream=True, stream_options={"include_usage": "yes"}),
+        "stream_options.include_usage",
+    ),
     ("suffix", "/v1/completions", completion(suffix="x"), "suffix"),
     ("best-of", "/v1/completions", completion(best_of=3), "best_of"),
     ("no-messages", "/v1/chat/completions", chat(messages=[]), "messages"),
@@ -180,6 +195,32 @@ def test_context_length_error_uses_vllms_words(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "param", "input_name"),
+    [
+        (
+            "/v1/completions",
+            completion(prompt=[5] * MAX_MODEL_LEN, max_tokens=None),
+            "prompt",
+            "prompt",
+        ),
+        ("/v1/completions", completion(max_tokens=MAX_MODEL_LEN), "max_tokens", "prompt"),
+        ("/v1/chat/completions", chat(max_tokens=MAX_MODEL_LEN), "max_tokens", "messages"),
+    ],
+    ids=["completions-no-room", "completions-max-tokens", "chat-max-tokens"],
+)
+def test_context_length_error_names_the_endpoints_input(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str, input_name: str
+) -> None:
+    """Completions have a `prompt`, chat has `messages`: the error names the one sent."""
+    response = http.post(path, json=body)
+    assert_openai_error(response, 400, param)
+    message = response.json()["error"]["message"]
+    assert f"the length of the {input_name} or completion" in message
+    other = "messages" if input_name == "prompt" else "prompt"
+    assert other not in message
+
+
+@pytest.mark.parametrize(
     ("method", "path", "body"),
     [
         ("POST", "/v1/completions", completion(model="gpt-4")),
@@ -221,6 +262,7 @@ def test_v1_routes_need_the_api_key(
     response = httpx.request(method, server.url + path, json=completion(), headers=headers)
     assert_openai_error(response, 401)
     assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["WWW-Authenticate"] == "Bearer"
 
 
 def test_operational_routes_stay_open(server: Server) -> None:

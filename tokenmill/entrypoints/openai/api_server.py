@@ -197,6 +197,7 @@ def _api_key_check(api_key: str | None) -> Callable[..., Any]:
                 401,
                 "Incorrect API key provided. Pass the server's --api-key as a bearer token.",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},  # RFC 9110: a 401 names its scheme
             )
 
     return check

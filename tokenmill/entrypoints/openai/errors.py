@@ -36,10 +36,12 @@ class OpenAIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -68,7 +70,8 @@ def error_info(error: BaseException) -> tuple[int, ErrorInfo]:
 
 def error_response(error: BaseException) -> JSONResponse:
     status, info = error_info(error)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+    headers = error.headers if isinstance(error, OpenAIError) else None
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
 
 def error_event(error: BaseException) -> str:

@@ -89,19 +89,25 @@ class PromptBuilder:
 
 
 def context_length_error(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str,
+    input_param: str | None = None,
 ) -> OpenAIError:
-    """vLLM's wording, which clients and harnesses match on."""
+    """vLLM's wording, which clients and harnesses match on, naming the input as the endpoint
+    calls it (`prompt` or `messages`; by default `param` itself)."""
+    input_name = input_param or param
     if max_tokens is None:
         detail = f"However, your request has {num_prompt_tokens} input tokens."
     else:
         detail = (
             f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-            f"({num_prompt_tokens} in the messages, {max_tokens} in the completion)."
+            f"({num_prompt_tokens} in the {input_name}, {max_tokens} in the completion)."
         )
     message = (
         f"This model's maximum context length is {max_model_len} tokens. {detail} "
-        "Please reduce the length of the messages or completion."
+        f"Please reduce the length of the {input_name} or completion."
     )
     return bad_request(message, param=param, code="context_length_exceeded")
 

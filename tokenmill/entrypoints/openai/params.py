@@ -31,19 +31,21 @@ def resolve_max_tokens(
     max_model_len: int,
     param: str,
     model_default: int | None = None,
+    input_param: str = "prompt",
 ) -> int:
     """The tokens to generate: as requested, or (null) the rest of the context, capped by the
     model's `max_new_tokens` if its generation_config.json sets one; a 400 when the prompt and
-    the request together exceed the context, as vLLM answers."""
+    the request together exceed the context, as vLLM answers. `input_param` names the input
+    (`prompt` or `messages`) in the error."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         if room <= 0:
-            raise context_length_error(num_prompt_tokens, None, max_model_len, "messages")
+            raise context_length_error(num_prompt_tokens, None, max_model_len, input_param)
         return room if model_default is None else min(room, model_default)
     if requested < 0:
         raise bad_request(f"{param} must be >= 0, got {requested}", param=param)
     if requested > room:
-        raise context_length_error(num_prompt_tokens, requested, max_model_len, param)
+        raise context_length_error(num_prompt_tokens, requested, max_model_len, param, input_param)
     return requested
 
 

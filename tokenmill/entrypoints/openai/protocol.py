@@ -2,7 +2,9 @@
 OpenAI's published schema describes them (so `/openapi.json` is generated from the truth).
 
 Requests accept unknown fields (real clients send plenty; they are logged and ignored). Types are
-checked here; value ranges are checked once, by `SamplingParams`, so HTTP and offline agree.
+checked here, strictly as OpenAI checks them (`"stream": "yes"`, `"echo": 0`, `"n": 2.0` are
+400s, not coerced); value ranges are checked once, by `SamplingParams`, so HTTP and offline
+agree.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ MAX_LOGPROBS = 20
 
 
 class RequestModel(BaseModel):
-    """Unknown fields are kept in `model_extra` (for the log line) and otherwise ignored."""
+    """Unknown fields are kept in `model_extra` (for the log line) and otherwise ignored; known
+    ones take exactly their JSON type (an integer is a number, nothing else converts)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ResponseModel(BaseModel):

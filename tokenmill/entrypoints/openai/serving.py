@@ -94,6 +94,7 @@ class GenerationRun(ABC, Generic[RequestT]):
     """
 
     endpoint: str  # for log lines
+    input_param: str  # the request field holding the input: "prompt" or "messages"
 
     def __init__(
         self, ctx: ServerContext, request: RequestT, request_id: str, prompts: list[Prompt]
@@ -162,6 +163,7 @@ class GenerationRun(ABC, Generic[RequestT]):
             self.ctx.max_model_len,
             param,
             self.ctx.sampling_defaults.get("max_tokens"),
+            self.input_param,
         )
 
     async def collect(self, stream: RequestStream) -> ResponseModel:

@@ -46,6 +46,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
     """The state of one chat request (one prompt) while its engine outputs arrive."""
 
     endpoint = "chat"
+    input_param = "messages"
     _opened = False  # whether the stream has sent its opening (role) deltas
 
     def sampling_params(self, prompt: Prompt) -> SamplingParams:

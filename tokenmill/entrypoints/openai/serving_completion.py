@@ -53,6 +53,7 @@ class CompletionRun(GenerationRun[CompletionRequest]):
     """The state of one completions request while its engine outputs arrive."""
 
     endpoint = "completion"
+    input_param = "prompt"
     choices: list[_Choice]
 
     def __init__(
