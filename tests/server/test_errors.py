@@ -270,6 +270,19 @@ def test_operational_routes_stay_open(server: Server) -> None:
         assert httpx.get(server.url + path).status_code == 200, path
 
 
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/version", "/v1/models"])
+def test_probe_routes_answer_head_like_get(http: httpx.Client, path: str) -> None:
+    """Benchmark tools (aiperf) probe with HEAD before they send GETs."""
+    head, get = http.head(path), http.get(path)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b""
+    assert head.headers.get("content-type") == get.headers.get("content-type")
+
+
+def test_head_on_v1_needs_the_api_key(server: Server) -> None:
+    assert httpx.head(server.url + "/v1/models").status_code == 401
+
+
 @pytest.mark.parametrize(
     ("method", "path"),
     [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v2/x")],

@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.serving_tokenization import detokenize_tokens,
 from tokenmill.version import __version__
 
 Responses = dict[int | str, dict[str, Any]]
+Endpoint = Callable[..., Any]
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     auth: Responses = UNAUTHORIZED if api_key else {}
     router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
 
-    @router.get("/models", responses=auth)
+    @_get_and_head(router, "/models", responses=auth)
     async def list_models() -> ModelList:
         return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
 
@@ -142,7 +143,8 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
 def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRouter:
     router = APIRouter()
 
-    @router.get(
+    @_get_and_head(
+        router,
         "/health",
         response_class=Response,
         responses={200: {"description": "The engine is running"}, **ENGINE_DEAD},
@@ -152,11 +154,11 @@ def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRo
             return error_response(EngineDeadError("the engine is not running"))
         return Response(status_code=200)
 
-    @router.get("/version")
+    @_get_and_head(router, "/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    @router.get("/metrics", response_class=Response, responses={200: _prometheus_text()})
+    @_get_and_head(router, "/metrics", response_class=Response, responses={200: _prometheus_text()})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -178,6 +180,18 @@ def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRo
         return detokenize_tokens(ctx, request)
 
     return router
+
+
+def _get_and_head(router: APIRouter, path: str, **route: Any) -> Callable[[Endpoint], Endpoint]:
+    """A GET route that answers HEAD too (the same status and headers, no body: uvicorn drops
+    it), for probes that check with HEAD first (aiperf). HEAD stays out of /openapi.json."""
+
+    def register(endpoint: Endpoint) -> Endpoint:
+        router.add_api_route(path, endpoint, methods=["GET"], **route)
+        router.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False, **route)
+        return endpoint
+
+    return register
 
 
 def _api_key_check(api_key: str | None) -> Callable[..., Any]:
