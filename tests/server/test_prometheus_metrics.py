@@ -20,6 +20,8 @@ HISTOGRAMS = [
 ]
 COUNTERS = [
     "prompt_tokens_total",
+    "prompt_tokens_cached_total",
+    "prompt_tokens_computed_total",
     "generation_tokens_total",
     'num_preemptions_total{mode="recompute"}',
     'num_preemptions_total{mode="swap"}',
@@ -73,6 +75,30 @@ def test_prefix_cache_counters_count_tokens(client: openai.OpenAI, http: httpx.C
     assert cached > 0
     assert delta(before, after, "prefix_cache_hits_total") == cached
     assert delta(before, after, "prefix_cache_queries_total") >= completion.usage.prompt_tokens
+    # vLLM counts the whole prompt, hits included; the split is in two counters of its own.
+    prompt_tokens = completion.usage.prompt_tokens
+    assert delta(before, after, "prompt_tokens_total") == prompt_tokens
+    assert delta(before, after, "prompt_tokens_cached_total") == cached
+    assert delta(before, after, "prompt_tokens_computed_total") == prompt_tokens - cached
+
+
+def test_prompt_logprobs_requests_are_not_prefix_cache_queries(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """They bypass the cache (every position's logits are needed), so they looked nothing up."""
+    prompt = " ".join(f"scored {i}" for i in range(30))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    before = wait_until_idle(http)
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=0
+    )
+    after = wait_until_idle(http)
+    assert delta(before, after, "prefix_cache_queries_total") == 0
+    assert delta(before, after, "prompt_tokens_total") == scored.usage.prompt_tokens
+
+
+def test_no_spec_decode_families_without_speculation(http: httpx.Client) -> None:
+    assert "spec_decode" not in http.get("/metrics").text
 
 
 def test_gauges_show_requests_in_flight(http: httpx.Client) -> None:

@@ -305,3 +305,35 @@ def test_prefix_cache_statistics_count_prompt_tokens() -> None:
     run_scheduler(scheduler)
     stats = scheduler.get_stats().prefix_cache
     assert (stats.queries, stats.hits) == (24, 8)
+
+
+def test_prompt_tokens_count_whole_prompts_once_cached_ones_too() -> None:
+    """As vLLM counts them: every prompt token once (cache hits included), with the cached
+    ones and the ones run through the model counted apart."""
+    scheduler = make_scheduler()
+    for name in ("a", "b"):
+        scheduler.add_request(request(name, list(range(1, 13))))
+        run_scheduler(scheduler)
+    assert scheduler.num_prompt_tokens_prefilled == 24
+    assert scheduler.num_cached_prompt_tokens_prefilled == 8
+    assert scheduler.num_prompt_tokens_scheduled == 16
+
+
+def test_requests_that_bypass_the_prefix_cache_are_not_lookups() -> None:
+    """Prompt logprobs need every position's logits, so such a request reads no cache and is
+    not counted as a query (vLLM), nor is any request with caching off."""
+    scheduler = make_scheduler()
+    scheduler.add_request(request("a", list(range(1, 13))))
+    run_scheduler(scheduler)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scheduler.add_request(Request("scored", list(range(1, 13)), params, max_tokens=1))
+    run_scheduler(scheduler)
+    assert (
+        scheduler.get_stats().prefix_cache.queries,
+        scheduler.num_cached_prompt_tokens_prefilled,
+    ) == (12, 0)
+    uncached = make_scheduler(enable_caching=False)
+    uncached.add_request(request("c", list(range(1, 13))))
+    run_scheduler(uncached)
+    assert uncached.get_stats().prefix_cache.queries == 0
+    assert uncached.num_prompt_tokens_prefilled == 12

@@ -176,6 +176,18 @@ def test_preempted_requests_resume_with_identical_output() -> None:
         assert outputs[request.request_id] == expected_output(request)
 
 
+def test_a_prompt_recomputed_after_preemption_counts_once_as_prompt() -> None:
+    scheduler = make_scheduler(num_blocks=13, max_model_len=52, max_num_batched_tokens=64)
+    requests = [make_request(f"r{i}", 10 + i, max_tokens=20) for i in range(6)]
+    for request in requests:
+        scheduler.add_request(request)
+    run_to_completion(scheduler)
+    assert scheduler.num_preemptions > 0
+    num_prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    assert scheduler.num_prompt_tokens_prefilled == num_prompt_tokens
+    assert scheduler.num_prompt_tokens_scheduled > num_prompt_tokens  # recomputed prompts
+
+
 def test_a_prompt_longer_than_max_model_len_is_rejected() -> None:
     scheduler = make_scheduler(max_model_len=16)
     with pytest.raises(ValueError, match="max_model_len"):

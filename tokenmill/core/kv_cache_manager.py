@@ -67,7 +67,7 @@ class KVCacheManager:
         there are logits to sample from. Requests that want prompt logprobs get no hits (the
         logits of cached positions are not kept).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.reads_prefix_cache(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -78,9 +78,16 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether the request may take blocks from the prefix cache: not with caching off,
+        nor when it wants prompt logprobs (the logits of cached positions are not kept)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
+        """Count an admission's lookup; a request that bypasses the cache made none (vLLM)."""
+        if self.reads_prefix_cache(request):
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

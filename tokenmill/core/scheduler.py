@@ -99,6 +99,10 @@ class Scheduler:
         self.num_preemptions_by_mode = dict.fromkeys(PREEMPTION_MODES, 0)
         self.num_prompt_tokens_scheduled = 0  # since start; output recomputed after preemption
         self.last_num_scheduled_tokens = 0  # is not counted as prompt
+        # Whole prompts, each counted once when its prefill completes (as vLLM counts them),
+        # and how many of those tokens came from the prefix cache.
+        self.num_prompt_tokens_prefilled = 0
+        self.num_cached_prompt_tokens_prefilled = 0
         # Speculative decoding: the policy picking k, whether proposals need KV slots of their
         # own (a draft model writes its cache ahead), and what the last step did for the policy.
         self.spec_policy = spec_policy
@@ -334,6 +338,15 @@ class Scheduler:
             total += max(0, prompt_end - request.num_computed_tokens)
         return total
 
+    def _count_prefill(self, request: Request, num_new_computed: int) -> None:
+        """Count a prompt once, in the step that completes its first prefill (a prefill
+        redone after preemption, with output tokens already sampled, does not count)."""
+        computed = request.num_computed_tokens
+        end = request.num_prompt_tokens
+        if computed < end <= computed + num_new_computed and not request.output_token_ids:
+            self.num_prompt_tokens_prefilled += end
+            self.num_cached_prompt_tokens_prefilled += max(request.num_cached_tokens, 0)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
@@ -341,6 +354,7 @@ class Scheduler:
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is not None:
+                self._count_prefill(request, num_tokens)
                 request.num_computed_tokens += num_tokens
 
         outputs: list[EngineCoreOutput] = []

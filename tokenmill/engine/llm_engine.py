@@ -174,6 +174,11 @@ class LLMEngine:
             child_ids = self.output_processor.abort_request(request_id)
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
 
+    @property
+    def speculates(self) -> bool:
+        """Whether this engine runs speculative decoding (and so has spec-decode stats)."""
+        return self.scheduler.spec_stats is not None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -206,10 +211,12 @@ class LLMEngine:
         return EngineStats(
             scheduler=self.scheduler.get_stats(),
             num_steps=self.num_steps,
-            num_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens_prefilled,
             num_generation_tokens=self.num_generation_tokens,
             step_seconds=self.step_seconds,
             forward_seconds=self.runner.forward_seconds,
+            num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens_prefilled,
+            num_computed_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
         )
 
     def running_request_ids(self) -> set[str]:

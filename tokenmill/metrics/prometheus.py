@@ -41,7 +41,11 @@ class EngineMetrics:
     Called from the engine thread only (prometheus-client is thread-safe for the scrape).
     """
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, spec_decode: bool = False
+    ) -> None:
+        """`spec_decode`: the engine speculates, so export the `spec_decode_*` families
+        (a server without speculation has none, as in vLLM)."""
         self.registry = registry
         labels = {"model_name": model_name}
         self._progress: dict[str, _Progress] = {}
@@ -88,7 +92,16 @@ class EngineMetrics:
             "Time from the first token to the last token.",
             _REQUEST_BUCKETS,
         )
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Number of prefill tokens processed (whole prompts, as vLLM)."
+        )
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached", "Number of prompt tokens found in the prefix cache."
+        )
+        self.prompt_tokens_computed = counter(
+            "prompt_tokens_computed",
+            "Number of prompt tokens run through the model (again after a preemption).",
+        )
         self.generation_tokens = counter(
             "generation_tokens", "Number of generation tokens processed."
         )
@@ -101,21 +114,7 @@ class EngineMetrics:
         self.preemptions = {
             mode: preemptions.labels(mode=mode, **labels) for mode in ("recompute", "swap")
         }
-        self.spec_drafts = counter(
-            "spec_decode_num_drafts", "Verification steps with drafts, one per request and step."
-        )
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.spec_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
-        )
-        per_position = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position within the drafts of a step (0 = first).",
-            ["model_name", "position"],
-            registry=registry,
-        )
-        self._per_position_family = per_position
-        self._labels = labels
+        self.spec_decode = _SpecDecodeMetrics(registry, labels) if spec_decode else None
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache lookups, in prompt tokens looked up."
         )
@@ -146,6 +145,14 @@ class EngineMetrics:
             s, before = stats.scheduler, last.scheduler
             _advance(self.prompt_tokens, stats.num_prompt_tokens - last.num_prompt_tokens)
             _advance(
+                self.prompt_tokens_cached,
+                stats.num_cached_prompt_tokens - last.num_cached_prompt_tokens,
+            )
+            _advance(
+                self.prompt_tokens_computed,
+                stats.num_computed_prompt_tokens - last.num_computed_prompt_tokens,
+            )
+            _advance(
                 self.generation_tokens, stats.num_generation_tokens - last.num_generation_tokens
             )
             for mode, counter in self.preemptions.items():
@@ -154,8 +161,9 @@ class EngineMetrics:
                     s.num_preemptions_by_mode.get(mode, 0)
                     - before.num_preemptions_by_mode.get(mode, 0),
                 )
-            if s.spec_decode is not None and before.spec_decode is not None:
-                self._record_spec_decode(s.spec_decode, before.spec_decode)
+            spec, spec_before = s.spec_decode, before.spec_decode
+            if self.spec_decode is not None and spec is not None and spec_before is not None:
+                self.spec_decode.record(spec, spec_before)
             _advance(
                 self.prefix_cache_queries, s.prefix_cache.queries - before.prefix_cache.queries
             )
@@ -164,16 +172,6 @@ class EngineMetrics:
         self.num_running.set(stats.scheduler.num_running)
         self.num_waiting.set(stats.scheduler.num_waiting)
         self.kv_cache_usage.set(stats.scheduler.kv_cache_usage)
-
-    def _record_spec_decode(self, now: SpecDecodeStats, before: SpecDecodeStats) -> None:
-        _advance(self.spec_drafts, now.num_drafts - before.num_drafts)
-        _advance(self.spec_draft_tokens, now.num_draft_tokens - before.num_draft_tokens)
-        _advance(self.spec_accepted_tokens, now.num_accepted_tokens - before.num_accepted_tokens)
-        for position, count in enumerate(now.num_accepted_tokens_per_pos):
-            previous = before.num_accepted_tokens_per_pos
-            old = previous[position] if position < len(previous) else 0
-            counter = self._per_position_family.labels(position=str(position), **self._labels)
-            _advance(counter, count - old)
 
     def record_outputs(self, outputs: list[RequestOutput]) -> None:
         """Latency observations from one step's delta outputs."""
@@ -220,6 +218,37 @@ class EngineMetrics:
             self.decode_time.observe(decode)
             if num_tokens > 1:
                 self.time_per_output_token.observe(decode / (num_tokens - 1))
+
+
+class _SpecDecodeMetrics:
+    """The speculative-decoding counters, registered only when the engine speculates."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=registry).labels(**labels)
+
+        self.drafts = counter(
+            "spec_decode_num_drafts", "Verification steps with drafts, one per request and step."
+        )
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._per_position = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position within the drafts of a step (0 = first).",
+            ["model_name", "position"],
+            registry=registry,
+        )
+        self._labels = labels
+
+    def record(self, now: SpecDecodeStats, before: SpecDecodeStats) -> None:
+        _advance(self.drafts, now.num_drafts - before.num_drafts)
+        _advance(self.draft_tokens, now.num_draft_tokens - before.num_draft_tokens)
+        _advance(self.accepted_tokens, now.num_accepted_tokens - before.num_accepted_tokens)
+        for position, count in enumerate(now.num_accepted_tokens_per_pos):
+            previous = before.num_accepted_tokens_per_pos
+            old = previous[position] if position < len(previous) else 0
+            counter = self._per_position.labels(position=str(position), **self._labels)
+            _advance(counter, count - old)
 
 
 def _advance(counter: Counter, amount: int) -> None:

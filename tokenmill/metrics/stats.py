@@ -59,8 +59,12 @@ class SchedulerStats:
 class EngineStats:
     scheduler: SchedulerStats
     num_steps: int
-    num_prompt_tokens: int  # prompt tokens computed since start
-    # (a prompt recomputed after preemption counts again)
+    # Since start: whole prompts, counted once when their prefill completes (as vLLM counts
+    # them), and of those the tokens found in the prefix cache.
+    num_prompt_tokens: int
     num_generation_tokens: int
+    num_cached_prompt_tokens: int = 0
+    # prompt tokens run through the model (a prompt recomputed after preemption counts again)
+    num_computed_prompt_tokens: int = 0
     step_seconds: float = 0.0  # wall time inside steps that ran requests, since start
     forward_seconds: float = 0.0  # of which in the model's forward and logits

@@ -32,7 +32,7 @@ def run_server(args: argparse.Namespace) -> int:
     ProcessCollector(registry=registry)
     async_engine = AsyncEngine(
         engine,
-        EngineMetrics(registry, model_names[0]),
+        EngineMetrics(registry, model_names[0], spec_decode=engine.speculates),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )
     ctx = ServerContext(async_engine, model_names, str(engine.model_dir))
