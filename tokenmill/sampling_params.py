@@ -5,6 +5,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.params import StructuredOutputsParams
 
 _MAX_SEED = 2**63 - 1
 
@@ -47,6 +51,8 @@ class SamplingParams:
     # A slow (Python) tokenizer's decode option, as in vLLM; fast ones join added tokens as is.
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # JSON schema / regex / choice / grammar the output must match (a dict is converted).
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # Set by the engine from the model's generation config; not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -57,6 +63,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            from tokenmill.structured_output.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
