@@ -6,10 +6,11 @@ an engine that never sees one never loads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 
 # xgrammar's messages start with "[time] /path/file.cc:line: "; the rest is for the user.
 _LOCATION_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-_LOOSE_STRING_CHARACTER = r'([^\"\\\r\n])'
-_JSON_STRING_CHARACTER = r'([^\0-\x1f\"\\\r\n])'
+_LOOSE_STRING_CHARACTER = r"([^\"\\\r\n])"
+_JSON_STRING_CHARACTER = r"([^\0-\x1f\"\\\r\n])"
 _WHAT = {
     "json": "JSON schema",
     "regex": "regular expression",
@@ -51,12 +52,21 @@ def _check_json_schema(params: StructuredOutputsParams) -> None:
     should still be a 400, as OpenAI answers."""
     import jsonschema
 
-    try:
-        jsonschema.validators.validator_for(params.json).check_schema(params.json)
-    except jsonschema.SchemaError as e:
-        raise InvalidRequestError(
-            params.param, f"is not a valid JSON schema: {e.message}"
-        ) from None
+    error = jsonschema.exceptions.best_match(_meta_validator(params.json).iter_errors(params.json))
+    if error is not None:
+        raise InvalidRequestError(params.param, f"is not a valid JSON schema: {error.message}")
+
+
+@functools.cache
+def _meta_validator_for(cls: type) -> Any:
+    """A validator of schemas of one draft, built once (`check_schema` builds one per call)."""
+    return cls(cls.META_SCHEMA)
+
+
+def _meta_validator(schema: Any) -> Any:
+    import jsonschema
+
+    return _meta_validator_for(jsonschema.validators.validator_for(schema))
 
 
 def _grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar:

@@ -20,6 +20,11 @@ UNSATISFIABLE = "structured output: no token of the vocabulary can continue the 
 
 
 class RequestGrammar:
+    # Speculative decoding for constrained rows: drafts are cut at the first token the grammar
+    # rejects and the rest verified (True), or constrained rows verify none (False; kept for
+    # benchmarks/structured_outputs.py, which measures the two).
+    speculate = True
+
     def __init__(
         self,
         compiled: Future[xgrammar.CompiledGrammar],
@@ -55,6 +60,8 @@ class RequestGrammar:
     def valid_prefix(self, draft_token_ids: list[int]) -> list[int]:
         """The leading drafts the grammar allows (the matcher is left where it was)."""
         assert self.matcher is not None
+        if not self.speculate:
+            return []
         num_valid = 0
         for token_id in draft_token_ids:
             if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
