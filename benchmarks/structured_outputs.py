@@ -5,7 +5,10 @@
 With no model: the built-in demo model.
 1. Decode step time at batch 1, 8 and 32 with no row constrained, half of them and all of
    them (a JSON schema whose output does not end within --tokens, so the batch stays full),
-   sampled at temperature 1.0. Mean engine step time per run; median over interleaved runs.
+   sampled at temperature 1.0. Mean engine step time per run; median over interleaved runs
+   (in a shuffled order). Beside it, the time spent per step in structured-output code
+   (filling the bitmask, applying it, advancing matchers), timed directly: on a shared
+   machine the difference of two step times is noisier than the thing measured.
 2. Grammar compile time per schema (cache bypassed), median of --repeats.
 3. Constrained rows under n-gram speculation (k = 4, fixed): drafts checked against the
    grammar and verified (rollback) vs no drafts for constrained rows, output tokens/s.
@@ -14,13 +17,19 @@ With no model: the built-in demo model.
 from __future__ import annotations
 
 import argparse
+import functools
+import random
 import statistics
 import time
+from collections.abc import Callable
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.backend import XgrammarBackend
+from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar
+from tokenmill.worker import model_runner
 
 # Never complete within a few hundred tokens: at least 64 objects, each with free text.
 LONG_SCHEMA = {
@@ -80,8 +89,35 @@ def structured(schema: dict | None) -> StructuredOutputsParams:
     )
 
 
-def step_time(llm: LLM, batch: int, num_constrained: int, tokens: int) -> float:
-    """Mean seconds per engine step generating `tokens` tokens for `batch` rows."""
+class GrammarTimer:
+    """Seconds spent in the structured-output hooks of the step, by wrapping them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._wrap(StructuredOutputManager, "grammar_bitmask")
+        self._wrap(model_runner, "_apply_grammar")
+        self._wrap(Scheduler, "_advance_grammar", static=True)
+
+    def _wrap(self, owner: object, name: str, static: bool = False) -> None:
+        original: Callable = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        setattr(owner, name, staticmethod(timed) if static else timed)
+
+
+TIMER = GrammarTimer()
+
+
+def step_time(llm: LLM, batch: int, num_constrained: int, tokens: int) -> tuple[float, float]:
+    """Mean seconds per engine step generating `tokens` tokens for `batch` rows, and of that
+    the mean in structured-output code."""
     free = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
     constrained = SamplingParams(
         temperature=1.0,
@@ -91,32 +127,46 @@ def step_time(llm: LLM, batch: int, num_constrained: int, tokens: int) -> float:
     )
     params = [constrained] * num_constrained + [free] * (batch - num_constrained)
     engine = llm.engine
-    steps, seconds = engine.num_steps, engine.step_seconds
+    steps, seconds, grammar = engine.num_steps, engine.step_seconds, TIMER.seconds
     outputs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
-    return (engine.step_seconds - seconds) / (engine.num_steps - steps)
+    num_steps = engine.num_steps - steps
+    return (engine.step_seconds - seconds) / num_steps, (TIMER.seconds - grammar) / num_steps
 
 
 def bench_step_overhead(llm: LLM, repeats: int, tokens: int) -> None:
     print(f"\n1. decode step time, {tokens} tokens per row, median of {repeats} interleaved runs")
-    print("| batch | none constrained (ms) | half (ms) | all (ms) | half / none | all / none |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| batch | none constrained (ms) | half (ms) | all (ms) | half / none | all / none "
+        "| in grammar code, half (ms) | in grammar code, all (ms) | all: grammar / none step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     step_time(llm, 2, 1, 8)  # compile the schema, warm up
     for batch in (1, 8, 32):
         modes = {"none": 0, "half": batch // 2, "all": batch}
         if batch == 1:
             modes.pop("half")
-        samples: dict[str, list[float]] = {m: [] for m in modes}
+        steps: dict[str, list[float]] = {m: [] for m in modes}
+        grammar: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(repeats):
-            for mode, num in modes.items():
-                samples[mode].append(step_time(llm, batch, num, tokens))
-        ms = {m: 1000 * statistics.median(v) for m, v in samples.items()}
-        half = f"{ms['half']:.2f}" if "half" in ms else "-"
-        half_ratio = f"{ms['half'] / ms['none']:.3f}" if "half" in ms else "-"
-        print(
-            f"| {batch} | {ms['none']:.2f} | {half} | {ms['all']:.2f} | {half_ratio} | "
-            f"{ms['all'] / ms['none']:.3f} |"
-        )
+            for mode in random.sample(list(modes), len(modes)):
+                step, in_grammar = step_time(llm, batch, modes[mode], tokens)
+                steps[mode].append(step)
+                grammar[mode].append(in_grammar)
+        ms = {m: 1000 * statistics.median(v) for m, v in steps.items()}
+        gms = {m: 1000 * statistics.median(v) for m, v in grammar.items()}
+        half = "half" in ms
+        cells = [
+            f"{ms['none']:.2f}",
+            f"{ms['half']:.2f}" if half else "-",
+            f"{ms['all']:.2f}",
+            f"{ms['half'] / ms['none']:.3f}" if half else "-",
+            f"{ms['all'] / ms['none']:.3f}",
+            f"{gms['half']:.2f}" if half else "-",
+            f"{gms['all']:.2f}",
+            f"{gms['all'] / ms['none']:.1%}",
+        ]
+        print(f"| {batch} | " + " | ".join(cells) + " |")
 
 
 def bench_compile(llm: LLM, repeats: int) -> None:

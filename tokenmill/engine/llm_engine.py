@@ -201,6 +201,8 @@ class LLMEngine:
         )
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            # Nothing could run: at most the requests whose grammar is compiling are waiting.
+            self.structured_output.wait_for_compiles(timeout=0.01)
         else:
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +73,13 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams):  # runs on the compile thread
         assert self._backend is not None
         return self._backend.result().compile(params)
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until a pending compile finishes or `timeout` passes: for a step that had
+        nothing to run, instead of spinning (and taking the GIL from the compile thread)."""
+        pending = [f for f in self._compiled.values() if not f.done()]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     @property
     def num_cached_grammars(self) -> int:
