@@ -42,14 +42,16 @@ def test_request_compiling_its_grammar_waits_without_blocking_others() -> None:
 
 
 def test_grammar_that_fails_to_compile_finishes_the_request_with_the_reason() -> None:
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("free", 8, 4))
+    scheduler.schedule()  # "free" holds the only seat: nothing is admitted for a while
     grammar, compiled = pending_grammar()
     request = make_request("bad", 8, 4)
     request.grammar = grammar
     scheduler.add_request(request)
     compiled.set_exception(RuntimeError("too deep"))
 
-    assert scheduler.schedule().scheduled_new_reqs == []
     (output,) = scheduler.finish_without_output()
+    assert output.req_id == "bad"
     assert output.finish_reason == "error" and "too deep" in str(output.stop_reason)
-    assert not scheduler.has_unfinished_requests()
+    assert list(scheduler.requests) == ["free"]

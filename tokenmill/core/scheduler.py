@@ -388,7 +388,11 @@ class Scheduler:
             for r in self.waiting
             if r.max_tokens <= r.num_output_tokens and r.sampling_params.prompt_logprobs is None
         ]
-        failed = [r for r in self.waiting if r.grammar is not None and r.grammar.error]
+        failed = [
+            r
+            for r in self.waiting
+            if r.grammar is not None and r.grammar.is_ready() and r.grammar.error
+        ]
         if not done and not failed:
             return []
         self.finish_requests([r.request_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
