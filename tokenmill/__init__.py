@@ -30,7 +30,6 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
 ]
-__version__ = "0.1.0"
 
 # Imported on first use, so `import tokenmill.core...` (and the CLI's --help) stays light.
 _LAZY = {

@@ -12,10 +12,10 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models import random_checkpoint as rc
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
+from tokenmill.testing import random_checkpoint as rc
 
 PROMPT = "Reverse this list: apple banana cherry"
 

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.sampling_params import InvalidRequestError
-from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar

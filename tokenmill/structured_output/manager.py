@@ -17,10 +17,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output import backend
 from tokenmill.structured_output.bitmask import GrammarBitmask
-from tokenmill.structured_output.params import StructuredOutputsParams
 from tokenmill.structured_output.request_grammar import RequestGrammar
 
 if TYPE_CHECKING:

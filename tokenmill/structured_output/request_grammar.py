@@ -8,12 +8,10 @@ copies KV but appends nothing, so the matcher's state survives it untouched.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import xgrammar
-
-    from tokenmill.structured_output.backend import XgrammarBackend
 
 # finish_reason "error", with this as stop_reason, when no token can continue the output.
 UNSATISFIABLE = "structured output: no token of the vocabulary can continue the grammar"
@@ -28,7 +26,7 @@ class RequestGrammar:
     def __init__(
         self,
         compiled: Future[xgrammar.CompiledGrammar],
-        backend: Future[XgrammarBackend],
+        backend: Future[Any],  # an XgrammarBackend (not imported: this is a request value)
         stop_token_ids: list[int],
     ) -> None:
         self._compiled = compiled
