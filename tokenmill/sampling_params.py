@@ -133,7 +133,7 @@ class SamplingParams:
 # object). The shape is checked here; whether the schema, regex or grammar itself is valid is
 # checked by the engine before the request is queued (`structured_output.backend.validate`).
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -149,11 +149,12 @@ class StructuredOutputsParams:
     param: str = field(default="structured_outputs", compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise InvalidRequestError(
                 self.param,
-                f"must set exactly one of {', '.join(KINDS)}; got {', '.join(kinds) or 'none'}",
+                f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                f"got {', '.join(kinds) or 'none'}",
             )
         if isinstance(self.json, str):
             try:
@@ -173,7 +174,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
     def cache_key(self) -> tuple[str, str, bool]:
         """Equal for requests that compile to the same grammar."""
