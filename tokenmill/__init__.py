@@ -20,8 +20,16 @@ if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams
+    from tokenmill.structured_output import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 # Imported on first use, so `import tokenmill.core...` (and the CLI's --help) stays light.
 _LAZY = {
@@ -30,6 +38,7 @@ _LAZY = {
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.structured_output",
 }
 
 

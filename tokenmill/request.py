@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +62,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,6 +82,7 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache, once scheduled
         self.first_scheduled_time: float | None = None
+        self.grammar = grammar  # structured outputs: the matcher its output must follow
 
     @property
     def num_prompt_tokens(self) -> int:

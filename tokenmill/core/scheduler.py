@@ -26,6 +26,7 @@ from tokenmill.core.scheduler_output import (
 )
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from tokenmill.request import Request, RequestStatus
+from tokenmill.structured_output.request_grammar import UNSATISFIABLE
 
 # fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
 # first, and the lowest-priority running request is preempted first. static: the baseline that
@@ -256,6 +257,8 @@ class Scheduler:
         manager = self.kv_cache_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._pick_waiting()
+            if request is None:  # every waiting request's grammar is still compiling
+                break
             if manager.is_swapped(request):
                 num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
                 pairs = manager.swap_in(request, num_new)
@@ -304,17 +307,27 @@ class Scheduler:
         computed = request.num_computed_tokens if num_computed is None else num_computed
         return max(0, min(plan.lookahead, self.max_model_len - computed - num_new))
 
-    def _pick_waiting(self) -> Request:
+    def _pick_waiting(self) -> Request | None:
         """The next request to admit: the head of the queue, unless one of the next few (of
         the same priority) has more of its prompt in the prefix cache. Serving it now, while
-        its prefix is cached, saves recomputing that prefix after an eviction."""
-        head = self.waiting.peek()
+        its prefix is cached, saves recomputing that prefix after an eviction. Requests whose
+        grammar is still compiling are passed over (they keep their place)."""
+        head = next((r for r in self.waiting if _grammar_ready(r)), None)
         manager = self.kv_cache_manager
-        if not manager.enable_caching or head.num_skips >= MAX_HEAD_SKIPS or len(self.waiting) < 2:
+        if (
+            head is None
+            or not manager.enable_caching
+            or head.num_skips >= MAX_HEAD_SKIPS
+            or len(self.waiting) < 2
+        ):
             return head
         best, best_hits = head, -1
         for candidate in self.waiting.head(CACHE_AWARE_WINDOW):
-            if candidate.priority != head.priority or manager.is_swapped(candidate):
+            if (
+                candidate.priority != head.priority
+                or manager.is_swapped(candidate)
+                or not _grammar_ready(candidate)
+            ):
                 continue
             num_hits = manager.get_computed_blocks(candidate)[1]
             if num_hits > best_hits:
@@ -382,16 +395,27 @@ class Scheduler:
 
     def finish_without_output(self) -> list[EngineCoreOutput]:
         """Requests that must end before computing anything: `max_tokens == 0` without
-        prompt logprobs (with them, the prompt is computed and nothing sampled)."""
+        prompt logprobs (with them, the prompt is computed and nothing sampled), and those
+        whose grammar failed to compile (finish_reason "error", the reason in stop_reason)."""
         done = [
             r
             for r in self.waiting
             if r.max_tokens <= r.num_output_tokens and r.sampling_params.prompt_logprobs is None
         ]
-        if not done:
+        failed = [
+            r
+            for r in self.waiting
+            if r.grammar is not None and r.grammar.is_ready() and r.grammar.error
+        ]
+        if not done and not failed:
             return []
         self.finish_requests([r.request_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
-        return [EngineCoreOutput(r.request_id, [], finish_reason="length") for r in done]
+        self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="length") for r in done] + [
+            EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=r.grammar.error)
+            for r in failed
+            if r.grammar is not None
+        ]
 
     def get_stats(self) -> SchedulerStats:
         manager = self.kv_cache_manager
@@ -433,14 +457,22 @@ class Scheduler:
         new_token_ids = []
         if request.max_tokens == 0:  # computed only for its prompt logprobs
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        for token_id in generated if request.max_tokens else []:
+        grammar = request.grammar
+        if grammar is not None and grammar.unsatisfiable:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = UNSATISFIABLE
+        for token_id in generated if not request.is_finished else []:
             request.append_output_token(token_id)
             new_token_ids.append(token_id)
             self._check_stop(request, token_id)
+            if grammar is not None and not request.is_finished:
+                self._advance_grammar(request, token_id)
             if request.is_finished:  # tokens after a stop are dropped
                 break
-        spec = runner_output.spec_token_ids
-        request.spec_token_ids = (spec or {}).get(request.request_id, [])
+        spec = (runner_output.spec_token_ids or {}).get(request.request_id, [])
+        if grammar is not None and spec and not request.is_finished:
+            spec = grammar.valid_prefix(spec)  # drafts the grammar rejects are not verified
+        request.spec_token_ids = spec
         output = EngineCoreOutput(
             req_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -457,6 +489,18 @@ class Scheduler:
             output.new_logprobs = runner_output.logprobs[row][:count]
             output.new_sampled_token_ranks = runner_output.sampled_token_ranks[row][:count]
         return output
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> None:
+        """Move the request's matcher past a token; a grammar that has reached its end (say
+        with EOS ignored) stops the request."""
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.accept_tokens([token_id]):  # the bitmask should make this impossible
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"structured output: token {token_id} breaks the grammar"
+        elif grammar.is_terminated:
+            request.status = RequestStatus.FINISHED_STOPPED
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Swap: copy the request's blocks to the host pool and keep its progress. Recompute
@@ -510,3 +554,9 @@ class Scheduler:
             request.num_tokens >= self.max_model_len
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def _grammar_ready(request: Request) -> bool:
+    """May be admitted: no grammar, or one compiled (a failed one is finished instead)."""
+    grammar = request.grammar
+    return grammar is None or (grammar.is_ready() and grammar.error is None)

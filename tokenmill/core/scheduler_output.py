@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -46,6 +47,8 @@ class SchedulerOutput:
     # num_scheduled_tokens), and how many to propose for the next step.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens_to_propose: int = 0
+    # Structured outputs: allowed tokens of the constrained rows the runner samples.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -33,6 +33,9 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.policy import SpeculationPolicy
 from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.request_grammar import RequestGrammar
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -98,6 +101,9 @@ class LLMEngine:
             num_swap_blocks=swap_blocks,
             proposer=proposer,
         )
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
         self.num_generation_tokens = 0
@@ -137,6 +143,8 @@ class LLMEngine:
         """
         if request_id in self.output_processor.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if isinstance(params.structured_outputs, StructuredOutputsParams):
+            self.structured_output.validate(params.structured_outputs)
         prompt_text, prompt_token_ids = self._tokenize(prompt, add_special_tokens)
         self._validate_prompt(prompt_token_ids)
         self._validate_token_ids(params)
@@ -165,6 +173,7 @@ class LLMEngine:
                     arrival_time,
                     priority=priority,
                     cache_salt=cache_salt,
+                    grammar=self._request_grammar(child_params),
                 )
             )
 
@@ -192,8 +201,13 @@ class LLMEngine:
         start = time.perf_counter()
         core_outputs = self.scheduler.finish_without_output()
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+            self.scheduler.requests, scheduler_output
+        )
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            # Nothing could run: at most the requests whose grammar is compiling are waiting.
+            self.structured_output.wait_for_compiles(timeout=0.01)
         else:
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
@@ -330,6 +344,11 @@ class LLMEngine:
         if draft is not None and draft_spec is not None:
             return DraftModelProposer(draft, draft_spec, num_blocks, self.device)
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        if params.structured_outputs is None:
+            return None
+        return self.structured_output.request_grammar(params)
 
     def _validate_token_ids(self, params: SamplingParams) -> None:
         for field, ids in (

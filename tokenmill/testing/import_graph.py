@@ -29,16 +29,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "tokenmill.sampling_params",
         "tokenmill.request",
         "tokenmill.outputs",
+        "tokenmill.structured_output.request_grammar",  # a request's matcher
     ),
     ("tokenmill.metrics",),  # stats records, Prometheus, the stats line
     ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
     ("tokenmill.models",),
+    ("tokenmill.structured_output",),  # grammars (xgrammar) and the step's bitmask
     ("tokenmill.core",),  # scheduler, KV-cache manager, block pool
     # what a proposer sees of the runner (its requests' state, a step's layout)...
     ("tokenmill.worker.request_state", "tokenmill.worker.step_layout"),
     ("tokenmill.spec_decode",),
     ("tokenmill.worker",),  # ...so the runner can use proposers and verification
-    ("tokenmill.engine",),
+    ("tokenmill.engine", "tokenmill.structured_output.manager"),
     ("tokenmill.testing",),  # random checkpoints, this checker
     ("tokenmill.demo",),  # the demo models: where they are, their corpus, their training
     # the offline API, which fills in the demo models where no model is given

@@ -18,6 +18,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.rejection_sampler import verify
+from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
@@ -78,6 +79,8 @@ class ModelRunner:
         self.forward_seconds += time.perf_counter() - start
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if inputs.sampling_states:
+            if scheduler_output.grammar_bitmask is not None:
+                _apply_grammar(logits, scheduler_output.grammar_bitmask, inputs)
             output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
             num_drafts = scheduler_output.num_spec_tokens_to_propose
             if self.proposer is not None and num_drafts > 0:
@@ -267,3 +270,17 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: StepInputs) -> None:
+    """Mask the logits of constrained rows: a request sampling k drafts + 1 has k + 1 rows."""
+    logit_rows: list[int] = []
+    bitmask_rows: list[int] = []
+    row = 0
+    for state, drafts in zip(inputs.sampling_states, inputs.sampling_drafts):
+        first = grammar.first_rows.get(state.req_id)
+        if first is not None:
+            logit_rows.extend(range(row, row + len(drafts) + 1))
+            bitmask_rows.extend(range(first, first + len(drafts) + 1))
+        row += len(drafts) + 1
+    apply_grammar_bitmask(logits, grammar.bitmask, logit_rows, bitmask_rows)

@@ -69,7 +69,7 @@ def log_ignored_fields(request: RequestModel, endpoint: str) -> None:
 def finish_reason(completion: CompletionOutput) -> FinishReason | None:
     """OpenAI's finish reasons; any other ending (the engine failed it) is an error."""
     reason = completion.finish_reason
-    if reason is None or reason in ("stop", "length"):
+    if reason is None or reason in ("stop", "length", "error"):
         return reason  # type: ignore[return-value]
     raise EngineStepError(f"the request ended with finish_reason={reason!r}")
 

@@ -11,6 +11,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
+from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_params
 from tokenmill.sampling_params import SamplingParams
 
 # Request fields whose null means "the default", and SamplingParams' default for each.
@@ -98,6 +99,7 @@ def _sampling_params(
         min_tokens=request.min_tokens,
         logit_bias=_logit_bias(request.logit_bias),
         skip_special_tokens=request.skip_special_tokens,
+        structured_outputs=structured_outputs_params(request),
         **fields,
     )
 

@@ -10,7 +10,7 @@ agree.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
@@ -37,6 +37,31 @@ class StreamOptions(RequestModel):
     include_usage: bool | None = False
     # vLLM's: with include_usage, every chunk also carries its choice's usage so far.
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs`: one of json / regex / choice / grammar / json_object."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingRequest(RequestModel):
@@ -66,6 +91,13 @@ class SamplingRequest(RequestModel):
     # and a salt that keeps this tenant's prompts out of others' prefix-cache hits.
     priority: int = 0
     cache_salt: str | None = None
+    # Structured outputs (docs/server.md): OpenAI's field, vLLM's, and vLLM's older ones.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -141,7 +173,9 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length"]
+# "error": the request could not go on (structured outputs: no token can continue the
+# grammar); stop_reason says why. vLLM reports it the same way.
+FinishReason = Literal["stop", "length", "error"]
 
 
 class CompletionLogprobs(ResponseModel):

@@ -1,0 +1,235 @@
+"""Structured outputs benchmark: the cost of grammar enforcement, side by side in one run.
+
+    python benchmarks/structured_outputs.py [--model PATH] [--repeats 5] [--tokens 64]
+
+With no model: the built-in demo model.
+1. Decode step time at batch 1, 8 and 32 with no row constrained, half of them and all of
+   them (a JSON schema whose output does not end within --tokens, so the batch stays full),
+   sampled at temperature 1.0. Mean engine step time per run; median over interleaved runs
+   (in a shuffled order). Beside it, the time spent per step in structured-output code
+   (filling the bitmask, applying it, advancing matchers), timed directly: on a shared
+   machine the difference of two step times is noisier than the thing measured.
+2. Grammar compile time per schema (cache bypassed), median of --repeats.
+3. Constrained rows under n-gram speculation (k = 4, fixed): drafts checked against the
+   grammar and verified (rollback) vs no drafts for constrained rows, output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.backend import XgrammarBackend
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.request_grammar import RequestGrammar
+from tokenmill.worker import model_runner
+
+# Never complete within a few hundred tokens: at least 64 objects, each with free text.
+LONG_SCHEMA = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    },
+}
+SCHEMAS = {
+    "flat object (3 fields)": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "ok"],
+    },
+    "nested, arrays, enums, ranges": LONG_SCHEMA,
+    "20 properties, 3 levels": {
+        "type": "object",
+        "properties": {
+            f"field_{i}": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "number", "minimum": -1000, "maximum": 1000},
+                    "label": {"type": "string", "maxLength": 32},
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "object", "properties": {"id": {"type": "integer"}}},
+                    },
+                },
+                "required": ["value", "label"],
+            }
+            for i in range(20)
+        },
+        "additionalProperties": False,
+    },
+    "json_object": None,
+}
+PROMPT = "Reverse this list: apple banana cherry dog"
+
+
+def structured(schema: dict | None) -> StructuredOutputsParams:
+    return (
+        StructuredOutputsParams(json=schema)
+        if schema
+        else StructuredOutputsParams(json_object=True)
+    )
+
+
+class GrammarTimer:
+    """Seconds spent in the structured-output hooks of the step, by wrapping them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._wrap(StructuredOutputManager, "grammar_bitmask")
+        self._wrap(model_runner, "_apply_grammar")
+        self._wrap(Scheduler, "_advance_grammar", static=True)
+
+    def _wrap(self, owner: object, name: str, static: bool = False) -> None:
+        original: Callable = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        setattr(owner, name, staticmethod(timed) if static else timed)
+
+
+TIMER = GrammarTimer()
+
+
+def step_time(llm: LLM, batch: int, num_constrained: int, tokens: int) -> tuple[float, float]:
+    """Mean seconds per engine step generating `tokens` tokens for `batch` rows, and of that
+    the mean in structured-output code."""
+    free = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+    constrained = SamplingParams(
+        temperature=1.0,
+        max_tokens=tokens,
+        ignore_eos=True,
+        structured_outputs=structured(LONG_SCHEMA),
+    )
+    params = [constrained] * num_constrained + [free] * (batch - num_constrained)
+    engine = llm.engine
+    steps, seconds, grammar = engine.num_steps, engine.step_seconds, TIMER.seconds
+    outputs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
+    num_steps = engine.num_steps - steps
+    return (engine.step_seconds - seconds) / num_steps, (TIMER.seconds - grammar) / num_steps
+
+
+def bench_step_overhead(llm: LLM, repeats: int, tokens: int) -> None:
+    print(f"\n1. decode step time, {tokens} tokens per row, median of {repeats} interleaved runs")
+    print(
+        "| batch | none constrained (ms) | half (ms) | all (ms) | half / none | all / none "
+        "| in grammar code, half (ms) | in grammar code, all (ms) | all: grammar / none step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    step_time(llm, 2, 1, 8)  # compile the schema, warm up
+    for batch in (1, 8, 32):
+        modes = {"none": 0, "half": batch // 2, "all": batch}
+        if batch == 1:
+            modes.pop("half")
+        steps: dict[str, list[float]] = {m: [] for m in modes}
+        grammar: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in random.sample(list(modes), len(modes)):
+                step, in_grammar = step_time(llm, batch, modes[mode], tokens)
+                steps[mode].append(step)
+                grammar[mode].append(in_grammar)
+        ms = {m: 1000 * statistics.median(v) for m, v in steps.items()}
+        gms = {m: 1000 * statistics.median(v) for m, v in grammar.items()}
+        half = "half" in ms
+        cells = [
+            f"{ms['none']:.2f}",
+            f"{ms['half']:.2f}" if half else "-",
+            f"{ms['all']:.2f}",
+            f"{ms['half'] / ms['none']:.3f}" if half else "-",
+            f"{ms['all'] / ms['none']:.3f}",
+            f"{gms['half']:.2f}" if half else "-",
+            f"{gms['all']:.2f}",
+            f"{gms['all'] / ms['none']:.1%}",
+        ]
+        print(f"| {batch} | " + " | ".join(cells) + " |")
+
+
+def bench_compile(llm: LLM, repeats: int) -> None:
+    engine = llm.engine
+    start = time.perf_counter()
+    backend = XgrammarBackend(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    print(f"\n2. compile time (tokenizer table built once: {time.perf_counter() - start:.3f} s)")
+    print("| schema | compile (ms) |")
+    print("|---|---|")
+    for name, schema in SCHEMAS.items():
+        params = structured(schema)
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.compile(params)
+            seconds.append(time.perf_counter() - start)
+        print(f"| {name} | {1000 * statistics.median(seconds):.1f} |")
+
+
+def bench_speculation(model: str | None, repeats: int, tokens: int) -> None:
+    print("\n3. constrained rows under n-gram speculation (k = 4), output tokens/s")
+    print(
+        "| batch | speculation off | drafts off for constrained rows | drafts checked + rollback |"
+    )
+    print("|---|---|---|---|")
+    engines = {
+        "off": LLM(model=model),
+        "spec": LLM(
+            model=model,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        ),
+    }
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=tokens,
+        ignore_eos=True,
+        structured_outputs=structured(LONG_SCHEMA),
+    )
+    for batch in (1, 8):
+        rates: dict[str, list[float]] = {"off": [], "no drafts": [], "rollback": []}
+        for _ in range(repeats):
+            for mode in rates:
+                llm = engines["off" if mode == "off" else "spec"]
+                RequestGrammar.speculate = mode != "no drafts"
+                start = time.perf_counter()
+                llm.generate([PROMPT] * batch, params, use_tqdm=False)
+                rates[mode].append(batch * tokens / (time.perf_counter() - start))
+        RequestGrammar.speculate = True
+        med = {m: statistics.median(v) for m, v in rates.items()}
+        print(f"| {batch} | {med['off']:.0f} | {med['no drafts']:.0f} | {med['rollback']:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    llm = LLM(model=args.model, max_num_seqs=32)
+    bench_step_overhead(llm, args.repeats, args.tokens)
+    bench_compile(llm, args.repeats)
+    bench_speculation(args.model, args.repeats, args.tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Structured outputs enforced while decoding: sampled JSON validates against its schema, regex
+and choice outputs match, free requests in the same batch are untouched, and the matcher's
+state survives chunked prefill, preemption, prefix caching, n > 1 and speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import InvalidRequestError
+from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.request_grammar import UNSATISFIABLE
+from tokenmill.testing import random_checkpoint as rc
+
+PROMPT = "Reverse this list: apple banana cherry"
+
+# Strings are bounded: a random model picks a closing quote as rarely as any other token.
+PET = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "string", "maxLength": 3},
+        "k": {"enum": ["cat", "dog"]},
+        "a": {"type": "integer", "minimum": 1, "maximum": 20},
+        "t": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 2},
+        "o": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["n", "k", "a", "t", "o"],
+    "additionalProperties": False,
+}
+SCORES = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": -50, "maximum": 50},
+    "minItems": 2,
+    "maxItems": 4,
+}
+
+
+def constrained(seed: int = 0, n: int = 1, max_tokens: int = 96, **kind) -> SamplingParams:
+    # Without extra whitespace, as vLLM's disable_any_whitespace: a random model chooses
+    # whitespace as readily as anything else and would pad to max_tokens.
+    structured = StructuredOutputsParams(disable_any_whitespace=True, **kind)
+    return SamplingParams(
+        n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=structured
+    )
+
+
+@pytest.fixture(scope="module")
+def random_llm(tiny_checkpoint) -> LLM:
+    return LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def demo_llm() -> LLM:
+    return LLM()
+
+
+@pytest.mark.parametrize("which", ["demo", "random"])
+def test_fifty_sampled_completions_validate_against_each_schema(which, request) -> None:
+    llm: LLM = request.getfixturevalue(f"{which}_llm")
+    params = [constrained(seed=1, n=50, json=PET), constrained(seed=2, n=50, json=SCORES)]
+    outputs = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    for output, schema in zip(outputs, (PET, SCORES)):
+        assert len(output.outputs) == 50
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", completion.text
+            jsonschema.validate(json.loads(completion.text), schema)
+        assert len({c.text for c in output.outputs}) > 10  # sampled, not one forced string
+
+
+def test_regex_and_choice_outputs_match(random_llm: LLM) -> None:
+    pattern = r"[a-z]{2,5}-\d{3}"
+    choices = ["yes", "no", "maybe later"]
+    regex_out, choice_out = random_llm.generate(
+        [PROMPT, PROMPT],
+        [constrained(seed=3, n=20, regex=pattern), constrained(seed=4, n=20, choice=choices)],
+        use_tqdm=False,
+    )
+    assert all(re.fullmatch(pattern, c.text) for c in regex_out.outputs)
+    assert all(c.text in choices for c in choice_out.outputs)
+
+
+def test_masked_tokens_get_no_probability(random_llm: LLM) -> None:
+    params = constrained(choice=["yes", "no", "maybe"], max_tokens=4)
+    params.logprobs = 5
+    out = random_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    tokenizer = random_llm.engine.tokenizer
+    first = {tokenizer.decode([t]): p.logprob for t, p in out.logprobs[0].items()}
+    allowed = {text for text, logprob in first.items() if logprob > float("-inf")}
+    assert allowed and all(any(c.startswith(t) for c in ("yes", "no", "maybe")) for t in allowed)
+
+
+def test_free_requests_get_the_tokens_they_get_alone(random_llm: LLM) -> None:
+    free = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True),
+    ]
+    prompts = ["Once upon a time", "The quick brown fox"]
+    alone = [o.outputs[0].token_ids for o in random_llm.generate(prompts, free, use_tqdm=False)]
+    mixed = random_llm.generate(
+        [*prompts, PROMPT, PROMPT],
+        [*free, constrained(seed=5, n=4, json=PET), constrained(seed=6, regex=r"\d+")],
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert all(json.loads(c.text) for c in mixed[2].outputs)
+
+
+def test_max_tokens_mid_object_is_length(random_llm: LLM) -> None:
+    out = random_llm.generate(PROMPT, constrained(json=PET, max_tokens=5), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "length"
+    assert len(completion.token_ids) == 5 and completion.text.startswith('{"')
+
+
+@pytest.mark.parametrize(
+    "kind, value, message",
+    [
+        ("json", {"type": "object", "properties": {"a": {"type": "nope"}}}, "JSON schema"),
+        ("json", {"type": "integer", "minimum": "zero"}, "JSON schema"),
+        ("regex", "(ab", "regular expression"),
+        ("grammar", "root ::= undefined_rule", "EBNF grammar"),
+    ],
+)
+def test_invalid_constraint_is_rejected_before_any_work(random_llm, kind, value, message) -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**{kind: value}))
+    with pytest.raises(InvalidRequestError, match=message) as error:
+        random_llm.generate(PROMPT, params, use_tqdm=False)
+    assert error.value.param == "structured_outputs"
+    assert not random_llm.engine.has_unfinished_requests()
+
+
+def test_params_need_exactly_one_constraint() -> None:
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        SamplingParams(structured_outputs={"disable_any_whitespace": True})
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        StructuredOutputsParams(json="{oops")
+
+
+def test_equal_schemas_compile_once(tiny_checkpoint) -> None:
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=128)
+    params = [constrained(json=PET), constrained(json=dict(PET)), constrained(regex="a+")]
+    llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert llm.engine.structured_output.num_cached_grammars == 2
+
+
+def test_grammar_the_vocabulary_cannot_satisfy_finishes_with_a_reason(tiny_checkpoint, tmp_path):
+    """A word-level vocabulary of a, b, ab, c cannot spell "z": the request ends with
+    finish_reason "error" and the reason, after the tokens that could be generated."""
+    words = [rc.UNK_TOKEN, rc.BOS_TOKEN, rc.EOS_TOKEN, rc.PAD_TOKEN, rc.IM_START_TOKEN]
+    words += [rc.IM_END_TOKEN, "a", "b", "ab", "c"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, rc.UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    rc.wrap_tokenizer(tokenizer, 256).save_pretrained(tmp_path)
+    checkpoint = tiny_checkpoint("llama", tokenizer_dir=tmp_path)
+    llm = LLM(model=str(checkpoint), dtype="float32", max_model_len=64)
+    params = [constrained(regex=r"ab+c", max_tokens=10), constrained(regex="abz")]
+    satisfiable, unsatisfiable = llm.generate(["a b", "a b"], params, use_tqdm=False)
+    assert satisfiable.outputs[0].finish_reason == "stop"
+    completion = unsatisfiable.outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("error", UNSATISFIABLE)
+    assert completion.token_ids == [words.index("ab")]
+
+
+CONFIGS = {
+    "chunked-prefill": {"max_num_batched_tokens": 16},
+    "recompute": {"num_kv_blocks": 14, "enable_prefix_caching": False},
+    "swap": {"num_kv_blocks": 14, "preemption_mode": "swap", "enable_prefix_caching": False},
+    "prefix-caching": {"enable_prefix_caching": True},
+    "ngram-speculation": {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    },
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_constrained_output_is_identical_across_engine_features(tiny_checkpoint, config) -> None:
+    """Seeded sampling is a function of (seed, position), so any engine gives the same tokens;
+    a matcher that lost or repeated a token under these features would change them."""
+    checkpoint = str(tiny_checkpoint("llama"))
+    prompts = [f"{PROMPT} {i} and {'dog ' * (6 + 3 * i)}" for i in range(6)]
+    params = [
+        constrained(seed=i, n=2, json=PET) if i % 2 else constrained(seed=i, regex=r"(ab|c)+d")
+        for i in range(6)
+    ]
+
+    def run(**kwargs) -> tuple[list[list[list[int]]], LLM]:
+        llm = LLM(model=checkpoint, dtype="float32", max_model_len=96, block_size=8, **kwargs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outputs], llm
+
+    tokens, llm = run(**CONFIGS[config])
+    assert tokens == run()[0]
+    stats = llm.get_stats().scheduler
+    if config in ("recompute", "swap"):
+        assert stats.num_preemptions_by_mode[config] > 0
+    if config == "prefix-caching":
+        assert stats.prefix_cache.hits > 0
+    if config == "ngram-speculation":
+        assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0

@@ -1,0 +1,110 @@
+"""Structured outputs over HTTP: the openai SDK's `response_format`, vLLM's
+`structured_outputs` and `guided_*` fields, streaming, n > 1, and 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_utils import MODEL
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 4},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+    },
+    "required": ["city", "rank", "tags"],
+    "additionalProperties": False,
+}
+# A random model pads with whitespace as readily as anything else (docs/server.md).
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+MESSAGES = [{"role": "user", "content": "Where is the meeting?"}]
+
+
+def test_openai_sdk_response_format_json_schema(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=80,
+        n=3,
+        temperature=1.0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "meeting", "schema": SCHEMA, "strict": True},
+        },
+        extra_body=COMPACT,
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+
+
+def test_openai_sdk_json_object_streams(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=60,
+        temperature=0.0,
+        stream=True,
+        response_format={"type": "json_object"},
+        extra_body=COMPACT,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    assert text.startswith("{")
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert finish == "length"
+
+
+@pytest.mark.parametrize(
+    "fields, check",
+    [
+        ({"guided_choice": ["north", "south"]}, lambda t: t in ("north", "south")),
+        ({"guided_regex": r"\d{2}-[ab]"}, lambda t: re.fullmatch(r"\d{2}-[ab]", t)),
+        ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+        ({"structured_outputs": {"grammar": 'root ::= "go" [0-9]'}}, lambda t: t[:2] == "go"),
+    ],
+)
+def test_vllm_fields_constrain_completions(client: openai.OpenAI, fields, check) -> None:
+    reply = client.completions.create(
+        model=MODEL, prompt="Pick one:", max_tokens=12, n=2, temperature=1.0, extra_body=fields
+    )
+    assert all(check(choice.text) for choice in reply.choices), reply.choices
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+            "response_format",
+        ),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_json": {"type": "object", "required": "city"}}, "guided_json"),
+        ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ],
+)
+def test_invalid_constraints_are_400_naming_the_field(
+    http: httpx.Client, body: dict[str, Any], param: str
+) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text

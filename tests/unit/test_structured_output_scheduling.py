@@ -1,0 +1,57 @@
+"""The scheduler and grammars still compiling: such a request waits in the queue, keeping its
+place, while the requests behind it are admitted; it runs as soon as its grammar is ready."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from test_scheduler import make_request, make_scheduler
+
+from tokenmill.request import RequestStatus
+from tokenmill.structured_output.request_grammar import RequestGrammar
+
+
+class FakeBackend:
+    def matcher(self, compiled: object, stop_token_ids: list[int]) -> object:
+        return ("matcher", compiled)
+
+
+def pending_grammar() -> tuple[RequestGrammar, Future]:
+    compiled: Future = Future()
+    backend: Future = Future()
+    backend.set_result(FakeBackend())
+    return RequestGrammar(compiled, backend, stop_token_ids=[]), compiled
+
+
+def test_request_compiling_its_grammar_waits_without_blocking_others() -> None:
+    scheduler = make_scheduler()
+    grammar, compiled = pending_grammar()
+    constrained = make_request("constrained", 8, 4)
+    constrained.grammar = grammar
+    scheduler.add_request(constrained)
+    scheduler.add_request(make_request("free", 8, 4))
+
+    first = scheduler.schedule()
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["free"]
+    assert constrained.status == RequestStatus.WAITING
+
+    compiled.set_result("compiled grammar")
+    second = scheduler.schedule()
+    assert [r.req_id for r in second.scheduled_new_reqs] == ["constrained"]
+    assert grammar.matcher == ("matcher", "compiled grammar")
+
+
+def test_grammar_that_fails_to_compile_finishes_the_request_with_the_reason() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("free", 8, 4))
+    scheduler.schedule()  # "free" holds the only seat: nothing is admitted for a while
+    grammar, compiled = pending_grammar()
+    request = make_request("bad", 8, 4)
+    request.grammar = grammar
+    scheduler.add_request(request)
+    compiled.set_exception(RuntimeError("too deep"))
+
+    (output,) = scheduler.finish_without_output()
+    assert output.req_id == "bad"
+    assert output.finish_reason == "error" and "too deep" in str(output.stop_reason)
+    assert list(scheduler.requests) == ["free"]

@@ -1,0 +1,74 @@
+"""One request's grammar: its compile (shared with requests of the same schema) and matcher.
+
+The matcher lives with the scheduler's `Request`, not in the runner, and advances only on
+tokens the scheduler appends to the output. Preemption (recompute or swap) recomputes or
+copies KV but appends nothing, so the matcher's state survives it untouched.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# finish_reason "error", with this as stop_reason, when no token can continue the output.
+UNSATISFIABLE = "structured output: no token of the vocabulary can continue the grammar"
+
+
+class RequestGrammar:
+    # Speculative decoding for constrained rows: drafts are cut at the first token the grammar
+    # rejects and the rest verified (True), or constrained rows verify none (False; kept for
+    # benchmarks/structured_outputs.py, which measures the two).
+    speculate = True
+
+    def __init__(
+        self,
+        compiled: Future[xgrammar.CompiledGrammar],
+        backend: Future[Any],  # an XgrammarBackend (not imported: this is a request value)
+        stop_token_ids: list[int],
+    ) -> None:
+        self._compiled = compiled
+        self._backend = backend
+        # Every token that ends this request: allowed only where the grammar may end.
+        self._stop_token_ids = stop_token_ids
+        self.matcher: xgrammar.GrammarMatcher | None = None
+        self.error: str | None = None  # why the grammar could not be compiled
+        self.unsatisfiable = False  # set when a step found no allowed token
+
+    def is_ready(self) -> bool:
+        """Compiled (or failed to compile): the request may be scheduled. Never blocks."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self._compiled.done():
+            return False
+        try:
+            backend = self._backend.result()
+            self.matcher = backend.matcher(self._compiled.result(), self._stop_token_ids)
+        except Exception as e:
+            self.error = f"structured output: the grammar could not be compiled: {e}"
+        return True
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance past generated tokens; False if one of them breaks the grammar."""
+        assert self.matcher is not None
+        return all(self.matcher.accept_token(t) for t in token_ids)
+
+    def valid_prefix(self, draft_token_ids: list[int]) -> list[int]:
+        """The leading drafts the grammar allows (the matcher is left where it was)."""
+        assert self.matcher is not None
+        if not self.speculate:
+            return []
+        num_valid = 0
+        for token_id in draft_token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            self.matcher.rollback(num_valid)
+        return draft_token_ids[:num_valid]
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
