@@ -34,7 +34,7 @@ from typing import Any
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.models.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
+from tokenmill.testing.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
 
 MODEL_NAME = "bench-smollm2-135m-shaped-8k-v1"  # bump the version when changing the recipe
 FIXED_BUDGETS: dict[str, dict[str, Any]] = {
