@@ -79,13 +79,14 @@ def _shape(rows: list[_Row]) -> StepShape:
 def _run(runner: ModelRunner, rows: list[_Row], prefix: str) -> float:
     """Seconds one synthetic step takes in the runner; it forgets the requests after."""
     new_reqs, next_block = [], 0
+    vocab_size = runner.model.shape.vocab_size
     for i, row in enumerate(rows):
         num_tokens = row.num_cached + row.num_new
         num_blocks = -(-num_tokens // runner.block_size)
         new_reqs.append(
             NewRequestData(
                 req_id=f"{prefix}-{i}",
-                token_ids=[(7919 * (t + i)) % runner.vocab_size for t in range(num_tokens)],
+                token_ids=[(7919 * (t + i)) % vocab_size for t in range(num_tokens)],
                 num_prompt_tokens=num_tokens,
                 sampling_params=SamplingParams(temperature=0.0, max_tokens=1),
                 block_ids=list(range(next_block, next_block + num_blocks)),
