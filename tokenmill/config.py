@@ -115,6 +115,15 @@ class EngineConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority | static (the static-batching baseline)
+    # Inter-token-latency target in milliseconds (None: off): each step gets only the prompt
+    # tokens that a cost model learned from measured steps predicts to fit the target once the
+    # running decodes are paid for (at least 16 per step, so long prompts still progress).
+    itl_target_ms: float | None = None
+    # vLLM's: at most this many prompt tokens per request and step (0: no cap)...
+    long_prefill_token_threshold: int = 0
+    # ...and at most this many prompts cut mid-way in one step (applies with a threshold or
+    # an ITL target; with the token budget alone at most one prompt per step is cut).
+    max_num_partial_prefills: int = 1
 
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -138,6 +147,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self._check_prefill_limits()
         _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "static"))
         _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
@@ -147,6 +157,22 @@ class EngineConfig:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+
+    def _check_prefill_limits(self) -> None:
+        if self.itl_target_ms is not None:
+            if not self.itl_target_ms > 0:
+                raise ConfigError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
+            if not self.enable_chunked_prefill:
+                raise ConfigError("itl_target_ms needs chunked prefill (prompts cut to fit)")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                f"long_prefill_token_threshold must be >= 0, got "
+                f"{self.long_prefill_token_threshold}"
+            )
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError(
+                f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -97,6 +97,28 @@ def test_greedy_under_preemption_equals_transformers(checkpoint: Path, reference
     assert llm.get_stats().scheduler.num_preemptions > 0
 
 
+PREFILL_LIMITS = {
+    # A target no step meets: every prompt moves by the progress floor.
+    "tiny-itl-target": {"itl_target_ms": 0.001},
+    "itl-target-and-threshold": {
+        "itl_target_ms": 5.0,
+        "long_prefill_token_threshold": 8,
+        "max_num_partial_prefills": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("limits", sorted(PREFILL_LIMITS))
+def test_greedy_under_prefill_limits_equals_transformers(
+    checkpoint: Path, reference, limits: str
+) -> None:
+    prompts, expected, _ = reference
+    llm = LLM(model=str(checkpoint), dtype="float32", block_size=4, **PREFILL_LIMITS[limits])
+    assert generate_token_ids(llm, prompts) == expected
+    stats = llm.get_stats().scheduler.itl_target
+    assert stats is not None and sum(stats.budget_bucket_counts) > 0
+
+
 def test_logprobs_close_to_transformers(checkpoint: Path, reference) -> None:
     prompts, _, ref_logprobs = reference
     llm = LLM(model=str(checkpoint), dtype="float32")

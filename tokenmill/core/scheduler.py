@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.core.draft_length_policy import DraftLengthPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.core.request_queue import RequestQueue
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
@@ -24,7 +25,13 @@ from tokenmill.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
+from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.metrics.stats import (
+    ItlTargetStats,
+    PrefixCacheStats,
+    SchedulerStats,
+    SpecDecodeStats,
+)
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
 
@@ -66,6 +73,7 @@ class _StepPlan:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_to_propose: int = 0  # drafts per request to propose for the next step
     lookahead: int = 0  # slots past the scheduled tokens the draft model will write
+    prefill: PrefillBudget | None = None  # limits on prompt tokens beyond `budget`, if any
 
 
 class Scheduler:
@@ -81,6 +89,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         spec_policy: DraftLengthPolicy | None = None,
         spec_lookahead: bool = False,
+        prefill_limits: PrefillLimits | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}: {policy!r}")
@@ -111,6 +120,12 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats() if spec_policy else None
         self._last_step: _MeasuredStep | None = None
         self._last_propose_seconds = 0.0  # what the last step spent proposing drafts
+        # Prefill limits (ITL target, per-request threshold, partial prefills); with a target,
+        # the last step's shape waits for its measured time to feed the cost model.
+        self.prefill_limits = prefill_limits or PrefillLimits()
+        target = self.prefill_limits.itl_target
+        self.itl_stats = None if target is None else ItlTargetStats(target)
+        self._last_shape: StepShape | None = None
 
     @property
     def num_preemptions(self) -> int:
@@ -158,6 +173,8 @@ class Scheduler:
             plan.num_to_propose = self.spec_policy.choose(num_decoding)
             plan.lookahead = plan.num_to_propose if self.spec_lookahead else 0
         admitting = self._may_admit()
+        if self.prefill_limits.active:
+            plan.prefill = PrefillBudget(self.prefill_limits, self._num_decode_tokens_running())
         self._schedule_running(plan)
         # Admit waiting requests only when nothing was preempted: a preemption means memory is
         # short, and admitting would just preempt again next step.
@@ -184,7 +201,44 @@ class Scheduler:
         self.finished_req_ids = set()
         if self.spec_policy is not None:
             self._last_step = self._measured_step(plan, total)
+        if self.itl_stats is not None and total:
+            self._last_shape = self._step_shape(plan)
+            if plan.prefill is not None and plan.prefill.wanted:
+                self.itl_stats.record_budget(plan.prefill.num_granted)
         return output
+
+    def _num_decode_tokens_running(self) -> int:
+        """Tokens the running decodes will compute this step, drafts included (at most)."""
+        return sum(
+            1 + len(r.spec_token_ids)
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1
+        )
+
+    def _step_shape(self, plan: _StepPlan) -> StepShape:
+        """What the cost model sees of the step just planned."""
+        num_decode = num_prefill = num_context = 0
+        for req_id, num_new in plan.num_scheduled.items():
+            request = self.requests[req_id]
+            num_cached = request.num_computed_tokens
+            # A decode: running, one token left (drafts are not in num_tokens).
+            if req_id in plan.cached_reqs and request.num_tokens - num_cached == 1:
+                num_decode += num_new
+            else:
+                num_prefill += num_new
+                num_context += chunk_context(num_new, num_cached)
+        return StepShape(num_decode, num_prefill, num_context)
+
+    def observe_step_cost(self, seconds: float) -> None:
+        """The whole last step took `seconds` (what every decoding request waited for its
+        token): the cost model learns from it, and a step over the ITL target is counted."""
+        shape, self._last_shape = self._last_shape, None
+        if shape is None or self.itl_stats is None:
+            return
+        assert self.prefill_limits.cost_model is not None
+        self.prefill_limits.cost_model.observe(shape, seconds)
+        if seconds > self.itl_stats.itl_target:
+            self.itl_stats.num_steps_over_target += 1
 
     @staticmethod
     def _measured_step(plan: _StepPlan, total: int) -> _MeasuredStep:
@@ -223,8 +277,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            assert num_new > 0, f"running {request} has nothing to compute"
+            num_left = request.num_tokens - request.num_computed_tokens
+            assert num_left > 0, f"running {request} has nothing to compute"
+            is_prompt = num_left > 1
+            num_new = self._num_new_tokens(num_left, request.num_computed_tokens, plan, is_prompt)
+            if num_new == 0:  # a prompt the prefill limits hold back this step
+                index += 1
+                continue
             drafts = self._drafts_to_verify(request, num_new, plan)
             num_new += len(drafts)
             while (
@@ -249,6 +308,8 @@ class Scheduler:
             )
             if drafts:
                 plan.spec_tokens[request.request_id] = drafts
+            if is_prompt:
+                self._book_prefill(plan, num_new, num_left, request.num_computed_tokens)
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
             index += 1
@@ -260,22 +321,28 @@ class Scheduler:
             if request is None:  # every waiting request's grammar is still compiling
                 break
             if manager.is_swapped(request):
-                num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+                num_cached = request.num_computed_tokens
+                num_left = request.num_tokens - num_cached
+                num_new = self._num_new_tokens(num_left, num_cached, plan, is_prompt=True)
+                if num_new == 0:
+                    break
                 pairs = manager.swap_in(request, num_new)
                 if pairs is None:
                     break
                 plan.swap_in.extend(pairs)
             else:
-                hits, num_hit_tokens = manager.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit_tokens
-                if num_new > plan.budget and not self.enable_chunked_prefill:
+                hits, num_cached = manager.get_computed_blocks(request)
+                num_left = request.num_tokens - num_cached
+                if num_left > plan.budget and not self.enable_chunked_prefill:
                     break
-                num_new = min(num_new, plan.budget)
-                lookahead = self._lookahead(request, num_new, plan, num_hit_tokens)
+                num_new = self._num_new_tokens(num_left, num_cached, plan, is_prompt=True)
+                if num_new == 0:
+                    break
+                lookahead = self._lookahead(request, num_new, plan, num_cached)
                 if manager.allocate_slots(request, num_new, hits, lookahead) is None:
                     break
-                manager.record_prefix_lookup(request, num_hit_tokens)
-                request.num_computed_tokens = num_hit_tokens
+                manager.record_prefix_lookup(request, num_cached)
+                request.num_computed_tokens = num_cached
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -284,8 +351,24 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             plan.new_reqs.append(self._new_request_data(request))
+            self._book_prefill(plan, num_new, num_left, num_cached)
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
+
+    @staticmethod
+    def _num_new_tokens(num_left: int, num_cached: int, plan: _StepPlan, is_prompt: bool) -> int:
+        """Tokens a request with `num_left` to compute gets this step: all that fit the token
+        budget, and for a prompt what the prefill limits allow. A prompt is what a waiting
+        request computes, or a running one with more than one token left; the rest are
+        decodes, charged to the prefill budget when the step began."""
+        if plan.prefill is None or not is_prompt:
+            return min(num_left, plan.budget)
+        return plan.prefill.grant(num_left, num_cached, plan.budget)
+
+    @staticmethod
+    def _book_prefill(plan: _StepPlan, num_new: int, num_left: int, num_cached: int) -> None:
+        if plan.prefill is not None:
+            plan.prefill.take(num_new, num_left, num_cached)
 
     def _drafts_to_verify(self, request: Request, num_new: int, plan: _StepPlan) -> list[int]:
         """The request's drafts that fit this step: only for a plain decode (one token left to
@@ -431,6 +514,7 @@ class Scheduler:
                 manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits
             ),
             spec_decode=None if self.spec_stats is None else copy.deepcopy(self.spec_stats),
+            itl_target=None if self.itl_stats is None else copy.deepcopy(self.itl_stats),
         )
 
     # ---- internals ---------------------------------------------------------------------------

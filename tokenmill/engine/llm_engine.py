@@ -12,8 +12,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.prefill_budget import PrefillLimits
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.layers.kv_cache import KVCacheSpec
@@ -36,6 +38,7 @@ from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar
+from tokenmill.worker.calibration import calibrate
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,16 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             num_swap_blocks=swap_blocks,
         )
+        proposer = self._proposer(draft, draft_spec, num_blocks)
+        self.runner = ModelRunner(
+            model,
+            kv_spec,
+            num_blocks,
+            self.device,
+            seed=config.seed,
+            num_swap_blocks=swap_blocks,
+            proposer=proposer,
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -90,16 +103,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             spec_policy=self._speculation_policy(),
             spec_lookahead=draft is not None,
-        )
-        proposer = self._proposer(draft, draft_spec, num_blocks)
-        self.runner = ModelRunner(
-            model,
-            kv_spec,
-            num_blocks,
-            self.device,
-            seed=config.seed,
-            num_swap_blocks=swap_blocks,
-            proposer=proposer,
+            prefill_limits=self._prefill_limits(num_blocks),
         )
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -217,7 +221,9 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if not scheduler_output.is_empty:
             self.num_steps += 1
-            self.step_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.step_seconds += seconds
+            self.scheduler.observe_step_cost(seconds)
         self.num_generation_tokens += sum(len(t) for t in runner_output.sampled_token_ids)
         return outputs
 
@@ -333,6 +339,29 @@ class LLMEngine:
             return None
         assert isinstance(spec, SpeculativeConfig)
         return SpeculationPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive)
+
+    def _prefill_limits(self, num_blocks: int) -> PrefillLimits:
+        """The prefill limits; with an ITL target, the cost model, warmed up by timing a few
+        synthetic steps (the cache is still empty)."""
+        config = self.config
+        limits = PrefillLimits(
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+        )
+        if config.itl_target_ms is None:
+            return limits
+        start = time.perf_counter()
+        samples = calibrate(self.runner, num_blocks, config.max_num_seqs, self.max_model_len)
+        limits.cost_model = StepCostModel.calibrated(samples)
+        limits.itl_target = config.itl_target_ms / 1000
+        logger.info(
+            "ITL target %.0f ms: calibrated the step cost model in %.2f s (%d steps): %s",
+            config.itl_target_ms,
+            time.perf_counter() - start,
+            len(samples),
+            limits.cost_model.describe(),
+        )
+        return limits
 
     def _proposer(
         self, draft: LlamaForCausalLM | None, draft_spec: KVCacheSpec | None, num_blocks: int

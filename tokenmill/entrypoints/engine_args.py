@@ -82,6 +82,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "static: the run-each-batch-to-the-end baseline",
     )
     group.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=None,
+        help="inter-token-latency target: give each step only the prompt tokens predicted to "
+        "fit it after the running decodes (a cost model learned from measured steps); off "
+        "by default",
+    )
+    group.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="at most this many prompt tokens per request and step (0: no cap)",
+    )
+    group.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=1,
+        help="at most this many prompts cut mid-way in one step",
+    )
+    group.add_argument(
         "--speculative-config",
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tokenmill.metrics.itl_target import ItlTargetCollector
 from tokenmill.metrics.stats import EngineStats, SpecDecodeStats
 from tokenmill.outputs import RequestOutput
 
@@ -135,6 +136,8 @@ class EngineMetrics:
         self.kv_cache_usage = gauge(
             "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        self.itl_target = ItlTargetCollector(PREFIX, model_name)
+        registry.register(self.itl_target)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -169,6 +172,7 @@ class EngineMetrics:
             )
             _advance(self.prefix_cache_hits, s.prefix_cache.hits - before.prefix_cache.hits)
         self._last_stats = stats
+        self.itl_target.stats = stats.scheduler.itl_target
         self.num_running.set(stats.scheduler.num_running)
         self.num_waiting.set(stats.scheduler.num_waiting)
         self.kv_cache_usage.set(stats.scheduler.kv_cache_usage)

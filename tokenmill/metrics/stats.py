@@ -3,7 +3,11 @@ stats line and the benchmarks. Counters are totals since start; a reader takes d
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+
+# Upper bounds (prompt tokens) of the buckets of the per-step prefill budget histogram.
+PREFILL_BUDGET_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 @dataclass
@@ -39,6 +43,24 @@ class SpecDecodeStats:
 
 
 @dataclass
+class ItlTargetStats:
+    """Since start, under an inter-token-latency target: the prompt tokens each step with
+    prompt tokens to compute was given (a histogram over `PREFILL_BUDGET_BUCKETS`, the last
+    count for larger ones), and the steps whose time went over the target."""
+
+    itl_target: float  # seconds
+    budget_bucket_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(PREFILL_BUDGET_BUCKETS) + 1)
+    )
+    budget_sum: int = 0
+    num_steps_over_target: int = 0
+
+    def record_budget(self, num_tokens: int) -> None:
+        self.budget_bucket_counts[bisect.bisect_left(PREFILL_BUDGET_BUCKETS, num_tokens)] += 1
+        self.budget_sum += num_tokens
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -49,6 +71,7 @@ class SchedulerStats:
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec_decode: SpecDecodeStats | None = None
+    itl_target: ItlTargetStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:

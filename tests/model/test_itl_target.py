@@ -1,0 +1,119 @@
+"""The engine under an inter-token-latency target: calibrated at start-up, outputs unchanged
+(with preemption, priorities and prefix hits), long prompts finish, metrics exposed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.prefill_budget import MIN_PREFILL_TOKENS_PER_STEP
+from tokenmill.metrics.prometheus import EngineMetrics
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_calibration_fits_a_cost_model_and_leaves_the_runner_empty(checkpoint) -> None:
+    llm = LLM(model=checkpoint, dtype="float32", itl_target_ms=50)
+    model = llm.engine.scheduler.prefill_limits.cost_model
+    assert model is not None and model.weight >= 5  # the calibration steps
+    fixed, per_decode, per_prompt_token, _ = model.coefficients
+    assert fixed > 0 and per_decode + per_prompt_token > 0
+    assert llm.engine.runner.requests == {}
+    assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks
+
+
+def test_a_long_prompt_finishes_behind_decodes_with_a_tiny_target(checkpoint) -> None:
+    rng = random.Random(0)
+    streams = [[rng.randrange(3, 1000) for _ in range(8)] for _ in range(4)]
+    long_prompt = [rng.randrange(3, 1000) for _ in range(200)]
+    outputs = {}
+    for target in (None, 0.001):
+        llm = LLM(model=checkpoint, dtype="float32", itl_target_ms=target)
+        engine = llm.engine
+        for i, prompt in enumerate(streams):
+            engine.add_request(f"s{i}", prompt, greedy(60))
+        while len(engine.step()) < len(streams):  # until every stream decodes
+            pass
+        engine.add_request("long", long_prompt, greedy(4))
+        steps_to_first_token, tokens = None, {}
+        for step in range(1, 1000):
+            for output in engine.step():
+                tokens[output.request_id] = output.outputs[0].token_ids
+            if steps_to_first_token is None and tokens.get("long"):
+                steps_to_first_token = step
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests()
+        outputs[target] = tokens
+        if target:  # the floor: 16 prompt tokens per step while the streams decode
+            assert steps_to_first_token == -(-len(long_prompt) // MIN_PREFILL_TOKENS_PER_STEP)
+    assert outputs[0.001] == outputs[None]
+
+
+def test_outputs_are_unchanged_with_preemption_priorities_and_prefix_hits(checkpoint) -> None:
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 1000) for _ in range(24)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (1, 20, 40, 5)]
+    priorities = [1, 0, 1, 0]
+    results = []
+    for target in (None, 0.001):
+        llm = LLM(
+            model=checkpoint,
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=40,
+            max_model_len=96,
+            scheduling_policy="priority",
+            itl_target_ms=target,
+        )
+        outputs = llm.generate(prompts, greedy(24), priority=priorities, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outputs])
+        stats = llm.get_stats().scheduler
+        assert stats.num_preemptions > 0 and stats.prefix_cache.hits > 0
+    assert results[0] == results[1]
+
+
+def test_metrics_show_the_target_the_budgets_and_steps_over_it(checkpoint) -> None:
+    llm = LLM(model=checkpoint, dtype="float32", itl_target_ms=0.001)
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "tiny")
+    metrics.record_stats(llm.get_stats())
+    llm.generate([[5] * 40], greedy(3), use_tqdm=False)
+    metrics.record_stats(llm.get_stats())
+    text = generate_latest(registry).decode()
+    assert 'tokenmill:itl_target_seconds{model_name="tiny"} 1e-06' in text
+    # 40 prompt tokens at the floor of 16 per step: steps of 16, 16 and 8.
+    assert 'tokenmill:itl_prefill_budget_tokens_bucket{le="16.0",model_name="tiny"} 3.0' in text
+    assert 'tokenmill:itl_prefill_budget_tokens_sum{model_name="tiny"} 40.0' in text
+    assert 'tokenmill:itl_steps_over_target_total{model_name="tiny"} 5.0' in text
+
+
+def test_metrics_are_absent_without_a_target(checkpoint) -> None:
+    registry = CollectorRegistry()
+    EngineMetrics(registry, "tiny").record_stats(LLM(model=checkpoint).get_stats())
+    assert "itl_" not in generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"itl_target_ms": 0}, "itl_target_ms must be > 0"),
+        ({"itl_target_ms": 50, "enable_chunked_prefill": False}, "needs chunked prefill"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
+    ],
+)
+def test_invalid_prefill_limits_are_rejected(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**settings)

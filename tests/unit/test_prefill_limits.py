@@ -1,0 +1,216 @@
+"""Prefill limits in the scheduler, driven by a fake cost model (no tensors): an ITL target,
+vLLM's long-prefill token threshold and its cap on partial prefills."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scheduler import expected_output, fake_run, make_request
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.prefill_budget import MIN_PREFILL_TOKENS_PER_STEP, PrefillLimits
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.step_cost import StepShape, chunk_context
+
+FLOOR = MIN_PREFILL_TOKENS_PER_STEP
+
+
+@dataclass
+class LinearCost:
+    """A fake cost model with known coefficients (seconds)."""
+
+    fixed: float = 0.010
+    per_decode: float = 0.001
+    per_prefill: float = 0.0005
+    per_context: float = 0.0
+    observed: list[tuple[StepShape, float]] = field(default_factory=list)
+
+    def predict(self, shape: StepShape) -> float:
+        return (
+            self.fixed
+            + self.per_decode * shape.num_decode_tokens
+            + self.per_prefill * shape.num_prefill_tokens
+            + self.per_context * shape.num_prefill_context
+        )
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        self.observed.append((shape, seconds))
+
+
+def make_scheduler(
+    cost: LinearCost | None = None,
+    itl_target: float | None = None,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 4096,
+    **limits: int,
+) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(4096, 4),
+        max_num_seqs=64,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        prefill_limits=PrefillLimits(itl_target=itl_target, cost_model=cost, **limits),
+    )
+
+
+@dataclass
+class StepView:
+    """One scheduled step as the cost model sees it, and its prompt chunks."""
+
+    shape: StepShape
+    chunks: dict[str, int]  # request id -> prompt tokens this step
+    num_partial: int  # chunks that leave part of their prompt for later
+
+
+def view(scheduler: Scheduler, out: SchedulerOutput) -> StepView:
+    shape, chunks, num_partial = StepShape(), {}, 0
+    new_ids = {r.req_id for r in out.scheduled_new_reqs}
+    for req_id, num in out.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        num_left = request.num_tokens - request.num_computed_tokens
+        if num_left == 1 and req_id not in new_ids:  # a decode
+            shape = StepShape(shape.num_decode_tokens + num, *shape.features()[2:])  # type: ignore[arg-type]
+            continue
+        shape = shape.plus_chunk(num, request.num_computed_tokens)
+        chunks[req_id] = num
+        num_partial += num < num_left
+    return StepView(shape, chunks, num_partial)
+
+
+def run(
+    scheduler: Scheduler, max_steps: int = 20_000
+) -> tuple[dict[str, list[int]], list[StepView]]:
+    outputs: dict[str, list[int]] = {r: [] for r in scheduler.requests}
+    steps = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        steps.append(view(scheduler, out))
+        for core_output in scheduler.update_from_output(out, fake_run(scheduler, out)):
+            outputs[core_output.req_id] += core_output.new_token_ids
+    assert not scheduler.has_unfinished_requests(), "requests never finished"
+    return outputs, steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 8)), min_size=1, max_size=10),
+    target_ms=st.floats(0.1, 200.0),
+    per_context_us=st.floats(0.0, 5.0),
+    threshold=st.sampled_from([0, 0, 8, 50]),
+    max_partial=st.integers(1, 3),
+    budget=st.sampled_from([32, 256, 2048]),
+)
+def test_no_step_is_predicted_over_target_except_the_progress_floor(
+    prompts, target_ms, per_context_us, threshold, max_partial, budget
+) -> None:
+    cost = LinearCost(per_context=per_context_us * 1e-6)
+    scheduler = make_scheduler(
+        cost,
+        target_ms / 1000,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=max_partial,
+    )
+    requests = [make_request(f"r{i}", n, max_tokens=m) for i, (n, m) in enumerate(prompts)]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs, steps = run(scheduler)
+    for step in steps:
+        num_prefill = step.shape.num_prefill_tokens
+        if num_prefill and cost.predict(step.shape) > target_ms / 1000:
+            assert num_prefill <= FLOOR, step
+        assert step.num_partial <= max_partial, step
+        if threshold:
+            assert all(n <= threshold for n in step.chunks.values()), step
+    assert outputs == {r.request_id: expected_output(r) for r in requests}
+
+
+def test_chunks_shrink_as_the_context_they_attend_to_grows() -> None:
+    # 20 ms of decodes, a 40 ms target: 20 ms for prefill, whose context cost grows.
+    cost = LinearCost(fixed=0.004, per_decode=0.001, per_prefill=0.0001, per_context=1e-6)
+    scheduler = make_scheduler(cost, 0.040, max_num_batched_tokens=2048, max_model_len=4096)
+    for i in range(16):
+        scheduler.add_request(make_request(f"d{i}", 4, max_tokens=400))
+    run_steps(scheduler, 1)
+    scheduler.add_request(make_request("long", 3000, max_tokens=1))
+    chunks = []
+    while "long" in scheduler.requests:
+        out = scheduler.schedule()
+        step = view(scheduler, out)
+        assert cost.predict(step.shape) <= 0.040 or step.shape.num_prefill_tokens <= FLOOR
+        assert step.shape.num_decode_tokens == 16  # every stream got its token
+        chunks.append(step.chunks.get("long", 0))
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+    assert sum(chunks) == 3000
+    assert chunks[0] > 2 * chunks[-2] > 0, chunks
+
+
+def run_steps(scheduler: Scheduler, num_steps: int) -> None:
+    for _ in range(num_steps):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+
+
+def test_a_long_prompt_finishes_with_a_tiny_target() -> None:
+    # The decodes alone take 4x the target: prompts still move by the floor every step.
+    cost = LinearCost(fixed=0.004, per_decode=0.001)
+    scheduler = make_scheduler(cost, 0.001, max_model_len=4096)
+    for i in range(8):
+        scheduler.add_request(make_request(f"d{i}", 4, max_tokens=100))
+    run_steps(scheduler, 1)
+    scheduler.add_request(make_request("long", 400, max_tokens=3))
+    outputs, steps = run(scheduler)
+    assert len(outputs["long"]) == 3
+    chunks = [s.chunks["long"] for s in steps if "long" in s.chunks]
+    assert chunks == [FLOOR] * (400 // FLOOR)
+
+
+def test_without_limits_a_step_takes_the_whole_token_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=256)
+    scheduler.add_request(make_request("long", 400, max_tokens=1))
+    assert scheduler.schedule().num_scheduled_tokens == {"long": 256}
+
+
+def test_long_prefill_threshold_caps_each_requests_chunk() -> None:
+    scheduler = make_scheduler(long_prefill_token_threshold=64, max_num_partial_prefills=2)
+    scheduler.add_request(make_request("a", 200, max_tokens=1))
+    scheduler.add_request(make_request("b", 200, max_tokens=1))
+    scheduler.add_request(make_request("c", 200, max_tokens=1))
+    # Two prompts may be cut in one step; the third waits for one of them.
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 64, "b": 64}
+
+
+def test_short_prompts_pass_while_one_long_prompt_is_in_prefill() -> None:
+    scheduler = make_scheduler(long_prefill_token_threshold=64, max_num_partial_prefills=1)
+    scheduler.add_request(make_request("long", 1000, max_tokens=1))
+    run_steps(scheduler, 1)
+    scheduler.add_request(make_request("short", 30, max_tokens=1))
+    scheduler.add_request(make_request("big", 500, max_tokens=1))
+    # The long prompt keeps its 64 tokens, the short one comes in whole, and the second long
+    # prompt waits: only one prompt may be cut per step.
+    assert scheduler.schedule().num_scheduled_tokens == {"long": 64, "short": 30}
+
+
+def test_observed_step_times_reach_the_cost_model_and_count_steps_over_target() -> None:
+    cost = LinearCost()
+    scheduler = make_scheduler(cost, 0.050)
+    scheduler.add_request(make_request("a", 40, max_tokens=3))
+    for seconds in (0.030, 0.070):
+        out = scheduler.schedule()
+        shape = view(scheduler, out).shape
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+        scheduler.observe_step_cost(seconds)
+        assert cost.observed[-1] == (shape, seconds)
+    stats = scheduler.get_stats().itl_target
+    assert stats is not None and stats.num_steps_over_target == 1
+    assert stats.budget_sum == 40 and sum(stats.budget_bucket_counts) == 1
+
+
+def test_chunk_context_counts_causal_positions() -> None:
+    assert chunk_context(3, 0) == 1 + 2 + 3
+    assert chunk_context(2, 10) == 11 + 12

@@ -1,0 +1,94 @@
+"""How many prompt tokens each request may compute in one step, beyond the token budget.
+
+Three limits, all off by default (then a step's prefill is bounded by the token budget alone):
+
+- an inter-token-latency target (`--itl-target-ms`): the step's predicted time (a
+  `CostModel`) must stay within the target once the running decodes are paid for, as
+  Sarathi-Serve sizes its chunks; except that a step always gets a small floor of prefill
+  tokens, so a long prompt progresses even when the decodes alone take the whole target;
+- vLLM's `--long-prefill-token-threshold`: at most this many tokens per request and step;
+- vLLM's `--max-num-partial-prefills`: how many prompts may be cut mid-way in one step (so a
+  long prompt can't take every step's prefill while short prompts queue behind it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.core.step_cost import CostModel, StepShape
+
+# Prompt tokens a step may always take under a latency target, so prompts finish even when
+# the decodes alone take the whole target (one KV block of the default size).
+MIN_PREFILL_TOKENS_PER_STEP = 16
+
+
+@dataclass
+class PrefillLimits:
+    """The engine-wide settings (see the module docstring)."""
+
+    itl_target: float | None = None  # seconds
+    cost_model: CostModel | None = None  # required with a target
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap
+    max_num_partial_prefills: int = 1
+    min_tokens_per_step: int = MIN_PREFILL_TOKENS_PER_STEP
+
+    def __post_init__(self) -> None:
+        if self.itl_target is not None and self.cost_model is None:
+            raise ValueError("an ITL target needs a cost model")
+
+    @property
+    def active(self) -> bool:
+        """Whether any limit binds beyond the token budget (with a token budget alone at most
+        one prompt per step is ever cut, so the partial-prefill cap never binds)."""
+        return self.itl_target is not None or self.long_prefill_token_threshold > 0
+
+
+class PrefillBudget:
+    """One step's prefill allowance: the decodes are reserved first, then `grant` sizes each
+    prompt chunk in scheduling order and `take` books it."""
+
+    def __init__(self, limits: PrefillLimits, num_decode_tokens: int) -> None:
+        self.limits = limits
+        self.shape = StepShape(num_decode_tokens=num_decode_tokens)
+        self.num_partial = 0
+        self.num_granted = 0  # prompt tokens given this step
+        self.wanted = False  # whether any prompt asked for tokens this step
+
+    def grant(self, num_left: int, num_cached: int, token_budget: int) -> int:
+        """Tokens (0 to `num_left`) that a prompt with `num_left` tokens to compute after
+        `num_cached` may compute this step, with `token_budget` tokens left in the step."""
+        self.wanted = True
+        limits = self.limits
+        num = min(num_left, token_budget)
+        if limits.long_prefill_token_threshold > 0:
+            num = min(num, limits.long_prefill_token_threshold)
+        if limits.itl_target is not None:
+            fitting = self._fitting_tokens(num, num_cached)
+            if self.num_granted == 0:
+                fitting = max(fitting, limits.min_tokens_per_step)
+            num = min(num, fitting)
+        if num < num_left and self.num_partial >= limits.max_num_partial_prefills:
+            return 0
+        return num
+
+    def take(self, num_tokens: int, num_left: int, num_cached: int) -> None:
+        self.shape = self.shape.plus_chunk(num_tokens, num_cached)
+        self.num_granted += num_tokens
+        if num_tokens < num_left:
+            self.num_partial += 1
+
+    def _fitting_tokens(self, upper: int, num_cached: int) -> int:
+        """The most tokens (<= upper) whose chunk keeps the predicted step within the target:
+        a binary search, as the cost of a chunk grows with its length for any sane model."""
+        model, target = self.limits.cost_model, self.limits.itl_target
+        assert model is not None and target is not None
+        if model.predict(self.shape.plus_chunk(upper, num_cached)) <= target:
+            return upper
+        low, high = 0, upper  # predict(low) fits (or low = 0), predict(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if model.predict(self.shape.plus_chunk(middle, num_cached)) <= target:
+                low = middle
+            else:
+                high = middle
+        return low
