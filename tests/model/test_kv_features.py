@@ -167,3 +167,26 @@ def test_fp8_e5m2_stays_close_to_float32(checkpoint, prompts) -> None:
     fp8_agreement, max_error = agreement_with(engine(checkpoint), llm, prompts, "fp8_e5m2")
     assert fp8_agreement > 0.3
     assert max_error < 0.5
+
+
+def test_blocks_of_a_failed_step_are_never_served_from_the_prefix_cache(
+    checkpoint, prompts, reference
+) -> None:
+    """Slots were allocated for the prompt, then the step failed before writing them: a later
+    request with the same prefix must compute it, not read the unwritten blocks."""
+    llm = engine(checkpoint)
+    core = llm.engine
+    real_execute = core.runner.execute_model
+
+    def failing_execute(scheduler_output):
+        raise RuntimeError("injected step failure")
+
+    core.runner.execute_model = failing_execute
+    core.add_request("doomed", prompts[0], greedy())
+    with pytest.raises(RuntimeError, match="injected"):
+        core.step()
+    core.runner.execute_model = real_execute
+    core.abort_request("doomed")
+    [output] = llm.generate(prompts[1:2], greedy(), use_tqdm=False)
+    assert output.num_cached_tokens == 0
+    assert output.outputs[0].token_ids == reference[1]

@@ -27,6 +27,7 @@ def admit(manager: KVCacheManager, req: Request) -> int:
     hits, num_hit = manager.get_computed_blocks(req)
     assert manager.allocate_slots(req, req.num_tokens - num_hit, hits) is not None
     req.num_computed_tokens = req.num_tokens
+    manager.cache_computed_blocks(req)  # as the scheduler does once the step has run
     return num_hit
 
 
@@ -52,6 +53,51 @@ def test_freed_blocks_stay_cached_until_evicted_tail_first() -> None:
     assert admit(manager, request("b", [*range(8), 7, 7, 7, 7, 7])) == 8
     # b holds a's first two blocks plus two new ones (one was a's evicted third block).
     assert manager.get_computed_blocks(request("c", list(range(13))))[1] == 8
+
+
+def test_allocated_blocks_are_findable_only_once_computed() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    a = request("a", list(range(12)))
+    assert manager.allocate_slots(a, a.num_tokens) is not None
+    # Slots given but never written (the step failed, or the request was taken back).
+    assert manager.get_computed_blocks(request("b", list(range(13))))[1] == 0
+    a.num_computed_tokens = 6  # a first chunk ran: one full block is written
+    manager.cache_computed_blocks(a)
+    assert manager.get_computed_blocks(request("c", list(range(13))))[1] == 4
+
+
+def test_a_step_that_never_completes_leaves_nothing_in_the_prefix_cache() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(request("a", list(range(12))))
+    out = scheduler.schedule()  # slots allocated; the runner fails, update never comes
+    assert out.num_scheduled_tokens == {"a": 12}
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ERROR)
+    assert scheduler.kv_cache_manager.block_pool.cached_blocks == {}
+    scheduler.add_request(request("b", list(range(13))))
+    scheduler.schedule()
+    assert scheduler.requests["b"].num_computed_tokens == 0
+
+
+def test_a_victim_taken_back_within_schedule_registers_no_hash() -> None:
+    """Priority preemption can take back a request already given slots in the same
+    `schedule()`: the block its decode was about to fill must not become findable."""
+    scheduler = make_scheduler(num_blocks=3, policy="priority", max_num_batched_tokens=16)
+    scheduler.add_request(request("low", list(range(6)), priority=1, max_tokens=8))
+    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(["low"], [[1]]))
+    scheduler.add_request(request("high", [50, 51, 52, 53], priority=0, max_tokens=8))
+    both = scheduler.schedule()
+    scheduler.update_from_output(both, ModelRunnerOutput(["low", "high"], [[1], [1]]))
+    pool = scheduler.kv_cache_manager.block_pool
+    registered = []
+    real_cache_block = pool.cache_block
+    pool.cache_block = lambda block, block_hash: (  # type: ignore[method-assign]
+        registered.append(block.block_id),
+        real_cache_block(block, block_hash),
+    )
+    # low's decode fills its second block; high then needs a block: low is taken back.
+    out = scheduler.schedule()
+    assert "low" in out.preempted_req_ids and set(out.num_scheduled_tokens) == {"high"}
+    assert registered == []
 
 
 def test_cache_salt_isolates_tenants() -> None:
@@ -108,6 +154,7 @@ class CachingManagerMachine(RuleBasedStateMachine):
             assert self.manager.get_block_ids(req.request_id) == []
             return
         req.num_computed_tokens = req.num_tokens
+        self.manager.cache_computed_blocks(req)
         self.live[req.request_id] = req
 
     @precondition(lambda self: self.live)
@@ -117,6 +164,7 @@ class CachingManagerMachine(RuleBasedStateMachine):
         req.append_output_token(token)
         if self.manager.allocate_slots(req, 1) is not None:
             req.num_computed_tokens += 1
+            self.manager.cache_computed_blocks(req)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -166,6 +214,15 @@ class CachingManagerMachine(RuleBasedStateMachine):
     def prefix_map_points_at_blocks_with_that_hash(self) -> None:
         for block_hash, block in self.manager.block_pool.cached_blocks.items():
             assert block.block_hash == block_hash
+
+    @invariant()
+    def only_computed_blocks_are_findable(self) -> None:
+        """A block in the prefix cache holds KV that was written (here: marked computed)."""
+        for req in self.live.values():
+            blocks = self.manager.req_to_blocks[req.request_id]
+            for index, block in enumerate(blocks):
+                if block.block_hash is not None:
+                    assert (index + 1) * BLOCK <= req.num_computed_tokens, (req, index)
 
     @invariant()
     def swap_pool_holds_exactly_the_swapped_requests(self) -> None:

@@ -135,18 +135,19 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [block.block_id for block in (*computed_blocks, *new_blocks)]
 
-    def _cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> None:
-        """Enter the blocks that this step fills completely into the prefix cache. Blocks are
-        cached as their slots are allocated: the forward pass that fills them runs before any
-        later step can read them, and within a step keys are written before attention reads."""
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Make the request's full blocks whose KV is written (those within
+        `num_computed_tokens`) findable by their hash. Called once the step that computed them
+        has completed, never at allocation: a request can be given slots and then lose them
+        unwritten (taken back within `schedule()`, or its step fails), and a later request
+        must not find those blocks and read whatever they held."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not self.enable_caching or not blocks:
+            return
         hashes = self._block_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(hashes))
+        num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
@@ -196,6 +197,4 @@ class KVCacheManager:
         pairs = [(h.block_id, d.block_id) for h, d in zip(host_blocks, blocks)]
         assert self.swap_pool is not None
         self.swap_pool.free_blocks(self.req_to_swapped_blocks.pop(request.request_id))
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, request.num_computed_tokens + num_new_tokens)
         return pairs

@@ -469,6 +469,11 @@ class Scheduler:
         for req_id, logprobs in prompt_logprobs.items():  # prompt chunks that sampled nothing
             if req_id in self.requests:
                 outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=logprobs))
+        # The step has written its KV (rejected drafts rolled back above): only now may other
+        # requests find these blocks in the prefix cache.
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if (request := self.requests.get(req_id)) is not None:
+                self.kv_cache_manager.cache_computed_blocks(request)
 
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
