@@ -3,6 +3,8 @@ and bad input rejected without disturbing other requests."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -122,6 +124,19 @@ def test_abort_frees_blocks_and_other_requests_finish(llm: LLM) -> None:
     assert [o.request_id for o in outputs if o.finished] == ["keep"]
     manager = engine.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_aborting_thousands_of_waiting_requests_takes_one_pass(llm: LLM) -> None:
+    """A client that leaves with thousands of prompts queued must not stall the engine: the
+    abort is one pass over the queues, not one per request (that took minutes at 60,000)."""
+    engine = llm.engine
+    request_ids = [f"flood-{i}" for i in range(5000)]
+    for request_id in request_ids:
+        engine.add_request(request_id, [5, 6], greedy(max_tokens=1))
+    start = time.perf_counter()
+    engine.abort_request(request_ids)
+    assert time.perf_counter() - start < 2.0  # generous: the quadratic abort took ~10 s
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for block_hash in self._block_hashes(request)[:max_blocks]:
+        for block_hash in self.block_hashes(request)[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -94,7 +94,7 @@ class KVCacheManager:
         for req_id in self.num_cached_blocks:
             self.num_cached_blocks[req_id] = len(self.req_to_blocks[req_id])
 
-    def _block_hashes(self, request: Request) -> list[bytes]:
+    def block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended as tokens arrive (kept on the request
         so each block is hashed once)."""
         hashes = request.block_hashes
@@ -146,7 +146,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not self.enable_caching or not blocks:
             return
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(blocks))
         start = self.num_cached_blocks.get(request.request_id, 0)
         for index in range(start, num_full):

@@ -141,6 +141,10 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.kv_cache_manager.enable_caching:
+            # Hash the prompt now: data that cannot be hashed fails this call alone, not a
+            # later step that every running request is part of.
+            self.kv_cache_manager.block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

@@ -151,6 +151,7 @@ class LLMEngine:
             self.structured_output.validate(params.structured_outputs)
         prompt_text, prompt_token_ids = self._tokenize(prompt, add_special_tokens)
         self._validate_prompt(prompt_token_ids)
+        _validate_cache_salt(cache_salt)
         self._validate_token_ids(params)
         params = params.clone()
         params.all_stop_token_ids = set(self.eos_token_ids)
@@ -161,31 +162,31 @@ class LLMEngine:
         child_ids = self.output_processor.add_request(
             request_id, prompt_text, prompt_token_ids, params, arrival_time
         )
-        for index, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                child_params = params.clone()
-                child_params.n = 1
-                if params.seed is not None:
-                    child_params.seed = params.seed + index
-            self.scheduler.add_request(
-                Request(
-                    child_id,
-                    prompt_token_ids,
-                    child_params,
-                    max_tokens,
-                    arrival_time,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    grammar=self._request_grammar(child_params),
+        try:
+            for index, child_id in enumerate(child_ids):
+                child_params = _child_params(params, index)
+                self.scheduler.add_request(
+                    Request(
+                        child_id,
+                        prompt_token_ids,
+                        child_params,
+                        max_tokens,
+                        arrival_time,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        grammar=self._request_grammar(child_params),
+                    )
                 )
-            )
+        except Exception:  # none of it is queued then: the caller's error is the caller's alone
+            self.abort_request(request_id)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests in one pass over the scheduler's queues, however many there are
+        (one pass per request made a client leaving with 60,000 prompts stall the engine)."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        for request_id in ids:
-            child_ids = self.output_processor.abort_request(request_id)
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        child_ids = [c for r in ids for c in self.output_processor.abort_request(r)]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
 
     @property
     def speculates(self) -> bool:
@@ -406,3 +407,27 @@ class LLMEngine:
                 "raise it, lower max_model_len, or enable chunked prefill"
             )
         return max_model_len
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of a request with `n` samples: one sample, its own seed."""
+    if params.n == 1:
+        return params
+    child_params = params.clone()
+    child_params.n = 1
+    if params.seed is not None:
+        child_params.seed = params.seed + index
+    return child_params
+
+
+def _validate_cache_salt(cache_salt: str | None) -> None:
+    """As vLLM: a salt, if given, is a non-empty string; it must also be valid Unicode, since
+    the prefix cache hashes its UTF-8 bytes (a lone surrogate would fail the engine step)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt", "must be a non-empty string if provided")
+    try:
+        cache_salt.encode()
+    except UnicodeEncodeError:
+        raise InvalidRequestError("cache_salt", "must be valid Unicode text") from None
