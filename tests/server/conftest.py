@@ -21,7 +21,9 @@ def model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(model_dir, log_path, "--log-stats-interval", "1")
+    server = start_server(
+        model_dir, log_path, "--log-stats-interval", "1", "--enable-prompt-tokens-details"
+    )
     yield server
     stop_server(server)
 

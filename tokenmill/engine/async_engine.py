@@ -121,6 +121,9 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._observe_failed = False
+        # Called (on the engine thread) when the loop dies: the server exits so that a
+        # supervisor restarts it, rather than answering 503 forever.
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle (event loop) --------------------------------------------------------------
 
@@ -141,6 +144,12 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.put(EngineDeadError("the engine has shut down"))
         self._streams.clear()
+
+    def fail_open_requests(self, error: BaseException) -> None:
+        """End every open request now with `error` (a stream sends it as its last event) and
+        abort them in the engine: for a shutdown that cannot wait for them any longer."""
+        self._fail_streams(error)
+        self._submit(lambda: self._abort(sorted(self._num_samples), "abort"))
 
     @property
     def is_healthy(self) -> bool:
@@ -242,6 +251,8 @@ class AsyncEngine:
             logger.exception("the engine loop died")
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
 
     def _idle_timeout(self) -> float | None:
         return self._stats_logger.seconds_until_due if self._stats_logger else None

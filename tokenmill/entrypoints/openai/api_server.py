@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI's routes plus vLLM's operational ones, each declaring its errors.
 
-`/v1/*` needs the API key when one is set; `/health`, `/metrics`, `/version`, `/tokenize` and
-`/detokenize` stay open for probes and scrapers, as in vLLM.
+With an API key set, every route that costs the engine or the tokenizer work or changes state
+needs it: `/v1/*`, `/tokenize`, `/detokenize`, `/reset_prefix_cache`. `/health`, `/metrics`
+and `/version` stay open for probes and scrapers. Every body is capped in size.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.entrypoints.openai.body_limit import BodySizeLimit
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
@@ -93,17 +95,28 @@ def _streamable(model: type) -> Responses:
     }
 
 
-def build_app(ctx: ServerContext, registry: CollectorRegistry, api_key: str | None) -> FastAPI:
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+
+
+def build_app(
+    ctx: ServerContext,
+    registry: CollectorRegistry,
+    api_key: str | None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
         yield
         ctx.engine.shutdown()
+        ctx.close()
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_operations_router(ctx, registry))
+    app.include_router(_keyed_operations_router(ctx, api_key))
     app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
     return app
 
@@ -162,22 +175,30 @@ def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRo
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    return router
+
+
+def _keyed_operations_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
+    """vLLM's operational routes that mutate state or cost work: behind the key, if any."""
+    auth: Responses = UNAUTHORIZED if api_key else {}
+    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+
     @router.post(
         "/reset_prefix_cache",
         response_class=Response,
-        responses={200: {"description": "Every cached prefix is forgotten"}, **ENGINE_DEAD},
+        responses={200: {"description": "Every cached prefix is forgotten"}, **auth, **ENGINE_DEAD},
     )
     async def reset_prefix_cache() -> Response:
         await ctx.engine.reset_prefix_cache()
         return Response(status_code=200)
 
-    @router.post("/tokenize", responses=BAD_REQUEST)
+    @router.post("/tokenize", responses={**BAD_REQUEST, **auth})
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return tokenize_prompt(ctx, request)
+        return await ctx.off_loop(tokenize_prompt, ctx, request)
 
-    @router.post("/detokenize", responses=BAD_REQUEST)
+    @router.post("/detokenize", responses={**BAD_REQUEST, **auth})
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize_tokens(ctx, request)
+        return await ctx.off_loop(detokenize_tokens, ctx, request)
 
     return router
 

@@ -28,6 +28,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=30,
         help="seconds in-flight requests get to finish after SIGTERM/SIGINT",
     )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details (cached_tokens); off by default, as in vLLM, "
+        "since a client can learn from it whether another's prompt was cached",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        help="refuse request bodies larger than this with 413 (default: 2 MiB)",
+    )
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     group.add_argument(
         "--log-stats-interval", type=float, default=5.0, help="seconds between stats lines"

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,6 +26,9 @@ from tokenmill.outputs import CompletionOutput
 
 logger = logging.getLogger("tokenmill.server")
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
 
 @dataclass
 class ServerContext:
@@ -28,11 +36,23 @@ class ServerContext:
     model_names: list[str]  # the first is the one responses report
     model_root: str  # where the weights came from
     created: int = field(default_factory=lambda: int(time.time()))
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens)
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(
             self.engine.tokenizer, self.engine.vocab_size, self.engine.max_model_len
         )
+        # One thread, as vLLM's async tokenizer: tokenizing is off the event loop (a long
+        # prompt froze every client for seconds) and never concurrent with itself.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+
+    async def off_loop(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run tokenizer work on the tokenizer thread, leaving the event loop to others."""
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call)
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:
@@ -74,10 +94,14 @@ def finish_reason(completion: CompletionOutput) -> FinishReason | None:
     raise EngineStepError(f"the request ended with finish_reason={reason!r}")
 
 
-def make_usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int) -> UsageInfo:
+def make_usage(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached: int, details: bool
+) -> UsageInfo:
+    """`prompt_tokens_details` only when the server enables it (`details`), as vLLM: cached
+    tokens tell a client whether someone else's prompt shares its prefix."""
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if details else None,
     )

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineStepError
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from tokenmill.entrypoints.openai.validation import InvalidBodyError
 from tokenmill.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -112,11 +113,23 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     errors = error.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return error_response(bad_request(f"Invalid JSON body: {_json_problem(errors)}"))
+    body_error = _body_error(errors)
+    if body_error is not None:
+        return error_response(bad_request(str(body_error), param=body_error.param or None))
     locations = [_location(e) for e in errors]
     messages = [
         f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}" for loc, e in zip(locations, errors)
     ]
     return error_response(bad_request("; ".join(messages[:4]), param=_param(locations)))
+
+
+def _body_error(errors: list[dict[str, Any]]) -> InvalidBodyError | None:
+    """A check on the whole body (validation.py) names its field itself."""
+    for e in errors:
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidBodyError):
+            return cause
+    return None
 
 
 def _location(error: dict[str, Any]) -> list[str]:

@@ -19,8 +19,9 @@ class Prompt:
 
 
 class PromptBuilder:
-    """Tokenizes and checks prompts. Runs on the event loop: the fast tokenizer's Rust core
-    only reads shared state, so the engine thread's detokenizing is not disturbed."""
+    """Tokenizes and checks prompts. Runs on the server's tokenizer thread
+    (`ServerContext.off_loop`): the fast tokenizer's Rust core only reads shared state, so the
+    engine thread's detokenizing is not disturbed."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int
@@ -28,6 +29,11 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # No token spells more than this many UTF-8 bytes (4 per character of the longest
+        # vocabulary entry), so a longer text has more than max_model_len tokens for sure,
+        # and is refused without spending seconds tokenizing it.
+        longest_token = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        self.max_text_bytes = max_model_len * 4 * longest_token
 
     def completion_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]], add_special_tokens: bool
@@ -56,7 +62,7 @@ class PromptBuilder:
         add_special_tokens: bool = False,
     ) -> Prompt:
         text = self.render_chat(messages, add_generation_prompt)
-        prompt = Prompt(self.encode(text, add_special_tokens), text)
+        prompt = Prompt(self.encode(text, add_special_tokens, "messages"), text)
         self.check(prompt.token_ids, "messages")
         return prompt
 
@@ -73,7 +79,16 @@ class PromptBuilder:
         except jinja2.TemplateError as e:  # e.g. a template's raise_exception on bad roles
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        num_bytes = len(text.encode())
+        if num_bytes > self.max_text_bytes:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your {param} is {num_bytes} bytes long, more than that many tokens can spell. "
+                f"Please reduce the length of the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check(self, token_ids: list[int], param: str) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+
+from tokenmill.entrypoints.openai.validation import check_num_sequences, check_unicode
 
 # OpenAI's own limits where it documents one; vLLM's default max_logprobs otherwise.
 MAX_N = 128
@@ -24,6 +26,12 @@ class RequestModel(BaseModel):
     ones take exactly their JSON type (an integer is a number, nothing else converts)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
 
 
 class ResponseModel(BaseModel):
@@ -109,6 +117,13 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     add_special_tokens: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_sequences(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_num_sequences(data.get("prompt"), data.get("n", 1))
+        return data
+
 
 class TextContentPart(RequestModel):
     """A part of a message's content; only `text` parts are supported (others get a 400)."""
@@ -170,7 +185,7 @@ class UsageInfo(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = None  # --enable-prompt-tokens-details
 
 
 # "error": the request could not go on (structured outputs: no token can continue the

@@ -1,20 +1,24 @@
 """`tokenmill serve`: load the model, then serve the OpenAI API with uvicorn until a signal.
 
 On SIGTERM or SIGINT uvicorn stops accepting connections and lets in-flight requests finish
-for `--shutdown-timeout` seconds; then it cancels the rest, whose streams abort their engine
-requests, and the lifespan hook stops the engine thread.
+for `--shutdown-timeout` seconds; then each request still open is ended with an error (a
+stream gets an error event and `[DONE]`), its engine requests aborted, and the lifespan hook
+stops the engine thread. If the engine loop dies, the server shuts down the same way and the
+process exits with status 1, so that a supervisor restarts it (as vLLM does).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import socket
 
 import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from tokenmill.demo import DEMO_TARGET_NAME
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
@@ -23,6 +27,10 @@ from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
 
 logger = logging.getLogger("tokenmill.server")
+
+# Seconds uvicorn waits, after the grace period has ended open requests with an error, for
+# their responses to finish before it cancels them.
+ERROR_FLUSH_SECONDS = 2.0
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -35,8 +43,13 @@ def run_server(args: argparse.Namespace) -> int:
         EngineMetrics(registry, model_names[0], spec_decode=engine.speculates),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )
-    ctx = ServerContext(async_engine, model_names, str(engine.model_dir))
-    app = build_app(ctx, registry, args.api_key)
+    ctx = ServerContext(
+        async_engine,
+        model_names,
+        str(engine.model_dir),
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+    )
+    app = build_app(ctx, registry, args.api_key, args.max_request_body_bytes)
     kv = engine.kv_cache_manager
     logger.info(
         "serving model %s (%s) on http://%s:%d; max_model_len %d; KV cache %d blocks x %d "
@@ -58,7 +71,41 @@ def run_server(args: argparse.Namespace) -> int:
         log_config=None,  # keep the CLI's logging format
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + ERROR_FLUSH_SECONDS,
     )
-    uvicorn.Server(config).run()
-    return 0
+    server = _Server(config, async_engine, args.shutdown_timeout)
+    server.run()
+    return 1 if server.engine_died else 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, ending open requests with an error at the end of the grace period (it would
+    only cut them), and shutting down when the engine loop dies."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace_seconds = grace_seconds
+        self.engine_died = False
+        engine.on_dead = self._on_engine_dead
+
+    def _on_engine_dead(self, error: BaseException) -> None:
+        """Runs on the engine thread; uvicorn polls `should_exit`."""
+        logger.critical(
+            "the engine loop died (%r): shutting the server down; the process exits with "
+            "status 1 so a supervisor can restart it",
+            error,
+        )
+        self.engine_died = True
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cut = asyncio.get_running_loop().call_later(
+            self.grace_seconds,
+            self.engine.fail_open_requests,
+            EngineDeadError("the server is shutting down; this request was cut short"),
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()

@@ -195,6 +195,7 @@ class GenerationRun(ABC, Generic[RequestT]):
             sum(len(s.prompt.token_ids) for s in self.prompts),
             sum(len(c.token_ids) for c in self.choices),
             sum(s.num_cached_tokens for s in self.prompts),
+            self.ctx.enable_prompt_tokens_details,
         )
 
     def chunk_usage(self, choice_index: int) -> UsageInfo | None:
@@ -207,6 +208,7 @@ class GenerationRun(ABC, Generic[RequestT]):
             len(state.prompt.token_ids),
             len(self.choices[choice_index].token_ids),
             state.num_cached_tokens,
+            self.ctx.enable_prompt_tokens_details,
         )
 
     def _engine_request_id(self, prompt_index: int) -> str:

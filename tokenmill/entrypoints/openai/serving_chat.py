@@ -37,7 +37,9 @@ async def create_chat_completion(
     ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request
 ) -> Response:
     arrival_time = begin_request(ctx, request, "/v1/chat/completions")
-    prompt = ctx.prompts.chat_prompt(request.messages, request.add_generation_prompt)
+    prompt = await ctx.off_loop(
+        ctx.prompts.chat_prompt, request.messages, request.add_generation_prompt
+    )
     run = ChatRun(ctx, request, f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     return await run.serve(raw_request, arrival_time)
 

@@ -38,7 +38,9 @@ async def create_completion(
     ctx: ServerContext, request: CompletionRequest, raw_request: Request
 ) -> Response:
     arrival_time = begin_request(ctx, request, "/v1/completions")
-    prompts = ctx.prompts.completion_prompts(request.prompt, request.add_special_tokens)
+    prompts = await ctx.off_loop(
+        ctx.prompts.completion_prompts, request.prompt, request.add_special_tokens
+    )
     run = CompletionRun(ctx, request, f"cmpl-{uuid.uuid4().hex}", prompts)
     return await run.serve(raw_request, arrival_time)
 

@@ -24,7 +24,9 @@ def tokenize_prompt(ctx: ServerContext, request: TokenizeRequest) -> TokenizeRes
     else:
         text = request.prompt or ""
         add_special_tokens = request.add_special_tokens is not False
-    tokens = ctx.prompts.encode(text, add_special_tokens)
+    tokens = ctx.prompts.encode(
+        text, add_special_tokens, "prompt" if request.messages is None else "messages"
+    )
     return TokenizeResponse(
         count=len(tokens),
         max_model_len=ctx.max_model_len,
