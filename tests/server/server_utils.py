@@ -36,13 +36,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: Path | None, log_path: Path, *extra_args: str) -> Server:
+CLI = ("-m", "tokenmill.entrypoints.cli")
+
+
+def start_server(
+    model_dir: Path | None, log_path: Path, *extra_args: str, launcher: tuple[str, ...] = CLI
+) -> Server:
     """Start `tokenmill serve` and wait until /health answers 200. With no `model_dir`, the
-    server runs as a newcomer starts it: default model, default name."""
+    server runs as a newcomer starts it: default model, default name. `launcher`: what
+    Python runs instead of the CLI module (a script that injects a fault, then calls it)."""
     port = free_port()
     model_args = [] if model_dir is None else [str(model_dir), "--served-model-name", MODEL]
     command = [
-        sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *model_args,
+        sys.executable, *launcher, "serve", *model_args,
         "--port", str(port), "--api-key", API_KEY,
         "--max-model-len", str(MAX_MODEL_LEN), "--disable-uvicorn-access-log",
         *extra_args,

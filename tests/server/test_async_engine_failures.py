@@ -4,6 +4,7 @@ dead loop is reported, an abort frees KV within a step."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,90 @@ def _offline(engine: LLMEngine, prompt: str) -> list[Any]:
     while engine.has_unfinished_requests():
         outputs.extend(o for o in engine.step() if o.finished)
     return outputs
+
+
+def test_a_request_whose_data_cannot_be_hashed_fails_alone(
+    make_engine: Callable[[], LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the boundary's validation (turned off here), a cache_salt that cannot be hashed
+    fails its own add, not the engine step every running request shares."""
+    monkeypatch.setattr("tokenmill.engine.llm_engine._validate_cache_salt", lambda salt: None)
+    engine = make_engine()
+    [expected] = [o.outputs[0].text for o in _offline(engine, "Hello there")]
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine, log_stats_interval=None)
+        async_engine.start()
+        try:
+            innocent = [
+                asyncio.ensure_future(collect(async_engine, "Hello there", f"innocent-{i}"))
+                for i in range(12)
+            ]
+            await asyncio.sleep(0.05)
+            poison = EngineRequest("poison", "Hello there", GREEDY, cache_salt="\ud800")
+            with pytest.raises(UnicodeEncodeError):
+                await async_engine.add_requests([poison])
+            assert await asyncio.gather(*innocent) == [expected] * 12
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert all_blocks_free(engine) and not engine.has_unfinished_requests()
+
+
+def in_process_app(engine: LLMEngine, **context: Any) -> tuple[AsyncEngine, Any]:
+    async_engine = AsyncEngine(engine, log_stats_interval=None)
+    ctx = ServerContext(async_engine, ["m"], "here", **context)
+    return async_engine, build_app(ctx, CollectorRegistry(), None)
+
+
+def test_prompt_tokens_details_are_reported_only_when_enabled(
+    make_engine: Callable[[], LLMEngine],
+) -> None:
+    """cached_tokens tells a client whether another's prompt shares its prefix: off by
+    default, as vLLM's --enable-prompt-tokens-details."""
+    engine = make_engine()
+    body = {"prompt": "Hello there " * 8, "max_tokens": 2}
+
+    async def usage(enabled: bool) -> dict[str, Any]:
+        async_engine, app = in_process_app(engine, enable_prompt_tokens_details=enabled)
+        async_engine.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await client.post("/v1/completions", json=body)
+            response = await client.post("/v1/completions", json=body)
+        async_engine.shutdown()
+        return response.json()["usage"]
+
+    assert asyncio.run(usage(False))["prompt_tokens_details"] is None
+    assert asyncio.run(usage(True))["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_tokenizing_runs_off_the_event_loop(make_engine: Callable[[], LLMEngine]) -> None:
+    engine = make_engine()
+    async_engine, app = in_process_app(engine)
+    tokenizer = engine.tokenizer
+    real_encode = tokenizer.encode
+
+    def slow_encode(*args: Any, **kwargs: Any) -> list[int]:
+        time.sleep(3)  # a long prompt
+        return real_encode(*args, **kwargs)
+
+    async def main() -> float:
+        async_engine.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            tokenizing = asyncio.ensure_future(client.post("/tokenize", json={"prompt": "x"}))
+            await asyncio.sleep(0.3)
+            start = time.perf_counter()
+            assert (await client.get("/health")).status_code == 200
+            health_seconds = time.perf_counter() - start
+            assert (await tokenizing).status_code == 200
+        async_engine.shutdown()
+        return health_seconds
+
+    tokenizer.encode = slow_encode
+    try:
+        assert asyncio.run(main()) < 2.0  # the tokenizer holds its thread for 3 s
+    finally:
+        tokenizer.encode = real_encode

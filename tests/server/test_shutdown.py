@@ -87,6 +87,40 @@ def test_sigterm_drains_in_flight_requests_then_exits(model_dir: Path, tmp_path:
         stop_server(server)
 
 
+# `tokenmill serve` with an engine whose step kills the loop (not an Exception: the loop's
+# per-step error handling does not catch it).
+DYING_ENGINE = """
+import sys
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.cli import main
+
+class Fatal(BaseException):
+    pass
+
+def step(self):
+    raise Fatal("injected: the engine loop dies")
+
+LLMEngine.step = step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_engine_loop_ends_the_process_with_an_error(model_dir: Path, tmp_path: Path) -> None:
+    """Rather than answer 503 forever, exit non-zero so that a supervisor restarts it."""
+    server = start_server(model_dir, tmp_path / "server.log", launcher=("-c", DYING_ENGINE))
+    try:
+        url = f"{server.url}/v1/completions"
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", url, json=body, headers=HEADERS, timeout=60) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+        assert server.process.wait(30) == 1
+        assert "the engine loop died" in server.log and "supervisor" in server.log
+    finally:
+        stop_server(server)
+
+
 def _wait_for_running(url: str, num_running: int) -> None:
     deadline = time.monotonic() + 30
     with httpx.Client(base_url=url) as client:
