@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.stats import EngineStats
@@ -26,6 +26,10 @@ class LLM:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        if "speculative_config" in engine_args:  # a dict or JSON, as vLLM's LLM takes it
+            engine_args["speculative_config"] = SpeculativeConfig.parse(
+                engine_args["speculative_config"]
+            )
         self.engine = LLMEngine(with_default_models(EngineConfig(model=model, **engine_args)))
         self._request_counter = itertools.count()
 
