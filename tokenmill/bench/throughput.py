@@ -35,10 +35,22 @@ class ThroughputResult:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     parser.add_argument(
-        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[16, 256],
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, uniform in [MIN, MAX]",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=[16, 128],
+        metavar=("MIN", "MAX"),
+        help="output tokens, uniform in [MIN, MAX]",
     )
     parser.add_argument(
         "--batch-size",
@@ -47,7 +59,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         help="requests computed together: HF's static batch and tokenmill's --max-num-seqs",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians reported")
-    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument(
+        "--workload-seed", type=int, default=0, help="seed of the prompts and their lengths"
+    )
     parser.add_argument("--skip-hf", action="store_true", help="tokenmill only")
     parser.add_argument("--save-result", default=None, help="write the results as JSON here")
 
