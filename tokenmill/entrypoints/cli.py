@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
-from tokenmill import __version__
 from tokenmill.entrypoints.cli_parser import CommandParser
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import add_server_args
+from tokenmill.version import __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input or config: a clear message, no traceback
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C; `serve` has shut down cleanly before uvicorn re-raises
+        return 128 + signal.SIGINT
 
 
 def build_parser() -> CommandParser:
@@ -50,13 +53,16 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.openai.server import run_server
+    from tokenmill.entrypoints.openai.listener import bind_listener
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
         args.model = args.model_tag
-    return run_server(args)
+    listener = bind_listener(args.host, args.port)  # before the model and its imports load
+    from tokenmill.entrypoints.openai.server import run_server
+
+    return run_server(args, listener)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:

@@ -1,14 +1,17 @@
-"""`tokenmill serve`: load the model, then serve the OpenAI API with uvicorn until a signal.
+"""`tokenmill serve`: load the model, then serve the OpenAI API with uvicorn on the socket the
+command bound first (entrypoints/openai/listener.py) until a signal.
 
 On SIGTERM or SIGINT uvicorn stops accepting connections and lets in-flight requests finish
 for `--shutdown-timeout` seconds; then it cancels the rest, whose streams abort their engine
-requests, and the lifespan hook stops the engine thread.
+requests, and the lifespan hook stops the engine thread. uvicorn then re-raises the signal;
+the command turns Ctrl+C's KeyboardInterrupt into exit status 130 (entrypoints/cli.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -25,7 +28,7 @@ from tokenmill.metrics.prometheus import EngineMetrics
 logger = logging.getLogger("tokenmill.server")
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -60,5 +63,5 @@ def run_server(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listener])
     return 0
