@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -26,6 +26,7 @@ from tokenmill.models.loader import (
     eos_token_ids,
     load_hf_config,
     load_model,
+    load_tokenizer,
     sampling_defaults,
 )
 from tokenmill.outputs import RequestOutput
@@ -54,9 +55,7 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.model_dir = model_dir
         self.hf_config, self.architecture = load_hf_config(model_dir)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            config.tokenizer or model_dir, local_files_only=True
-        )
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.tokenizer or model_dir)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         torch.manual_seed(config.seed)
