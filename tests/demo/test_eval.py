@@ -70,9 +70,10 @@ def test_chunked_prefill_and_preemption_keep_every_greedy_reply(examples, baseli
 
 def test_eval_command_prints_a_table_per_task(capsys) -> None:
     assert main(["eval", "--tasks", "add,reverse", "--num-per-task", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "4 held-out prompts" in out
-    assert out.count("/2") == 2 and "overall" in out
+    captured = capsys.readouterr()
+    assert "4 held-out prompts" in captured.out
+    assert captured.out.count("/2") == 2 and "overall" in captured.out
+    assert "Processed prompts" in captured.err and "4/4" in captured.err  # a progress bar
 
 
 def test_models_command_lists_the_builtin_models(capsys) -> None:
@@ -130,6 +131,8 @@ def fake_server() -> Iterator[str]:
     server.server_close()
 
 
-def test_server_eval_uses_the_chat_completions_api(fake_server: str) -> None:
-    report = evaluate(heldout(5, ["reverse"]), server_replies(fake_server, api_key=API_KEY))
+def test_server_eval_uses_the_chat_completions_api(fake_server: str, capsys) -> None:
+    replies = server_replies(fake_server, api_key=API_KEY, progress=True)
+    report = evaluate(heldout(5, ["reverse"]), replies)
     assert report.scores["reverse"].num_correct == 5
+    assert "5/5" in capsys.readouterr().err  # a progress bar

@@ -112,12 +112,13 @@ class LLM:
         start_stats = self.engine.get_stats()
         try:
             while self.engine.has_unfinished_requests():
+                num_finished = len(finished)
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        progress.update(1)
-                if use_tqdm:
-                    progress.set_postfix_str(self._throughput(start, start_stats))
+                if use_tqdm and len(finished) > num_finished:  # as vLLM: not every step
+                    progress.set_postfix_str(self._throughput(start, start_stats), refresh=False)
+                    progress.update(len(finished) - num_finished)
         except BaseException:
             self.engine.abort_request([r for r in request_ids if r not in finished])
             raise
