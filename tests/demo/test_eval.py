@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.demo import demo_model_path
+from tokenmill.demo.catalog import EXAMPLES
 from tokenmill.demo.eval import (
     ACCURACY_BARS,
     BAR_NUM_PER_TASK,
@@ -80,6 +81,16 @@ def test_models_command_lists_the_builtin_models(capsys) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "tokenmill-demo-target" in out and "tokenmill-demo-draft" in out
+
+
+def test_every_example_of_tokenmill_models_gets_the_reply_it_shows() -> None:
+    """`tokenmill models` (and the README) suggest these prompts: the demo target must answer
+    each as shown, or a newcomer's first try fails."""
+    checkable = {prompt: reply for prompt, reply in EXAMPLES.items() if reply is not None}
+    llm = LLM(model=str(demo_model_path("target")), dtype="float32")
+    conversations = [[{"role": "user", "content": prompt}] for prompt in checkable]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=64))
+    assert dict(zip(checkable, [o.outputs[0].text for o in outputs])) == checkable
 
 
 API_KEY = "sk-eval-test"
