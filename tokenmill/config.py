@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -82,58 +82,129 @@ class SpeculativeConfig:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
+def config_field(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    flags: tuple[str, ...] = (),
+) -> Any:
+    """A config field that also describes its CLI flag (entrypoints/engine_args.py): `help`,
+    `choices` (also checked by `EngineConfig.__post_init__`) and `flags`, the flag names when
+    they differ from the field's (vLLM's name first, older names after it as aliases)."""
+    metadata: dict[str, Any] = {"help": help, "choices": choices, "flags": flags}
+    return field(default=default, metadata=metadata)
+
+
+# fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
+# first, and the lowest-priority running request is preempted first. static: the baseline that
+# continuous batching is measured against: a batch is what one step admits, and nobody joins
+# until every member has finished.
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+# When KV blocks run out, the victim's KV is recomputed later, or swapped to host memory.
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass
 class EngineConfig:
-    """Engine settings. Field names follow vLLM's engine arguments and CLI flags."""
+    """Engine settings. Field names follow vLLM's engine arguments; every field is also a CLI
+    flag of `tokenmill serve | generate | bench throughput | eval`, generated from it."""
 
-    model: str | None = None  # a local Hugging Face directory; None = the built-in default
-    tokenizer: str | None = None  # defaults to `model`
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
-    # How linear layers run: auto = weights reordered for oneDNN on the CPU in float32
-    # (layers/linear.py), else torch's F.linear; torch = always F.linear.
-    linear_backend: str = "auto"
-    # Where default sampling parameters come from, as vLLM's --generation-config: "auto" = the
-    # model's generation_config.json (temperature, top_p, ... when it sets them), "vllm" =
-    # none (temperature 1.0 etc.), or a directory holding a generation_config.json.
-    generation_config: str = "auto"
+    model: str | None = config_field(
+        None, "local Hugging Face model directory (default: the built-in demo model)"
+    )
+    tokenizer: str | None = config_field(None, "tokenizer directory (default: the model's)")
+    dtype: str = config_field(
+        "auto",
+        "compute dtype; auto takes the checkpoint's unless this CPU can't run it fast",
+        choices=("auto", *_DTYPES),
+    )
+    device: str = config_field("auto", "auto, cpu, cuda or cuda:N")
+    seed: int = config_field(0, "seed of the random numbers of unseeded requests")
+    linear_backend: str = config_field(
+        "auto",
+        "auto: linear weights reordered for oneDNN on the CPU in float32 (layers/linear.py), "
+        "else F.linear; torch: always F.linear",
+        choices=("auto", "torch"),
+    )
+    generation_config: str = config_field(
+        "auto",
+        "default sampling parameters (as vLLM): auto = the model's generation_config.json, "
+        "vllm = none (temperature 1.0), or a directory holding a generation_config.json",
+    )
 
     # KV cache
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit number of blocks, overrides the memory budget
-    kv_cache_memory: int | None = None  # bytes for the KV cache
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory for the engine
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (swap mode only)
+    block_size: int = config_field(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = config_field(
+        None,
+        "KV cache size in blocks; overrides the memory budget",
+        flags=("--num-gpu-blocks-override", "--num-kv-blocks"),
+    )
+    kv_cache_memory: int | None = config_field(
+        None,
+        "KV cache size in bytes (default: 2 GiB on the CPU; on CUDA from --gpu-memory-utilization)",
+        flags=("--kv-cache-memory-bytes", "--kv-cache-memory"),
+    )
+    gpu_memory_utilization: float = config_field(
+        0.9, "on CUDA: fraction of device memory the engine may use"
+    )
+    kv_cache_dtype: str = config_field(
+        "auto",
+        "KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) halves a 16-bit cache",
+        choices=("auto", *KV_CACHE_DTYPES),
+    )
+    enable_prefix_caching: bool = config_field(True, "reuse the KV of prompt prefixes seen before")
+    preemption_mode: str = config_field(
+        "recompute",
+        "when KV blocks run out: recompute the victim later, or swap its KV to host memory",
+        choices=PREEMPTION_MODES,
+    )
+    swap_space: float = config_field(
+        4.0, "GiB of host memory for swapped-out KV blocks (swap mode only)"
+    )
 
     # Scheduling
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048  # the token budget of one step
-    max_num_seqs: int = 256
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # fcfs | priority | static (the static-batching baseline)
-    # Inter-token-latency target in milliseconds (None: off): each step gets only the prompt
-    # tokens that a cost model learned from measured steps predicts to fit the target once the
-    # running decodes are paid for (at least 16 per step, so long prompts still progress).
-    itl_target_ms: float | None = None
-    # vLLM's: at most this many prompt tokens per request and step (0: no cap)...
-    long_prefill_token_threshold: int = 0
-    # ...and at most this many prompts cut mid-way in one step (applies with a threshold or
-    # an ITL target; with the token budget alone at most one prompt per step is cut).
-    max_num_partial_prefills: int = 1
+    max_model_len: int | None = config_field(
+        None, "longest sequence, prompt and output (default: the model's max_position_embeddings)"
+    )
+    max_num_batched_tokens: int = config_field(2048, "the token budget of one step")
+    max_num_seqs: int = config_field(256, "most requests in one step")
+    enable_chunked_prefill: bool = config_field(True, "split long prompts across steps")
+    scheduling_policy: str = config_field(
+        "fcfs",
+        "fcfs: continuous batching; priority: by request priority (lower first); "
+        "static: the run-each-batch-to-the-end baseline",
+        choices=SCHEDULING_POLICIES,
+    )
+    itl_target_ms: float | None = config_field(
+        None,
+        "inter-token-latency target in ms: each step gets only the prompt tokens that a cost "
+        "model learned from measured steps predicts to fit it once the running decodes are "
+        "paid for (at least 16 per step, so long prompts still progress); off by default",
+    )
+    long_prefill_token_threshold: int = config_field(
+        0, "at most this many prompt tokens per request and step (0: no cap)"
+    )
+    max_num_partial_prefills: int = config_field(
+        1,
+        "at most this many prompts cut mid-way in one step (applies with a threshold or an "
+        "ITL target; with the token budget alone at most one prompt per step is cut)",
+    )
 
-    # Speculative decoding: a SpeculativeConfig, or its dict / JSON form.
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    speculative_config: SpeculativeConfig | None = config_field(
+        None,
+        'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft_model", "model": PATH}\' (the demo target has a default draft)',
+    )
 
-    # Tensor parallelism (one device here; kept so the flag has its home)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = config_field(
+        1, "devices to shard the model over (only 1 is supported yet)"
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for f in fields(self):
+            if f.metadata["choices"] is not None:
+                _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -148,11 +219,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self._check_prefill_limits()
-        _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority", "static"))
-        _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
-        _check_choice("linear_backend", self.linear_backend, ("auto", "torch"))
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if not isinstance(self.speculative_config, SpeculativeConfig | None):
+            raise ConfigError(
+                "speculative_config must be a SpeculativeConfig or None "
+                "(SpeculativeConfig.parse reads its dict or JSON form)"
+            )
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.tensor_parallel_size != 1:

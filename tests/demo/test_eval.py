@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.demo import demo_model_path
+from tokenmill.demo.catalog import EXAMPLES
 from tokenmill.demo.eval import (
     ACCURACY_BARS,
     BAR_NUM_PER_TASK,
@@ -70,15 +71,26 @@ def test_chunked_prefill_and_preemption_keep_every_greedy_reply(examples, baseli
 
 def test_eval_command_prints_a_table_per_task(capsys) -> None:
     assert main(["eval", "--tasks", "add,reverse", "--num-per-task", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "4 held-out prompts" in out
-    assert out.count("/2") == 2 and "overall" in out
+    captured = capsys.readouterr()
+    assert "4 held-out prompts" in captured.out
+    assert captured.out.count("/2") == 2 and "overall" in captured.out
+    assert "Processed prompts" in captured.err and "4/4" in captured.err  # a progress bar
 
 
 def test_models_command_lists_the_builtin_models(capsys) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "tokenmill-demo-target" in out and "tokenmill-demo-draft" in out
+
+
+def test_every_example_of_tokenmill_models_gets_the_reply_it_shows() -> None:
+    """`tokenmill models` (and the README) suggest these prompts: the demo target must answer
+    each as shown, or a newcomer's first try fails."""
+    checkable = {prompt: reply for prompt, reply in EXAMPLES.items() if reply is not None}
+    llm = LLM(model=str(demo_model_path("target")), dtype="float32")
+    conversations = [[{"role": "user", "content": prompt}] for prompt in checkable]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=64))
+    assert dict(zip(checkable, [o.outputs[0].text for o in outputs])) == checkable
 
 
 API_KEY = "sk-eval-test"
@@ -130,6 +142,8 @@ def fake_server() -> Iterator[str]:
     server.server_close()
 
 
-def test_server_eval_uses_the_chat_completions_api(fake_server: str) -> None:
-    report = evaluate(heldout(5, ["reverse"]), server_replies(fake_server, api_key=API_KEY))
+def test_server_eval_uses_the_chat_completions_api(fake_server: str, capsys) -> None:
+    replies = server_replies(fake_server, api_key=API_KEY, progress=True)
+    report = evaluate(heldout(5, ["reverse"]), replies)
     assert report.scores["reverse"].num_correct == 5
+    assert "5/5" in capsys.readouterr().err  # a progress bar

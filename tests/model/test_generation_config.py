@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
+from tokenmill.entrypoints.cli import main
 from tokenmill.models.loader import sampling_defaults
 
 PROMPTS = [[5, 9, 13, 200], [7, 7, 31]]
@@ -91,3 +93,23 @@ def test_bad_generation_config_fails_at_start_up(tiny_checkpoint, tmp_path: Path
     model = _with_generation_config(tiny_checkpoint("llama"), tmp_path / "m", temperature=-1.0)
     with pytest.raises(ConfigError, match="invalid default"):
         LLM(model=str(model), max_model_len=64)
+
+
+def _generated_texts(capsys: pytest.CaptureFixture[str], model: Path, *flags: str) -> list[str]:
+    argv = ["generate", "--model", str(model), "--prompt", "a b c", "--n", "3", "--max-tokens"]
+    argv += ["8", "--ignore-eos", "--dtype", "float32", "--max-model-len", "64", *flags]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return [text for header, text in itertools.pairwise(lines) if header.startswith("--- prompt")]
+
+
+def test_tokenmill_generate_samples_with_the_model_defaults_as_the_server_does(
+    tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine logs the generation_config.json defaults; `generate` must use them (a high
+    default temperature makes 3 samples differ) unless a flag says otherwise."""
+    model = _with_generation_config(tiny_checkpoint("llama"), tmp_path / "m", temperature=50.0)
+    sampled = _generated_texts(capsys, model)
+    assert len(sampled) == 3 and len(set(sampled)) > 1
+    greedy = _generated_texts(capsys, model, "--temperature", "0")
+    assert len(greedy) == 3 and len(set(greedy)) == 1

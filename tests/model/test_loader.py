@@ -108,3 +108,30 @@ def test_linear_backends_give_the_same_greedy_output(tiny_checkpoint) -> None:
         )
         outputs[backend] = llm.generate([[5, 9, 13, 200]], params, use_tqdm=False)[0]
     assert outputs["auto"].outputs[0].token_ids == outputs["torch"].outputs[0].token_ids
+
+
+def load_error(model_dir: Path) -> str:
+    with pytest.raises(ModelLoadError) as error:
+        LLM(model=str(model_dir), max_model_len=64)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_tokenizer_is_one_clear_line(tiny_checkpoint, tmp_path: Path) -> None:
+    model_dir = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "m")
+    for path in model_dir.glob("*"):
+        if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            path.unlink()
+    message = load_error(model_dir)
+    assert message.startswith(f"{model_dir} has no tokenizer files")
+    assert "--tokenizer" in message and "sentencepiece" not in message
+
+
+def test_truncated_weights_are_one_clear_line(tiny_checkpoint, tmp_path: Path) -> None:
+    model_dir = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "m")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    message = load_error(model_dir)
+    assert message.startswith(f"{weights} is not a complete safetensors file")
+    assert "truncated" in message

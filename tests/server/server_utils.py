@@ -55,7 +55,9 @@ def start_server(
     ]  # fmt: skip
     log = log_path.open("wb")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
+    )
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -69,6 +71,12 @@ def start_server(
         time.sleep(0.2)
     stop_server(server)
     raise RuntimeError(f"server did not become healthy:\n{server.log}")
+
+
+def _default_sigint() -> None:
+    """Ctrl+C's SIGINT acts on the server as from a terminal, even when pytest was started in
+    the background (whose children inherit SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def stop_server(server: Server, timeout: float = 30) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from tokenmill.entrypoints.cli import main
@@ -23,3 +25,19 @@ def test_serve_help_lists_server_and_engine_flags(capsys: pytest.CaptureFixture[
 def test_model_argument_and_flag_must_agree(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
     assert "differ" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model directory does not exist: the port, checked first, must be the error."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tmp_path / "no-model"), "--port", str(port)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        f"tokenmill: error: port {port} on 127.0.0.1 is already in use (another server?); "
+        "choose another with --port"
+    )

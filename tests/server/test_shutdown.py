@@ -121,6 +121,18 @@ def test_a_dead_engine_loop_ends_the_process_with_an_error(model_dir: Path, tmp_
         stop_server(server)
 
 
+def test_ctrl_c_shuts_down_cleanly_without_a_traceback(model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "2")
+    try:
+        server.process.send_signal(signal.SIGINT)
+        server.process.wait(30)
+        assert "Application shutdown complete" in server.log
+        assert "Traceback" not in server.log and "KeyboardInterrupt" not in server.log
+        assert server.process.returncode == 128 + signal.SIGINT  # as a shell reports Ctrl+C
+    finally:
+        stop_server(server)
+
+
 def _wait_for_running(url: str, num_running: int) -> None:
     deadline = time.monotonic() + 30
     with httpx.Client(base_url=url) as client:

@@ -51,7 +51,6 @@ def _add(
         name,
         help=help_text,
         description=sys.modules[run.__module__].__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_args(parser)
     parser.set_defaults(handler=lambda args: _guarded(run, args))

@@ -268,7 +268,9 @@ def plot_outcomes(
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configurations")
-    group.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    group.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="a ready-made comparison"
+    )
     group.add_argument(
         "--config",
         action="append",
@@ -291,7 +293,12 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
         "(default: the built-in model); also the tokenizer",
     )
     group.add_argument("--tokenizer", default=None, help="tokenizer directory")
-    group.add_argument("--server-start-timeout", type=float, default=300.0)
+    group.add_argument(
+        "--server-start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a server may take to start",
+    )
     group.add_argument(
         "--repeats",
         type=int,
@@ -305,9 +312,13 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
         help="results, plot, table and server logs (default: bench-compare-NAME)",
     )
     load = parser.add_argument_group("load (default: the preset's)")
-    load.add_argument("--request-rate", type=float, default=None)
-    load.add_argument("--burstiness", type=float, default=1.0)
-    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument(
+        "--request-rate", type=float, default=None, help="requests per second (Poisson)"
+    )
+    load.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)"
+    )
+    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     add_request_args(parser)
     add_measure_args(parser)
     add_dataset_args(parser, with_defaults=False)

@@ -115,10 +115,10 @@ def add_dataset_args(parser: argparse.ArgumentParser, with_defaults: bool = True
             flag, default=default if with_defaults else None, help=help_text, **kwargs
         )
 
-    add("--dataset-name", choices=DATASET_NAMES)
-    add("--num-prompts", type=int)
-    add("--random-input-len", type=int)
-    add("--random-output-len", type=int)
+    add("--dataset-name", "the kind of workload", choices=DATASET_NAMES)
+    add("--num-prompts", "requests to send", type=int)
+    add("--random-input-len", "random: prompt tokens (see --random-range-ratio)", type=int)
+    add("--random-output-len", "random: output tokens (see --random-range-ratio)", type=int)
     add("--random-range-ratio", "lengths uniform in len*[1-r, 1+r]; 0 = fixed", type=float)
     add("--sharegpt-scale", "multiply sharegpt-like lengths (keeps the shape)", type=float)
     add("--prefix-len", "shared-prefix: shared tokens", type=int)

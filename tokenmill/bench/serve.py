@@ -168,16 +168,22 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     add_request_args(parser)
     add_measure_args(parser)
     measure = parser.add_argument_group("output")
-    measure.add_argument("--save-result", default=None, metavar="FILE.json")
+    measure.add_argument(
+        "--save-result", default=None, metavar="FILE.json", help="write the results as JSON here"
+    )
     measure.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     add_dataset_args(parser)
 
 
 def add_request_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("requests")
-    group.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    group.add_argument(
+        "--endpoint", default="/v1/completions", choices=ENDPOINTS, help="the route to load"
+    )
     group.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
-    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="of every request; 0 = greedy"
+    )
     group.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
@@ -191,9 +197,13 @@ def add_measure_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME:MS",
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000",
     )
-    group.add_argument("--percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES))
+    group.add_argument(
+        "--percentiles",
+        default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES),
+        help="latency percentiles to report, comma-separated",
+    )
     group.add_argument("--seed", type=int, default=0, help="dataset and arrival seed")
-    group.add_argument("--disable-tqdm", action="store_true")
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +221,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier",
     )
-    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no cap)",
+    )
 
 
 @dataclass

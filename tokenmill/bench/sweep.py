@@ -189,16 +189,30 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     add_target_args(parser)
     group = parser.add_argument_group("sweep (give exactly one list)")
     loads = group.add_mutually_exclusive_group(required=True)
-    loads.add_argument("--max-concurrency-list", default=None, metavar="1,2,4,8")
-    loads.add_argument("--request-rate-list", default=None, metavar="1,2,4,inf")
+    loads.add_argument(
+        "--max-concurrency-list", default=None, metavar="1,2,4,8", help="concurrency caps to run"
+    )
+    loads.add_argument(
+        "--request-rate-list",
+        default=None,
+        metavar="1,2,4,inf",
+        help="request rates to run (per s)",
+    )
     group.add_argument(
         "--request-rate", type=float, default=math.inf, help="arrival rate of a concurrency sweep"
     )
     group.add_argument(
         "--max-concurrency", type=int, default=None, help="concurrency cap of a request-rate sweep"
     )
-    group.add_argument("--burstiness", type=float, default=1.0)
-    group.add_argument("--knee-percentile", type=float, default=95.0)
+    group.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)"
+    )
+    group.add_argument(
+        "--knee-percentile",
+        type=float,
+        default=95.0,
+        help="the latency percentile checked against the --goodput SLOs to find the knee",
+    )
     group.add_argument(
         "--timeline-load",
         type=float,

@@ -35,10 +35,22 @@ class ThroughputResult:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     parser.add_argument(
-        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[16, 256],
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, uniform in [MIN, MAX]",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=[16, 128],
+        metavar=("MIN", "MAX"),
+        help="output tokens, uniform in [MIN, MAX]",
     )
     parser.add_argument(
         "--batch-size",
@@ -47,9 +59,12 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         help="requests computed together: HF's static batch and tokenmill's --max-num-seqs",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians reported")
-    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument(
+        "--workload-seed", type=int, default=0, help="seed of the prompts and their lengths"
+    )
     parser.add_argument("--skip-hf", action="store_true", help="tokenmill only")
     parser.add_argument("--save-result", default=None, help="write the results as JSON here")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
 
 
 def make_workload(
@@ -64,8 +79,9 @@ def make_workload(
     return Workload(prompts, output_lens)
 
 
-def run_tokenmill(llm, workload: Workload) -> tuple[float, float]:
-    """Seconds for the whole workload and the fraction of step time outside the forward."""
+def run_tokenmill(llm, workload: Workload, progress: bool = False) -> tuple[float, float]:
+    """Seconds for the whole workload and the fraction of step time outside the forward.
+    The progress bar moves when requests finish, so it costs next to nothing."""
     from tokenmill.sampling_params import SamplingParams
 
     params = [
@@ -73,7 +89,7 @@ def run_tokenmill(llm, workload: Workload) -> tuple[float, float]:
     ]
     before = llm.get_stats()
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outputs = llm.generate(workload.prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == workload.num_output_tokens, (generated, workload.num_output_tokens)
@@ -83,11 +99,16 @@ def run_tokenmill(llm, workload: Workload) -> tuple[float, float]:
     return seconds, 1.0 - forward / step
 
 
-def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> float:
+def run_hf_static(
+    model, workload: Workload, batch_size: int, pad_id: int, progress: bool = False
+) -> float:
     """Hugging Face `generate`, batches of `batch_size` left-padded prompts; every batch runs
     until its longest output is done (the static-batching baseline)."""
+    from tqdm import tqdm
+
     start = time.perf_counter()
-    for i in range(0, len(workload.prompts), batch_size):
+    batch_starts = range(0, len(workload.prompts), batch_size)
+    for i in tqdm(batch_starts, desc="HF static batches", disable=not progress):
         prompts = workload.prompts[i : i + batch_size]
         max_new = max(workload.output_lens[i : i + batch_size])
         width = max(len(p) for p in prompts)
@@ -130,12 +151,16 @@ def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[Throu
     tokenmill_runs, overheads, hf_runs = [], [], []
     run_tokenmill(llm, make_workload(4, (8, 16), (4, 8), llm.engine.vocab_size, 1))  # warm-up
     for _ in range(args.repeats):  # interleaved, so both see the same machine noise
-        seconds, overhead = run_tokenmill(llm, workload)
+        seconds, overhead = run_tokenmill(llm, workload, progress=not args.disable_tqdm)
         tokenmill_runs.append(seconds)
         overheads.append(overhead)
         if hf_model is not None:
             with torch.inference_mode():
-                hf_runs.append(run_hf_static(hf_model, workload, args.batch_size, pad_id))
+                hf_runs.append(
+                    run_hf_static(
+                        hf_model, workload, args.batch_size, pad_id, not args.disable_tqdm
+                    )
+                )
 
     results = [_result("tokenmill", tokenmill_runs, workload, total_tokens, overheads)]
     if hf_runs:

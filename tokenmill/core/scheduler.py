@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tokenmill.config import PREEMPTION_MODES
 from tokenmill.core.draft_length_policy import DraftLengthPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
@@ -34,13 +35,6 @@ from tokenmill.metrics.stats import (
 )
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
-
-# fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
-# first, and the lowest-priority running request is preempted first. static: the baseline that
-# continuous batching is measured against: a batch is what one step admits, and nobody joins
-# until every member has finished.
-SCHEDULING_POLICIES = ("fcfs", "priority", "static")
-PREEMPTION_MODES = ("recompute", "swap")
 
 # Cache-aware admission looks this far down the waiting queue for the request with the most
 # prompt tokens already in the prefix cache...
@@ -91,10 +85,8 @@ class Scheduler:
         spec_lookahead: bool = False,
         prefill_limits: PrefillLimits | None = None,
     ) -> None:
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}: {policy!r}")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}")
+        """`policy` and `preemption_mode` are among `EngineConfig`'s choices (validated there):
+        `SCHEDULING_POLICIES` and `PREEMPTION_MODES` in config.py say what each does."""
         self.policy = policy
         self.preemption_mode = preemption_mode
         self.kv_cache_manager = kv_cache_manager

@@ -6,27 +6,37 @@ import json
 
 from tokenmill.demo import DEMO_MODEL_NAMES, WEIGHTS_DIR
 
-# Prompts that show each skill; docs/demo_models.md lists the target's real replies.
-EXAMPLE_PROMPTS: tuple[str, ...] = (
-    "Reverse this list: apple banana cherry dog",
-    "What is 23 + 58?",
-    "What is 71 - 25?",
-    "Sort these numbers: 42 7 19 3 88",
-    "Count the items: cup, pen, book, lamp, key",
-    "Make this upper case: red apple",
-    "Continue the pattern: 5 10 15 20",
-    "Repeat this text exactly:\nOnce upon a time, there was a little fox named Max.",
-    "Here is a list of codes.\n- Tormi: 311\n- Kelsol: 845\n- Dravin: 207\n"
-    "What is the code for Kelsol?",
-    "Tell me a story about a dog.",
-    "Hello!",
-)
+# Prompts that show each skill, with the demo target's reply (checked by tests/demo, greedy;
+# chosen so that its default temperature 0.2 gives the same); None: open-ended.
+EXAMPLES: dict[str, str | None] = {
+    "Reverse this list: apple banana cherry dog": "dog cherry banana apple",
+    "What is 23 + 58?": "81",
+    "What is 71 - 25?": "46",
+    "Sort these numbers: 31 5 77 12": "5 12 31 77",
+    "Count the items: cup, pen, book, lamp, key": "5",
+    "Make this upper case: red apple": "RED APPLE",
+    "Continue the pattern: 5 10 15 20": "25 30 35",
+    "Repeat this text exactly:\nOnce upon a time, there was a little fox named Max.": (
+        "Once upon a time, there was a little fox named Max."
+    ),
+    "Here is a list of codes.\n- Velqui: 163\n- Dracor: 729\n- Fenjo: 450\n"
+    "Which number belongs to Dracor?": "- Dracor: 729",
+    "Tell me a story about a dog.": None,
+    "Hello!": None,
+}
 
 SKILLS = (
     "chat (ChatML): repeat a passage, reverse a list of words, sort numbers below 100, "
     "add or subtract numbers below 100, count up to 9 items, change case, find the code "
     "for a name in a list of up to ~110 entries (~1000 tokens), continue a number or word "
     "pattern, tell a short story; plain completion: continue a story"
+)
+
+VOCABULARY = (
+    "the words of its corpus only: simple English stories (children, animals, places, "
+    "feelings), the task instructions above, everyday nouns (apple, cat, cup, ...), colours, "
+    "shapes and numbers. Its 2048-token byte-level BPE encodes any text, but other words "
+    "are split into pieces it has never seen used, and its replies to them are noise"
 )
 
 
@@ -49,10 +59,15 @@ def describe_models() -> str:
     lines += [
         "",
         f"What the demo target can do: {SKILLS}.",
+        f"What it knows: {VOCABULARY}.",
         "",
         "Try (tokenmill generate --chat --prompt '...'):",
-        *(f"  {json.dumps(p)}" for p in EXAMPLE_PROMPTS),
+        *(_example_line(prompt, reply) for prompt, reply in EXAMPLES.items()),
         "",
         "Measure it: tokenmill eval  (exact-match accuracy per task, on held-out prompts)",
     ]
     return "\n".join(lines)
+
+
+def _example_line(prompt: str, reply: str | None) -> str:
+    return f"  {json.dumps(prompt)}" + ("" if reply is None else f"  -> {json.dumps(reply)}")

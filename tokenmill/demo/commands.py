@@ -37,6 +37,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--check", action="store_true", help="exit 1 if a task is below its documented bar"
     )
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     group.add_argument(
         "--show-failures", type=int, default=0, metavar="N", help="print N wrong replies per task"
     )
@@ -59,11 +60,17 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-per-task must be >= 1, got {args.num_per_task}")
     examples = heldout(args.num_per_task, tasks, seed=args.eval_seed)
     if args.url:
-        reply_fn = server_replies(args.url, args.served_model_name, args.concurrency, args.api_key)
+        reply_fn = server_replies(
+            args.url,
+            args.served_model_name,
+            args.concurrency,
+            args.api_key,
+            progress=not args.disable_tqdm,
+        )
         source = args.url
     else:
         llm = _offline_llm(args)
-        reply_fn = offline_replies(llm)
+        reply_fn = offline_replies(llm, progress=not args.disable_tqdm)
         source = str(llm.engine.model_dir)
     report = evaluate(examples, reply_fn)
     print(f"{len(examples)} held-out prompts (seed {args.eval_seed}) -> {source}")

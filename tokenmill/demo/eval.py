@@ -121,21 +121,25 @@ def evaluate(examples: Sequence[Example], reply_fn: ReplyFn) -> EvalReport:
     return score(examples, replies_to(examples, reply_fn))
 
 
-def offline_replies(llm: Any) -> ReplyFn:
+def offline_replies(llm: Any, progress: bool = False) -> ReplyFn:
     """Replies from an offline `LLM`, all prompts in one batch (the engine schedules them)."""
     from tokenmill.sampling_params import SamplingParams
 
     def reply(prompts: Sequence[str], max_tokens: Sequence[int]) -> list[str]:
         conversations = [[{"role": "user", "content": p}] for p in prompts]
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
-        outputs = llm.chat(conversations, params, use_tqdm=False)
+        outputs = llm.chat(conversations, params, use_tqdm=progress)
         return [o.outputs[0].text for o in outputs]
 
     return reply
 
 
 def server_replies(
-    base_url: str, model: str | None = None, concurrency: int = 32, api_key: str | None = None
+    base_url: str,
+    model: str | None = None,
+    concurrency: int = 32,
+    api_key: str | None = None,
+    progress: bool = False,
 ) -> ReplyFn:
     """Replies from a running OpenAI-compatible server's /v1/chat/completions."""
     base_url = base_url.rstrip("/")
@@ -157,8 +161,12 @@ def server_replies(
         return response["choices"][0]["message"]["content"]
 
     def reply(prompts: Sequence[str], max_tokens: Sequence[int]) -> list[str]:
+        from tqdm import tqdm
+
         with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(one, prompts, max_tokens))
+            replies = pool.map(one, prompts, max_tokens)
+            bar = tqdm(replies, total=len(prompts), desc="Processed prompts", disable=not progress)
+            return list(bar)
 
     return reply
 

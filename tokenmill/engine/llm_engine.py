@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -26,6 +26,7 @@ from tokenmill.models.loader import (
     eos_token_ids,
     load_hf_config,
     load_model,
+    load_tokenizer,
     sampling_defaults,
 )
 from tokenmill.outputs import RequestOutput
@@ -54,9 +55,7 @@ class LLMEngine:
         model_dir = Path(config.model)
         self.model_dir = model_dir
         self.hf_config, self.architecture = load_hf_config(model_dir)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            config.tokenizer or model_dir, local_files_only=True
-        )
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.tokenizer or model_dir)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         torch.manual_seed(config.seed)
@@ -73,7 +72,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
         self.default_sampling = self._default_sampling()
         kv_spec = self._kv_spec(model)
-        draft = self._load_draft_model(model) if config.speculative_config else None
+        spec = config.speculative_config
+        draft = self._load_draft_model(model, spec) if spec is not None else None
         draft_spec = None if draft is None else self._kv_spec(draft)
         num_blocks = num_kv_blocks(config, kv_spec, self.max_model_len, self.device, draft_spec)
         swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
@@ -284,9 +284,9 @@ class LLMEngine:
             dtype=self.config.kv_cache_torch_dtype(self.dtype),
         )
 
-    def _load_draft_model(self, target: LlamaForCausalLM) -> LlamaForCausalLM | None:
-        spec = self.config.speculative_config
-        assert isinstance(spec, SpeculativeConfig)
+    def _load_draft_model(
+        self, target: LlamaForCausalLM, spec: SpeculativeConfig
+    ) -> LlamaForCausalLM | None:
         if spec.method != "draft_model":
             return None
         draft_dir = spec.model
@@ -338,7 +338,6 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        assert isinstance(spec, SpeculativeConfig)
         return SpeculationPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive)
 
     def _prefill_limits(self, num_blocks: int) -> PrefillLimits:
@@ -370,7 +369,6 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        assert isinstance(spec, SpeculativeConfig)
         if draft is not None and draft_spec is not None:
             return DraftModelProposer(draft, draft_spec, num_blocks, self.device)
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -1,30 +1,45 @@
-"""`tokenmill serve | generate | bench`."""
+"""The `tokenmill` command line: one subcommand per job, each a few lines here that hand over
+to the module doing the work (imported when the command runs, so `--help` stays quick)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
+from tokenmill.entrypoints.cli_parser import CommandParser
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import add_server_args
+from tokenmill.version import __version__
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    _add_serve(commands)
-    _add_generate(commands)
-    _add_bench(commands)
-    _add_eval(commands)
-    _add_models(commands)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
     except (ValueError, OSError) as e:  # bad input or config: a clear message, no traceback
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C; `serve` has shut down cleanly before uvicorn re-raises
+        return 128 + signal.SIGINT
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="tokenmill")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands)
+    _add_generate(commands)
+    _add_bench(commands)
+    _add_eval(commands)
+    _add_models(commands)
+    parser.description = (
+        "An LLM serving engine in the spirit of vLLM. Commands: "
+        f"{', '.join(commands.choices)}; `tokenmill COMMAND --help` lists a command's flags."
+    )
+    return parser
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
@@ -38,67 +53,33 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.openai.server import run_server
+    from tokenmill.entrypoints.openai.listener import bind_listener
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
         args.model = args.model_tag
-    return run_server(args)
+    listener = bind_listener(args.host, args.port)  # before the model and its imports load
+    from tokenmill.entrypoints.openai.server import run_server
+
+    return run_server(args, listener)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("generate", help="generate text for prompts, offline")
-    parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--stop", action="append", default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--chat", action="store_true", help="apply the chat template")
+    from tokenmill.entrypoints import generate
+
+    parser = commands.add_parser(
+        "generate", help="generate text for prompts, offline", description=generate.__doc__
+    )
+    generate.add_generate_args(parser)
     add_engine_args(parser)
     parser.set_defaults(handler=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.entrypoints.generate import run_generate
 
-    params = SamplingParams(
-        n=args.n,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    llm = LLM(**vars(engine_config_from_args(args)))
-    if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in args.prompt]
-        outputs = llm.chat(conversations, params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    for prompt, output in zip(args.prompt, outputs):
-        for completion in output.outputs:
-            print(
-                f"--- prompt: {prompt!r} [sample {completion.index}, "
-                f"{len(completion.token_ids)} tokens, {completion.finish_reason}]"
-            )
-            print(completion.text)
-    return 0
+    return run_generate(args, vars(engine_config_from_args(args)))
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import EngineConfig
 from tokenmill.demo import DEMO_TARGET_NAME, default_draft_for, demo_model_path
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ def with_default_models(config: EngineConfig) -> EngineConfig:
         logger.info("no model given: using the built-in demo model %s (%s)", DEMO_TARGET_NAME, path)
         config = dataclasses.replace(config, model=str(path))
     spec = config.speculative_config
-    if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model" and not spec.model:
+    if spec is not None and spec.method == "draft_model" and not spec.model:
         draft = default_draft_for(Path(config.model))
         if draft is not None:
             config = dataclasses.replace(

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.stats import EngineStats
@@ -26,6 +26,10 @@ class LLM:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        if "speculative_config" in engine_args:  # a dict or JSON, as vLLM's LLM takes it
+            engine_args["speculative_config"] = SpeculativeConfig.parse(
+                engine_args["speculative_config"]
+            )
         self.engine = LLMEngine(with_default_models(EngineConfig(model=model, **engine_args)))
         self._request_counter = itertools.count()
 
@@ -108,12 +112,13 @@ class LLM:
         start_stats = self.engine.get_stats()
         try:
             while self.engine.has_unfinished_requests():
+                num_finished = len(finished)
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        progress.update(1)
-                if use_tqdm:
-                    progress.set_postfix_str(self._throughput(start, start_stats))
+                if use_tqdm and len(finished) > num_finished:  # as vLLM: not every step
+                    progress.set_postfix_str(self._throughput(start, start_stats), refresh=False)
+                    progress.update(len(finished) - num_finished)
         except BaseException:
             self.engine.abort_request([r for r in request_ids if r not in finished])
             raise

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, GenerationConfig
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
 from tokenmill.models.llama import LlamaForCausalLM
@@ -24,6 +24,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 _INDEX_FILE = "model.safetensors.index.json"
+# Files that hold a tokenizer's vocabulary, in the formats transformers reads without extra
+# packages (tokenizer.json) or with them (sentencepiece, tiktoken, BPE/WordPiece vocabularies).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 # Checkpoint tensors stored fused in tokenmill: name pattern -> (fused name, shard index).
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -56,6 +59,23 @@ def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
             f"tokenmill supports {sorted(MODEL_REGISTRY)}"
         )
     return hf_config, supported[0]
+
+
+def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The directory's tokenizer; a one-line `ModelLoadError` when it has none or a broken one
+    (transformers would suggest installing sentencepiece for a directory with no files)."""
+    path = Path(tokenizer_dir)
+    has_vocabulary = any((path / name).is_file() for name in _TOKENIZER_FILES)
+    if not has_vocabulary and not any(path.glob("*.tiktoken")):
+        raise ModelLoadError(
+            f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): copy them from "
+            "the original checkpoint, or give --tokenizer DIR"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises several types, with multi-line messages
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from e
 
 
 def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
@@ -174,9 +194,15 @@ def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
         path = model_dir / file
         if not path.is_file():
             raise ModelLoadError(f"{_INDEX_FILE} names {file}, which is missing from {model_dir}")
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(
+                f"{path} is not a complete safetensors file ({e}); it may be truncated by an "
+                "interrupted download: fetch it again"
+            ) from e
 
 
 def _is_ignored(name: str, model: torch.nn.Module) -> bool:

@@ -15,10 +15,7 @@ _ITEM = array("i").itemsize
 
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n} and {max_n}"
-            )
+        """n-grams of `min_n` to `max_n` tokens (1 <= min_n <= max_n: SpeculativeConfig checks)."""
         self.min_n = min_n
         self.max_n = max_n
 

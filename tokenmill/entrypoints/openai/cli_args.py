@@ -10,7 +10,7 @@ import os
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument(
         "--served-model-name",
         nargs="+",
@@ -48,6 +48,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
     )
     group.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"

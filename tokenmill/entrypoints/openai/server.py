@@ -1,10 +1,13 @@
-"""`tokenmill serve`: load the model, then serve the OpenAI API with uvicorn until a signal.
+"""`tokenmill serve`: load the model, then serve the OpenAI API with uvicorn on the socket the
+command bound first (entrypoints/openai/listener.py) until a signal.
 
 On SIGTERM or SIGINT uvicorn stops accepting connections and lets in-flight requests finish
 for `--shutdown-timeout` seconds; then each request still open is ended with an error (a
 stream gets an error event and `[DONE]`), its engine requests aborted, and the lifespan hook
 stops the engine thread. If the engine loop dies, the server shuts down the same way and the
-process exits with status 1, so that a supervisor restarts it (as vLLM does).
+process exits with status 1, so that a supervisor restarts it (as vLLM does). After a signal
+uvicorn re-raises it; the command turns Ctrl+C's KeyboardInterrupt into exit status 130
+(entrypoints/cli.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ logger = logging.getLogger("tokenmill.server")
 ERROR_FLUSH_SECONDS = 2.0
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -74,7 +77,7 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout + ERROR_FLUSH_SECONDS,
     )
     server = _Server(config, async_engine, args.shutdown_timeout)
-    server.run()
+    server.run(sockets=[listener])
     return 1 if server.engine_died else 0
 
 
