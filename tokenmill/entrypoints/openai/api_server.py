@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI's routes plus vLLM's operational ones, each declaring its errors.
 
-`/v1/*` needs the API key when one is set; `/health`, `/metrics`, `/version`, `/tokenize` and
-`/detokenize` stay open for probes and scrapers, as in vLLM.
+`/v1/*` and `/dashboard*` need the API key when one is set; `/health`, `/metrics`, `/version`,
+`/tokenize` and `/detokenize` stay open for probes and scrapers, as in vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.entrypoints.dashboard.routes import dashboard_router
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
@@ -104,6 +105,7 @@ def build_app(ctx: ServerContext, registry: CollectorRegistry, api_key: str | No
     install_error_handlers(app)
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_operations_router(ctx, registry))
+    app.include_router(dashboard_router(ctx, api_key))
     app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
     return app
 

@@ -28,6 +28,8 @@ class ServerContext:
     model_names: list[str]  # the first is the one responses report
     model_root: str  # where the weights came from
     created: int = field(default_factory=lambda: int(time.time()))
+    slos: dict[str, float] = field(default_factory=dict)  # --slo, in seconds, for goodput
+    stopping: bool = False  # set when shutdown begins: endless streams (the dashboard) end
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from types import FrameType
 
 import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from tokenmill.demo import DEMO_TARGET_NAME
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.dashboard.slo import parse_slo
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.api_server import build_app
@@ -26,6 +28,7 @@ logger = logging.getLogger("tokenmill.server")
 
 
 def run_server(args: argparse.Namespace) -> int:
+    slos = parse_slo(args.slo)
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -35,7 +38,7 @@ def run_server(args: argparse.Namespace) -> int:
         EngineMetrics(registry, model_names[0], spec_decode=engine.speculates),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )
-    ctx = ServerContext(async_engine, model_names, str(engine.model_dir))
+    ctx = ServerContext(async_engine, model_names, str(engine.model_dir), slos=slos)
     app = build_app(ctx, registry, args.api_key)
     kv = engine.kv_cache_manager
     logger.info(
@@ -60,5 +63,18 @@ def run_server(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()
+    _Server(config, ctx).run()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """Tells the app when shutdown begins, so endless streams end instead of holding the
+    graceful shutdown for its whole timeout."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
+        super().__init__(config)
+        self._ctx = ctx
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._ctx.stopping = True
+        super().handle_exit(sig, frame)
