@@ -250,8 +250,10 @@ def _within_histogram_median(p50: float, metrics: dict[str, float], name: str) -
         if key.startswith(f"tokenmill:{name}_bucket")
     )
     total = metrics[f"tokenmill:{name}_count"]
+    # The median's sample(s) (the middle one, or the middle two for an even count) lie above
+    # the last bound holding fewer than half and at or below the first holding more than half.
     lower = max((le for le, count in buckets if count < total / 2), default=0.0)
-    upper = min(le for le, count in buckets if count >= total / 2)
+    upper = min(le for le, count in buckets if count > total / 2)
     return lower <= p50 <= upper
 
 
