@@ -235,3 +235,22 @@ def test_the_stop_token_is_not_in_the_text(llm: LLM) -> None:
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     tokenizer = llm.get_tokenizer()
     assert out.text == tokenizer.decode(full.token_ids[:first_at], skip_special_tokens=False)
+
+
+def test_step_records_account_for_every_token_the_engine_computed(llm: LLM) -> None:
+    engine = llm.engine
+    stats_before = engine.get_stats()
+    _, cursor = engine.step_records.since(0)
+    llm.generate([PROMPT, "Hello"], greedy(max_tokens=5), use_tqdm=False)
+    records, _ = engine.step_records.since(cursor)
+    stats = engine.get_stats()
+    assert len(records) == stats.num_steps - stats_before.num_steps
+    num_prefill = sum(r.num_prefill_tokens for r in records)
+    assert num_prefill == (
+        stats.num_computed_prompt_tokens - stats_before.num_computed_prompt_tokens
+    )
+    # Each request's first token comes from its prompt's last step; the other 4 from decodes.
+    assert sum(r.num_decode_tokens for r in records) == 2 * 4
+    assert max(r.num_reqs for r in records) == 2
+    assert all(r.seconds > 0 and r.num_preempted == 0 for r in records)
+    assert [r.time for r in records] == sorted(r.time for r in records)

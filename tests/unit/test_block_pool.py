@@ -93,6 +93,20 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         for block in self.manager.block_pool.blocks:
             assert block.ref_cnt == (0 if block.block_id in free else 1)
 
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.manager.reset_prefix_cache()
+
+    @invariant()
+    def block_states_count_what_a_full_scan_finds(self) -> None:
+        states = self.manager.block_states()
+        blocks = self.manager.block_pool.blocks
+        cached_free = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        assert states.num_cached_free == len(cached_free)
+        assert states.num_used == sum(1 for b in blocks if b.ref_cnt)
+        assert states.block_map.count("2") == len(cached_free)
+        assert states.block_map.count("1") == states.num_used
+
     @invariant()
     def each_request_has_exactly_the_blocks_its_tokens_need(self) -> None:
         for request in self.requests.values():

@@ -43,6 +43,7 @@ class FreeBlockQueue:
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
+        self.num_cached_free_blocks = 0  # of those, holding a prefix (evictable cache)
         for block in blocks:
             self.append(block)
 
@@ -54,6 +55,7 @@ class FreeBlockQueue:
         block.next_free = self._tail
         self._tail.prev_free = block
         self.num_free_blocks += 1
+        self.num_cached_free_blocks += block.block_hash is not None
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
@@ -69,6 +71,7 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
+        self.num_cached_free_blocks -= block.block_hash is not None
 
     def __iter__(self):
         block = self._head.next_free
@@ -97,6 +100,8 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached_blocks:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+            if block.prev_free is not None:  # a free block: now evictable cache
+                self.free_block_queue.num_cached_free_blocks += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cached blocks a new owner reuses; a free one leaves the free
@@ -111,10 +116,34 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.free_block_queue.num_cached_free_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding a cached prefix: reusable until evicted."""
+        return self.free_block_queue.num_cached_free_blocks
+
+    def block_map(self, max_cells: int) -> str:
+        """One character per block: "0" free, "1" in use, "2" free but holding a cached prefix.
+        Above `max_cells` blocks, each character stands for k blocks and the map shows the
+        counts in that order (in use, cached, free; a non-zero count gets at least one cell):
+        a scan of every block would cost the engine thread GIL time at a few reads a second.
+        Read from another thread it is a picture of a moment, not an exact snapshot."""
+        if self.num_blocks <= max_cells:
+            return "".join(
+                "1" if block.ref_cnt else "2" if block.block_hash is not None else "0"
+                for block in self.blocks
+            )
+        num_used = self.num_blocks - self.num_free_blocks
+        used = -(-num_used * max_cells // self.num_blocks)
+        cached = min(
+            max_cells - used, -(-self.num_cached_free_blocks * max_cells // self.num_blocks)
+        )
+        return ("1" * used + "2" * cached).ljust(max_cells, "0")
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.num_free_blocks:

@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
-from tokenmill.metrics.stats import PrefixCacheStats
+from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
 from tokenmill.request import Request
 
 
@@ -56,6 +56,18 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    def block_states(self, max_cells: int = 2048) -> KVBlockStates:
+        pool, swap = self.block_pool, self.swap_pool
+        return KVBlockStates(
+            num_blocks=pool.num_blocks,
+            num_used=pool.num_blocks - pool.num_free_blocks,
+            num_cached_free=pool.num_cached_free_blocks,
+            num_swap_blocks=0 if swap is None else swap.num_blocks,
+            num_swapped=0 if swap is None else swap.num_blocks - swap.num_free_blocks,
+            num_swapped_reqs=len(self.req_to_swapped_blocks),
+            block_map=pool.block_map(max_cells),
+        )
 
     # ---- prefix cache ------------------------------------------------------------------------
 

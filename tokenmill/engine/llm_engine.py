@@ -18,8 +18,9 @@ from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.step_records import StepRecord, new_step_ring
 from tokenmill.layers.kv_cache import KVCacheSpec
-from tokenmill.metrics.stats import EngineStats
+from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     checkpoint_dtype,
@@ -112,6 +113,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generation_tokens = 0
         self.step_seconds = 0.0  # wall time inside step() since start
+        self.step_records = new_step_ring()  # the last steps, for the dashboard
         logger.info(
             "loaded %s (%s, %s on %s); KV cache (%s): %d blocks of %d tokens = %d tokens, "
             "%.1f GiB; max concurrency at max_model_len=%d: %.1fx",
@@ -205,6 +207,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         core_outputs = self.scheduler.finish_without_output()
+        num_prompt_tokens_before = self.scheduler.num_prompt_tokens_scheduled
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
             self.scheduler.requests, scheduler_output
@@ -225,6 +228,18 @@ class LLMEngine:
             seconds = time.perf_counter() - start
             self.step_seconds += seconds
             self.scheduler.observe_step_cost(seconds)
+            num_prefill = self.scheduler.num_prompt_tokens_scheduled - num_prompt_tokens_before
+            self.step_records.append(
+                StepRecord(
+                    time.time(),
+                    seconds,
+                    num_prefill,
+                    scheduler_output.total_num_scheduled_tokens - num_prefill,
+                    len(scheduler_output.num_scheduled_tokens),
+                    scheduler_output.num_spec_tokens_to_propose,
+                    len(scheduler_output.preempted_req_ids),
+                )
+            )
         self.num_generation_tokens += sum(len(t) for t in runner_output.sampled_token_ids)
         return outputs
 
@@ -248,6 +263,11 @@ class LLMEngine:
             for r in self.scheduler.running
             if r.request_id in samples
         }
+
+    def get_kv_block_states(self, max_cells: int) -> KVBlockStates:
+        """Where the KV blocks are now, from O(1) counters: safe to call from another thread
+        while the engine steps (the dashboard does, a few times a second)."""
+        return self.kv_cache_manager.block_states(max_cells)
 
     # ---- helpers -----------------------------------------------------------------------------
 

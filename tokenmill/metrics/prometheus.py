@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.metrics.itl_target import ItlTargetCollector
+from tokenmill.metrics.recent import FinishedRecord, RecentLatencies
 from tokenmill.metrics.stats import EngineStats, SpecDecodeStats
 from tokenmill.outputs import RequestOutput
 
@@ -51,6 +52,7 @@ class EngineMetrics:
         labels = {"model_name": model_name}
         self._progress: dict[str, _Progress] = {}
         self._last_stats: EngineStats | None = None
+        self.recent = RecentLatencies()  # the same observations, timed, for the dashboard
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             metric = Histogram(
@@ -201,9 +203,13 @@ class EngineMetrics:
         last = metrics.last_token_time
         if last is not None and last != progress.last_token_time:
             if progress.last_token_time is None:
-                self.time_to_first_token.observe(last - metrics.arrival_time)
+                ttft = last - metrics.arrival_time
+                self.time_to_first_token.observe(ttft)
+                self.recent.ttft.append((last, ttft))
             else:
-                self.inter_token_latency.observe(last - progress.last_token_time)
+                itl = last - progress.last_token_time
+                self.inter_token_latency.observe(itl)
+                self.recent.itl.append((last, itl))
             progress.last_token_time = last
         if output.finished:
             del self._progress[output.request_id]
@@ -211,17 +217,17 @@ class EngineMetrics:
 
     def _record_finished(self, output: RequestOutput, num_tokens: int) -> None:
         m = output.metrics
-        finished = m.finished_time if m.finished_time is not None else m.arrival_time
-        self.e2e_latency.observe(finished - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-            if m.first_token_time is not None:
+        record = FinishedRecord.of(m, num_tokens)
+        self.recent.finished.append(record)
+        self.e2e_latency.observe(record.e2e)
+        if record.queue_time is not None:
+            self.queue_time.observe(record.queue_time)
+            if m.first_token_time is not None and m.first_scheduled_time is not None:
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None and m.last_token_time is not None:
-            decode = m.last_token_time - m.first_token_time
-            self.decode_time.observe(decode)
-            if num_tokens > 1:
-                self.time_per_output_token.observe(decode / (num_tokens - 1))
+            self.decode_time.observe(m.last_token_time - m.first_token_time)
+        if record.tpot is not None:
+            self.time_per_output_token.observe(record.tpot)
 
 
 class _SpecDecodeMetrics:

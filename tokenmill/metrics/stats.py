@@ -23,6 +23,20 @@ class PrefixCacheStats:
 
 
 @dataclass
+class KVBlockStates:
+    """Where the KV blocks are at a moment: in use, free, free but holding a cached prefix
+    (evictable), and copied out to the host swap pool. O(1) to read, from any thread."""
+
+    num_blocks: int
+    num_used: int
+    num_cached_free: int  # free blocks still findable by their prefix hash
+    num_swap_blocks: int  # the host pool's size (0 without --swap-space)
+    num_swapped: int  # host blocks holding swapped-out requests
+    num_swapped_reqs: int
+    block_map: str  # per block (counts above `max_cells`): 0 free, 1 in use, 2 cached free
+
+
+@dataclass
 class SpecDecodeStats:
     """Since start: verification steps with drafts, drafts proposed, drafts accepted, and
     accepted drafts by position (index 0: the first draft of a step)."""

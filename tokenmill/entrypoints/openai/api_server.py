@@ -1,8 +1,8 @@
 """The FastAPI app: OpenAI's routes plus vLLM's operational ones, each declaring its errors.
 
 With an API key set, every route that costs the engine or the tokenizer work or changes state
-needs it: `/v1/*`, `/tokenize`, `/detokenize`, `/reset_prefix_cache`. `/health`, `/metrics`
-and `/version` stay open for probes and scrapers. Every body is capped in size.
+needs it: `/v1/*`, `/dashboard*`, `/tokenize`, `/detokenize`, `/reset_prefix_cache`. `/health`,
+`/metrics` and `/version` stay open for probes and scrapers. Every body is capped in size.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.entrypoints.dashboard.routes import dashboard_router
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimit
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
@@ -117,6 +118,7 @@ def build_app(
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_operations_router(ctx, registry))
     app.include_router(_keyed_operations_router(ctx, api_key))
+    app.include_router(dashboard_router(ctx, api_key))
     app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
     return app
 

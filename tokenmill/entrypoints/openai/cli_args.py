@@ -45,6 +45,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-stats-interval", type=float, default=5.0, help="seconds between stats lines"
     )
     group.add_argument(
+        "--slo",
+        default=None,
+        help="latency targets for the dashboard's goodput, e.g. ttft=500ms,tpot=50ms "
+        "(ttft, tpot, e2el; a bare number is milliseconds)",
+    )
+    group.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

@@ -37,6 +37,8 @@ class ServerContext:
     model_root: str  # where the weights came from
     created: int = field(default_factory=lambda: int(time.time()))
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens)
+    slos: dict[str, float] = field(default_factory=dict)  # --slo, in seconds, for goodput
+    stopping: bool = False  # set when shutdown begins: endless streams (the dashboard) end
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(

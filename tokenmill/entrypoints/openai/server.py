@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import socket
+from types import FrameType
 
 import uvicorn
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from tokenmill.demo import DEMO_TARGET_NAME
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.dashboard.slo import parse_slo
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.api_server import build_app
@@ -37,6 +39,7 @@ ERROR_FLUSH_SECONDS = 2.0
 
 
 def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
+    slos = parse_slo(args.slo)
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -51,6 +54,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         model_names,
         str(engine.model_dir),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        slos=slos,
     )
     app = build_app(ctx, registry, args.api_key, args.max_request_body_bytes)
     kv = engine.kv_cache_manager
@@ -76,18 +80,26 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout + ERROR_FLUSH_SECONDS,
     )
-    server = _Server(config, async_engine, args.shutdown_timeout)
+    server = _Server(config, async_engine, ctx, args.shutdown_timeout)
     server.run(sockets=[listener])
     return 1 if server.engine_died else 0
 
 
 class _Server(uvicorn.Server):
     """uvicorn, ending open requests with an error at the end of the grace period (it would
-    only cut them), and shutting down when the engine loop dies."""
+    only cut them), shutting down when the engine loop dies, and telling the app when shutdown
+    begins so endless streams (the dashboard) end instead of holding the graceful shutdown."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_seconds: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        ctx: ServerContext,
+        grace_seconds: float,
+    ) -> None:
         super().__init__(config)
         self.engine = engine
+        self._ctx = ctx
         self.grace_seconds = grace_seconds
         self.engine_died = False
         engine.on_dead = self._on_engine_dead
@@ -100,7 +112,12 @@ class _Server(uvicorn.Server):
             error,
         )
         self.engine_died = True
+        self._ctx.stopping = True
         self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._ctx.stopping = True
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         cut = asyncio.get_running_loop().call_later(

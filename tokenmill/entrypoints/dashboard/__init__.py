@@ -1,0 +1,1 @@
+"""`/dashboard`: a live page of what the engine is doing, served by the server itself."""
