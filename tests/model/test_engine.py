@@ -3,6 +3,10 @@ and bad input rejected without disturbing other requests."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -220,3 +224,26 @@ def test_the_stop_token_is_not_in_the_text(llm: LLM) -> None:
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     tokenizer = llm.get_tokenizer()
     assert out.text == tokenizer.decode(full.token_ids[:first_at], skip_special_tokens=False)
+
+
+_CHILD_ENVIRONMENT_PROBE = """
+import os, subprocess, sys
+import tokenmill
+assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # set before torch loads
+from tokenmill import LLM
+LLM(model=sys.argv[1], max_model_len=64)
+child = "import os; print(os.environ.get('OMP_WAIT_POLICY'))"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout)
+"""
+
+
+def test_child_processes_do_not_inherit_tokenmills_openmp_wait_policy(tiny_checkpoint) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = subprocess.run(
+        [sys.executable, "-c", _CHILD_ENVIRONMENT_PROBE, str(tiny_checkpoint("llama"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert probe.stdout.split()[-1] == "None"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tokenmill import forget_openmp_wait_policy
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillLimits
@@ -48,6 +49,7 @@ PromptType = str | list[int]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        forget_openmp_wait_policy()  # torch is loaded: child processes get the user's environment
         self.config = config
         if config.model is None:
             raise ConfigError("no model given: set EngineConfig.model to a checkpoint directory")
