@@ -3,8 +3,10 @@
     python benchmarks/profile_decode.py [--model PATH] [--dtype float32] [--batch 1] [--steps 20]
 
 Starts `--batch` requests of 128 random prompt tokens, runs them into steady decoding, then
-profiles `--steps` engine steps and prints the per-step wall time, the time inside the
-model's forward, and the operators by self CPU time (per step), with the number of op calls.
+profiles `--steps` engine steps and prints the per-step wall time, the process's CPU time per
+step (with OMP_NUM_THREADS=1, the figure that a shared machine's load disturbs least), the
+time inside the model's forward, and the operators by self CPU time (per step), with the
+number of op calls.
 Default model: the SmolLM2-135M-shaped random model of benchmarks/make_smollm_shaped_model.py.
 """
 
@@ -45,12 +47,16 @@ def main() -> None:
         engine.step()
     runner = engine.runner
     forward_before = runner.forward_seconds
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - start) / args.steps
+    cpu = (time.process_time() - cpu_start) / args.steps
     forward = (runner.forward_seconds - forward_before) / args.steps
-    print(f"step {wall * 1e3:.2f} ms, forward+logits {forward * 1e3:.2f} ms (batch {args.batch})")
+    print(
+        f"step {wall * 1e3:.2f} ms (CPU {cpu * 1e3:.2f} ms), forward+logits "
+        f"{forward * 1e3:.2f} ms (batch {args.batch})"
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()

@@ -36,14 +36,18 @@ from tokenmill.models.random_checkpoint import cache_dir
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 # convert_hf_to_gguf.py refuses a BPE tokenizer whose pre-tokenizer it does not know (the
-# random model's own small one); llama-batched-bench feeds random token ids, so the GGUF only
-# needs some valid tokenizer entry: GPT-2's pre-tokenizer is declared.
+# random model's own small one) and tries sentencepiece first (not installed, and there is no
+# tokenizer.model); llama-batched-bench feeds random token ids, so the GGUF only needs some
+# valid tokenizer entry: the BPE vocabulary with GPT-2's pre-tokenizer declared.
 _CONVERT = """
 import runpy, sys
 source = sys.argv.pop(1)
 sys.path[:0] = [source, source + "/gguf-py"]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+def no_sentencepiece(self):
+    raise FileNotFoundError("tokenizer.model")
+base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 runpy.run_path(source + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
@@ -68,7 +72,9 @@ def gguf_file(model: Path, llamacpp: Path, dtype: str) -> Path:
         partial = out.with_suffix(".partial")
         command = [sys.executable, "-c", _CONVERT, str(llamacpp), str(model)]
         command += ["--outtype", GGUF_TYPES[dtype], "--outfile", str(partial)]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-4000:]}")
         partial.rename(out)
     return out
 
