@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tokenmill.models.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
+from tokenmill.testing.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
 
 NAME = "bench-smollm2-135m-shaped-v1"  # bump the version when changing the recipe
 

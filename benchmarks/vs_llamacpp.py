@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.random_checkpoint import cache_dir
+from tokenmill.testing.random_checkpoint import cache_dir
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
