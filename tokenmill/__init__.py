@@ -3,32 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from typing import TYPE_CHECKING, Any
 
+# Before torch loads: see tokenmill/openmp.py.
+import tokenmill.openmp  # noqa: F401
 from tokenmill.version import __version__ as __version__
-
-# Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning.
-# On a machine whose cores are shared (a benchmark client beside the server, other jobs),
-# spinning threads that wait at a barrier for a descheduled peer made a decode step 30x
-# slower (543 ms vs 17 ms, default model, batch 16, 2 cores, load average 5). Set
-# OMP_WAIT_POLICY yourself to override. The runtime reads it once, when torch loads: the
-# engine takes it back out of the environment then (`forget_openmp_wait_policy`), so child
-# processes (a llama.cpp benchmarked from a tokenmill process, which it made 2-2.7x slower)
-# inherit the user's environment, not ours.
-_SET_OMP_WAIT_POLICY = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
-if _SET_OMP_WAIT_POLICY:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-
-def forget_openmp_wait_policy() -> None:
-    """Remove the OMP_WAIT_POLICY tokenmill set, once torch (and its OpenMP runtime) is loaded."""
-    global _SET_OMP_WAIT_POLICY
-    if _SET_OMP_WAIT_POLICY and "torch" in sys.modules:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-        _SET_OMP_WAIT_POLICY = False
-
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig

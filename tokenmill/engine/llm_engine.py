@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tokenmill import forget_openmp_wait_policy
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillLimits
@@ -29,6 +28,7 @@ from tokenmill.models.loader import (
     load_model,
     sampling_defaults,
 )
+from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
