@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
+# Before torch loads: see tokenmill/openmp.py.
+import tokenmill.openmp  # noqa: F401
 from tokenmill.version import __version__ as __version__
-
-# Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning.
-# On a machine whose cores are shared (a benchmark client beside the server, other jobs),
-# spinning threads that wait at a barrier for a descheduled peer made a decode step 30x
-# slower (543 ms vs 17 ms, default model, batch 16, 2 cores, load average 5). Set
-# OMP_WAIT_POLICY yourself to override.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig

@@ -30,6 +30,8 @@ ARCHITECTURES = {
         },
     },
     "mistral": {},
+    # Decodes attend through a mask only where needed; a window forces one.
+    "mistral-sliding-window": {"architecture": "mistral", "sliding_window": 8},
     "qwen2": {},
     "qwen3": {},
 }

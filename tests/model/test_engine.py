@@ -3,6 +3,9 @@ and bad input rejected without disturbing other requests."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -254,3 +257,26 @@ def test_step_records_account_for_every_token_the_engine_computed(llm: LLM) -> N
     assert max(r.num_reqs for r in records) == 2
     assert all(r.seconds > 0 and r.num_preempted == 0 for r in records)
     assert [r.time for r in records] == sorted(r.time for r in records)
+
+
+_CHILD_ENVIRONMENT_PROBE = """
+import os, subprocess, sys
+import tokenmill
+assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # set before torch loads
+from tokenmill import LLM
+LLM(model=sys.argv[1], max_model_len=64)
+child = "import os; print(os.environ.get('OMP_WAIT_POLICY'))"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout)
+"""
+
+
+def test_child_processes_do_not_inherit_tokenmills_openmp_wait_policy(tiny_checkpoint) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    probe = subprocess.run(
+        [sys.executable, "-c", _CHILD_ENVIRONMENT_PROBE, str(tiny_checkpoint("llama"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert probe.stdout.split()[-1] == "None"

@@ -30,6 +30,7 @@ from tokenmill.models.loader import (
     load_tokenizer,
     sampling_defaults,
 )
+from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
@@ -50,6 +51,7 @@ PromptType = str | list[int]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        forget_openmp_wait_policy()  # torch is loaded: child processes get the user's environment
         self.config = config
         if config.model is None:
             raise ConfigError("no model given: set EngineConfig.model to a checkpoint directory")

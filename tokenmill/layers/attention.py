@@ -4,7 +4,8 @@ A step's tokens arrive flat (`[num_tokens, heads, head_dim]`), requests one afte
 ordered so that single-token requests (decodes) come first. New keys and values are written
 into the paged cache through `slot_mapping`; attention then reads each request's whole context
 back through its block table, so a prefill chunk, a decode and a resumed request are the same
-computation with different lengths.
+computation with different lengths. Keys and values travel together (`[num_tokens, 2,
+kv_heads, head_dim]`, as the fused QKV projection lays them out), one copy in and one out.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ class AttentionGroup:
     token_end: int
     max_query_len: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
-    mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size] bool
+    kv_len: int  # keys attended: the longest sequence's length
+    # [num_seqs, 1, max_query_len, kv_len] bool; None where every query sees every key (decodes
+    # of equally long sequences without a sliding window, e.g. any single decode).
+    mask: torch.Tensor | None
     # For groups with max_query_len > 1: where each flat token sits in the padded batch,
     # as a row of the flattened [num_seqs * max_query_len] queries.
     padded_index: torch.Tensor | None = None  # [group tokens]
@@ -60,19 +64,14 @@ def build_attention_group(
     """
     num_seqs = query_lens.shape[0]
     max_query_len = int(query_lens.max())
-    max_kv_len = block_tables.shape[1] * block_size
-    context_lens = seq_lens - query_lens
-    query_positions = context_lens[:, None] + torch.arange(max_query_len)[None, :]
-    key_positions = torch.arange(max_kv_len)
-    mask = key_positions[None, None, :] <= query_positions[:, :, None]
-    if sliding_window is not None:
-        mask &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
+    kv_len = int(seq_lens.max())
     group = AttentionGroup(
         token_start=token_start,
         token_end=token_start + int(query_lens.sum()),
         max_query_len=max_query_len,
         block_tables=block_tables,
-        mask=mask.unsqueeze(1),
+        kv_len=kv_len,
+        mask=_attention_mask(query_lens, seq_lens, kv_len, sliding_window),
     )
     if max_query_len > 1:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
@@ -80,6 +79,21 @@ def build_attention_group(
         query_index = torch.arange(group.token_end - token_start) - starts[seq_index]
         group.padded_index = seq_index * max_query_len + query_index
     return group
+
+
+def _attention_mask(
+    query_lens: torch.Tensor, seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None
+) -> torch.Tensor | None:
+    max_query_len = int(query_lens.max())
+    if max_query_len == 1 and sliding_window is None and bool((seq_lens == kv_len).all()):
+        return None
+    context_lens = seq_lens - query_lens
+    query_positions = context_lens[:, None] + torch.arange(max_query_len)[None, :]
+    key_positions = torch.arange(kv_len)
+    mask = key_positions[None, None, :] <= query_positions[:, :, None]
+    if sliding_window is not None:
+        mask &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
+    return mask.unsqueeze(1)
 
 
 class TorchPagedAttention:
@@ -96,30 +110,28 @@ class TorchPagedAttention:
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,
+        kv: torch.Tensor,  # [num_tokens, 2 (key, value), num_kv_heads, head_dim]
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv(key_cache, metadata.slot_mapping, key)
-        write_kv(value_cache, metadata.slot_mapping, value)
-        output = torch.empty_like(query)
+        write_kv(kv_cache, metadata.slot_mapping, kv)
+        if len(metadata.groups) == 1:
+            return self._attend_group(query, kv_cache, metadata.groups[0])
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
             start, end = group.token_start, group.token_end
-            output[start:end] = self._attend_group(query[start:end], key_cache, value_cache, group)
+            output[start:end] = self._attend_group(query[start:end], kv_cache, group)
         return output
 
     def _attend_group(
         self,
         query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: KVCache,
         group: AttentionGroup,
     ) -> torch.Tensor:
         num_seqs = group.block_tables.shape[0]
-        keys = read_kv(key_cache, group.block_tables, query.dtype)
-        values = read_kv(value_cache, group.block_tables, query.dtype)
+        keys, values = read_kv(kv_cache, group.block_tables, query.dtype)
+        keys, values = keys[:, :, : group.kv_len], values[:, :, : group.kv_len]
         if group.max_query_len == 1:
             padded = query.view(num_seqs, 1, self.num_heads, self.head_dim)
         else:

@@ -48,27 +48,32 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """Store `[num_tokens, kv_heads, head_dim]` values at their slots of a
-    `[num_blocks, block_size, kv_heads, head_dim]` cache, quantizing for FP8 storage."""
-    flat = cache.view(-1, *cache.shape[2:])
-    if is_fp8(cache.dtype):
-        limit = torch.finfo(cache.dtype).max
-        quantized = values.clamp(-limit, limit).to(cache.dtype)
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+    """Store a step's keys and values, `[num_tokens, 2, kv_heads, head_dim]`, at their slots
+    of one layer's `[2, num_blocks, block_size, kv_heads, head_dim]` cache (both in one
+    copy), quantizing for FP8 storage."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    kv = kv.transpose(0, 1)
+    if is_fp8(kv_cache.dtype):
+        limit = torch.finfo(kv_cache.dtype).max
+        quantized = kv.clamp(-limit, limit).to(kv_cache.dtype)
         # index_copy_ has no FP8 kernel on CPU; the bytes are copied as uint8 instead.
-        flat.view(torch.uint8).index_copy_(0, slot_mapping, quantized.view(torch.uint8))
+        flat.view(torch.uint8).index_copy_(1, slot_mapping, quantized.view(torch.uint8))
     else:
-        flat.index_copy_(0, slot_mapping, values)
+        flat.index_copy_(1, slot_mapping, kv)
 
 
-def read_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each sequence's context: `[num_seqs, kv_heads, max_blocks * block_size, head_dim]` in the
-    compute dtype."""
+def read_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values, each `[num_seqs, kv_heads, max_blocks * block_size,
+    head_dim]` in the compute dtype. One gather for both: on the CPU, index_select along the
+    block dimension of the whole layer was 10x faster than two along dim 0 of K and V."""
     num_seqs, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    # index_select, not cache[block_tables]: the same copy, 4x faster on CPU.
-    gathered = cache.index_select(0, block_tables.flatten())
-    gathered = gathered.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    gathered = kv_cache.index_select(1, block_tables.flatten())
+    gathered = gathered.view(2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
     if gathered.dtype != dtype:
         gathered = gathered.to(dtype)
-    return gathered.transpose(1, 2)
+    keys, values = gathered.transpose(2, 3).unbind(0)
+    return keys, values

@@ -7,6 +7,12 @@ the same products 2.2-3x faster at every row count from 5 to 2048; at one row it
 large weights only (below). The reorder is what `torch.compile` with freezing does to a
 CPU model; doing it at load time needs no compiler. Outputs agree with `F.linear` to float32
 rounding (different summation order).
+
+Row counts are padded up to a few sizes (`padded_rows`). oneDNN JIT-compiles a primitive per
+input shape and two caches keep them (ideep's and oneDNN's, 1024 entries each): with every
+row count a new shape, a server's resident memory grew by ~750 MB over its first few thousand
+requests (0.6-1 MB per primitive) before the caches filled, and each new shape paid its
+compilation inside a step. Padding bounds both: 68 shapes per weight up to 2048 rows.
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ _ROWS_HINT = 16
 # the engine, not a micro-benchmark: the demo target at batch 1 ran 0.89x with 300K here,
 # 1.07x with 600K; a 79M model (larger weights, oneDNN even for one row) 1.55x.
 _SMALL_WEIGHT_ELEMENTS = 600_000
+
+
+def padded_rows(num_rows: int) -> int:
+    """`num_rows` rounded up to a power of two up to 8 (where a product streams the weight and
+    extra rows are nearly free), above that to a multiple of an eighth of its power of two (at
+    most 12.5% more rows)."""
+    if num_rows <= 8:
+        return 1 << max(num_rows - 1, 0).bit_length()
+    step = 1 << max(num_rows.bit_length() - 4, 0)
+    return -(-num_rows // step) * step
 
 
 def onednn_linear_available() -> bool:
@@ -43,9 +59,14 @@ class OneDNNLinear(nn.Module):
         self.small_weight = weight if weight.numel() < _SMALL_WEIGHT_ELEMENTS else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_weight is not None and x.shape[0] == 1:
+        num_rows = x.shape[0]
+        if self.small_weight is not None and num_rows == 1:
             return F.linear(x, self.small_weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        padding = padded_rows(num_rows) - num_rows
+        if padding:
+            x = F.pad(x, (0, 0, 0, padding))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return out[:num_rows] if padding else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"

@@ -59,7 +59,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
 class RotaryEmbedding(nn.Module):
     """RoPE for flat `[num_tokens, num_heads, head_dim]` queries and keys, in the rotate-half
     layout of Hugging Face Llama checkpoints. `cos_sin` is looked up once per forward pass and
-    shared by every layer."""
+    shared by every layer.
+
+    The sine table is stored with its first half negated, so that rotating is `x * cos +
+    swap_halves(x) * signed_sin`: the same products as transformers' `rotate_half` (negating is
+    exact), without a `neg` and a `cat` per call.
+    """
 
     def __init__(
         self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype
@@ -69,14 +74,20 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """`(cos, signed_sin)` of each position, `[num_tokens, 1, head_dim]`."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate `[num_tokens, heads, head_dim]` (a view is fine: queries and keys of a fused
+    projection's output can be rotated together, in place) by `cos_sin`'s tables."""
+    num_tokens, num_heads, head_dim = x.shape
+    halves = x.view(num_tokens, num_heads, 2, head_dim // 2)
+    swapped = halves.flip(2).view(num_tokens, num_heads, head_dim)  # a copy: read before x changes
+    x.mul_(cos)
+    x.add_(swapped.mul_(signed_sin))

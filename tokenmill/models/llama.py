@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
 
 # (cos, sin) of each token's position, `[num_tokens, 1, head_dim]`, shared by all layers.
 RopeCache = tuple[torch.Tensor, torch.Tensor]
@@ -97,10 +97,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One call instead of six ops; bit-identical to transformers' LlamaRMSNorm in float32.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -127,15 +125,21 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        """Queries, keys and values stay in the QKV projection's output: RoPE rotates queries
+        and keys there together, in place, and keys with values go to the cache as one
+        `[num_tokens, 2, kv_heads, head_dim]` view."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.attn.forward(q, k, v, kv_cache, metadata)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        qk = qkv[:, : self.q_size + self.kv_size]
+        apply_rotary_(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        kv = qkv[:, self.q_size :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
+        out = self.attn.forward(q, kv, kv_cache, metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

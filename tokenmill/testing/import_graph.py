@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # values every layer shares: settings, requests, sampling parameters, outputs
     (
         "tokenmill.version",
+        "tokenmill.openmp",
         "tokenmill.config",
         "tokenmill.sampling_params",
         "tokenmill.request",
