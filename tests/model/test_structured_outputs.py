@@ -177,7 +177,9 @@ CONFIGS = {
     "chunked-prefill": {"max_num_batched_tokens": 16},
     "recompute": {"num_kv_blocks": 14, "enable_prefix_caching": False},
     "swap": {"num_kv_blocks": 14, "preemption_mode": "swap", "enable_prefix_caching": False},
-    "prefix-caching": {"enable_prefix_caching": True},
+    # A small budget admits the prompts over several steps: a block is found in the prefix
+    # cache only once the step that wrote it has completed.
+    "prefix-caching": {"enable_prefix_caching": True, "max_num_batched_tokens": 16},
     "ngram-speculation": {
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     },
