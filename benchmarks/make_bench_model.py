@@ -19,34 +19,35 @@ from tokenmill.testing.random_checkpoint import cache_dir, save_random_checkpoin
 NAME = "bench-random-llama-79m-v1"  # bump the version when changing the recipe
 
 
-def build(save_dir: Path) -> None:
-    with tempfile.TemporaryDirectory() as tokenizer_dir:
-        train_tokenizer(tokenizer_dir, vocab_size=2048)  # the built-in model's tokenizer
-        save_random_checkpoint(
-            save_dir,
-            "llama",
-            tokenizer_dir=tokenizer_dir,
-            hidden_size=768,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            intermediate_size=2048,
-            max_position_embeddings=2048,
-            seed=0,
-        )
+SHAPE = dict(
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    intermediate_size=2048,
+    max_position_embeddings=2048,
+)
 
 
-def main() -> None:
-    final = cache_dir() / NAME
+def cached_random_model(name: str, **shape: object) -> Path:
+    """A random-weight Llama of `shape` with the built-in model's 2048-token tokenizer, built
+    once into the cache directory under `name` (bump its version when changing the recipe)."""
+    final = cache_dir() / name
     if not final.is_dir():
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
         try:
-            build(tmp)
+            with tempfile.TemporaryDirectory() as tokenizer_dir:
+                train_tokenizer(tokenizer_dir, vocab_size=2048)
+                save_random_checkpoint(tmp, "llama", tokenizer_dir=tokenizer_dir, seed=0, **shape)
             tmp.rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(final)
+    return final
+
+
+def main() -> None:
+    print(cached_random_model(NAME, **SHAPE))
 
 
 if __name__ == "__main__":

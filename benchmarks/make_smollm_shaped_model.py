@@ -11,47 +11,27 @@ tokenizer is the built-in 2048-token one; token ids above it are valid inputs fo
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
-from tokenmill.testing.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
+from make_bench_model import cached_random_model
 
 NAME = "bench-smollm2-135m-shaped-v1"  # bump the version when changing the recipe
-
-
-def build(save_dir: Path) -> None:
-    with tempfile.TemporaryDirectory() as tokenizer_dir:
-        train_tokenizer(tokenizer_dir, vocab_size=2048)
-        save_random_checkpoint(
-            save_dir,
-            "llama",
-            tokenizer_dir=tokenizer_dir,
-            hidden_size=576,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            intermediate_size=1536,
-            vocab_size=49152,
-            tie_word_embeddings=True,
-            rope_theta=100000.0,
-            max_position_embeddings=2048,
-            seed=0,
-        )
+SHAPE = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+    max_position_embeddings=2048,
+)
 
 
 def model_dir() -> Path:
     """The model's directory, built on first use."""
-    final = cache_dir() / NAME
-    if not final.is_dir():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=final.parent))
-        try:
-            build(tmp)
-            tmp.rename(final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_random_model(NAME, **SHAPE)
 
 
 if __name__ == "__main__":
