@@ -14,7 +14,6 @@ import openai
 import pytest
 from server_utils import (
     API_KEY,
-    MAX_MODEL_LEN,
     MODEL,
     Server,
     scrape,
@@ -59,11 +58,16 @@ def test_reset_prefix_cache_forgets_prefixes(client: openai.OpenAI, http: httpx.
     assert cached_tokens(client, prompt) == 0
 
 
+PRIORITY_MAX_MODEL_LEN = 2048
+
+
 @pytest.fixture(scope="module")
 def priority_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One request at a time, so the waiting queue's order is the order requests finish in."""
+    """One request at a time, so the waiting queue's order is the order requests finish in. A
+    long context, so the blocking request outlasts the test's set-up on any machine."""
     log_path = tmp_path_factory.mktemp("priority-server") / "server.log"
     args = ["--scheduling-policy", "priority", "--max-num-seqs", "1"]
+    args += ["--max-model-len", str(PRIORITY_MAX_MODEL_LEN)]
     server = start_server(model_dir, log_path, *args)
     yield server
     stop_server(server)
@@ -95,13 +99,20 @@ def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
             time.sleep(0.01)
         raise AssertionError(f"never {running} running and {waiting} waiting")
 
-    with ThreadPoolExecutor(3) as pool, http:
-        jobs = [pool.submit(complete, "blocker", MAX_MODEL_LEN // 2, 0)]
+    # The blocker streams until the test closes it: aborting it frees the one slot only once
+    # both others wait, however fast the machine decodes.
+    blocker = client.completions.create(
+        model=MODEL, prompt="blocker", max_tokens=PRIORITY_MAX_MODEL_LEN - 16, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    with ThreadPoolExecutor(2) as pool, http, blocker:
+        next(iter(blocker))
         wait_for(running=1, waiting=0)
-        jobs.append(pool.submit(complete, "low", 32, 10))
+        jobs = [pool.submit(complete, "low", 32, 10)]
         wait_for(running=1, waiting=1)
         jobs.append(pool.submit(complete, "high", 32, 0))
         wait_for(running=1, waiting=2)
+        blocker.close()
         for job in jobs:
             job.result()
     # (32 steps apart, so the client threads' timing cannot swap them)
