@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from make_bench_model import cached_random_model
+from make_smollm_shaped_model import SHAPE as SMOLLM2_SHAPE
+
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.testing.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
 
 MODEL_NAME = "bench-smollm2-135m-shaped-8k-v1"  # bump the version when changing the recipe
 FIXED_BUDGETS: dict[str, dict[str, Any]] = {
@@ -47,36 +47,9 @@ TARGET_FACTORS = (1.5, 2.0)
 
 
 def smollm2_shaped_model() -> Path:
-    """SmolLM2-135M's shape (hidden 576, 30 layers, 9/3 heads, MLP 1536, vocab 49152, tied,
-    context 8192) with random weights and the built-in 2048-token tokenizer (the benchmark
-    feeds token ids). Built once into the cache directory."""
-    final = cache_dir() / MODEL_NAME
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=final.parent))
-    try:
-        with tempfile.TemporaryDirectory() as tokenizer_dir:
-            train_tokenizer(tokenizer_dir, vocab_size=2048)
-            save_random_checkpoint(
-                tmp,
-                "llama",
-                tokenizer_dir=tokenizer_dir,
-                hidden_size=576,
-                num_hidden_layers=30,
-                num_attention_heads=9,
-                num_key_value_heads=3,
-                intermediate_size=1536,
-                vocab_size=49152,
-                tie_word_embeddings=True,
-                rope_theta=100000.0,
-                max_position_embeddings=8192,
-                seed=0,
-            )
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """SmolLM2-135M's shape (make_smollm_shaped_model.py) with an 8192-token context, built
+    once into the cache directory (the benchmark feeds token ids)."""
+    return cached_random_model(MODEL_NAME, **{**SMOLLM2_SHAPE, "max_position_embeddings": 8192})
 
 
 @dataclass
