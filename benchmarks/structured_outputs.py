@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core import scheduler  # its advance_grammar is wrapped
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.backend import XgrammarBackend
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -96,9 +96,9 @@ class GrammarTimer:
         self.seconds = 0.0
         self._wrap(StructuredOutputManager, "grammar_bitmask")
         self._wrap(model_runner, "_apply_grammar")
-        self._wrap(Scheduler, "_advance_grammar", static=True)
+        self._wrap(scheduler, "advance_grammar")
 
-    def _wrap(self, owner: object, name: str, static: bool = False) -> None:
+    def _wrap(self, owner: object, name: str) -> None:
         original: Callable = getattr(owner, name)
 
         @functools.wraps(original)
@@ -109,7 +109,7 @@ class GrammarTimer:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        setattr(owner, name, staticmethod(timed) if static else timed)
+        setattr(owner, name, timed)
 
 
 TIMER = GrammarTimer()

@@ -27,6 +27,7 @@ from tokenmill.core.scheduler_output import (
     SchedulerOutput,
 )
 from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.core.stop_check import advance_grammar, check_stop
 from tokenmill.metrics.stats import (
     ItlTargetStats,
     PrefixCacheStats,
@@ -549,9 +550,9 @@ class Scheduler:
         for token_id in generated if not request.is_finished else []:
             request.append_output_token(token_id)
             new_token_ids.append(token_id)
-            self._check_stop(request, token_id)
+            check_stop(request, token_id, self.max_model_len)
             if grammar is not None and not request.is_finished:
-                self._advance_grammar(request, token_id)
+                advance_grammar(request, token_id)
             if request.is_finished:  # tokens after a stop are dropped
                 break
         spec = (runner_output.spec_token_ids or {}).get(request.request_id, [])
@@ -574,18 +575,6 @@ class Scheduler:
             output.new_logprobs = runner_output.logprobs[row][:count]
             output.new_sampled_token_ranks = runner_output.sampled_token_ranks[row][:count]
         return output
-
-    @staticmethod
-    def _advance_grammar(request: Request, token_id: int) -> None:
-        """Move the request's matcher past a token; a grammar that has reached its end (say
-        with EOS ignored) stops the request."""
-        grammar = request.grammar
-        assert grammar is not None
-        if not grammar.accept_tokens([token_id]):  # the bitmask should make this impossible
-            request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = f"structured output: token {token_id} breaks the grammar"
-        elif grammar.is_terminated:
-            request.status = RequestStatus.FINISHED_STOPPED
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Swap: copy the request's blocks to the host pool and keep its progress. Recompute
@@ -622,23 +611,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.waiting.forget(request)
         self.finished_req_ids.add(request.request_id)
-
-    def _check_stop(self, request: Request, token_id: int) -> None:
-        """Finish the request if this token ends it: a stop or EOS token (once `min_tokens`
-        are out), `max_tokens`, or `max_model_len`."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return
-            if not params.ignore_eos and token_id in params.all_stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-        if request.num_output_tokens >= request.max_tokens or (
-            request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 def _grammar_ready(request: Request) -> bool:
