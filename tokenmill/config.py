@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# Names of torch dtypes, not the dtypes: importing torch here would make `tokenmill --help`
+# wait seconds for it.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 # On CPU, with no memory budget given, the KV cache takes this much (vLLM's CPU backend takes
@@ -22,9 +25,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
 KV_CACHE_DTYPES = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 
 
@@ -250,20 +253,26 @@ class EngineConfig:
         return {f.name for f in fields(cls)}
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        import torch
+
         if self.kv_cache_dtype == "auto":
             return model_dtype
-        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The compute dtype: the one asked for, or under `auto` the checkpoint's unless this
         device can't run it fast (CPUs without native bf16/fp16 matmuls get float32)."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         wanted = checkpoint_dtype or torch.float32
         if wanted == torch.float32 or self.torch_device().type == "cuda":
             return wanted
@@ -271,6 +280,8 @@ class EngineConfig:
 
 
 def _cpu_has_fast_half_matmul() -> bool:
+    import torch
+
     cpu = getattr(torch._C, "_cpu", None)
     if cpu is None:
         return False

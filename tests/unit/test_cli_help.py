@@ -4,6 +4,8 @@ a version, and an unknown flag answered with the usage of the command it was giv
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -77,3 +79,18 @@ def test_an_unknown_flag_shows_the_usage_of_its_command(
     prog = f"tokenmill {command[0]}" if command[0] != "bench" else "tokenmill bench throughput"
     assert error.startswith(f"usage: {prog} ")
     assert f"{prog}: error: unrecognized arguments: --no-such-flag" in error
+
+
+def test_help_imports_neither_torch_nor_transformers() -> None:
+    """`tokenmill --help` answers at once: building every command's parser must not import the
+    seconds-long torch and transformers (a fresh interpreter, so other tests' imports don't
+    count)."""
+    code = (
+        "import sys\n"
+        "from tokenmill.entrypoints.cli import build_parser\n"
+        "build_parser()\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -10,8 +10,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from tokenmill.config import EngineConfig
 
 
@@ -104,6 +102,7 @@ def run_hf_static(
 ) -> float:
     """Hugging Face `generate`, batches of `batch_size` left-padded prompts; every batch runs
     until its longest output is done (the static-batching baseline)."""
+    import torch
     from tqdm import tqdm
 
     start = time.perf_counter()
@@ -126,6 +125,7 @@ def run_hf_static(
 
 
 def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[ThroughputResult]:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from tokenmill.entrypoints.llm import LLM

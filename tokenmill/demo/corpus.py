@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterable, Iterator
 
 from tokenmill.demo.tasks import ALL_TASKS, CHECKABLE_TASKS, Example
-from tokenmill.testing.random_checkpoint import (
+from tokenmill.testing.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,

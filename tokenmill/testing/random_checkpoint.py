@@ -33,15 +33,15 @@ from tokenizers import (
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-BOS_TOKEN = "<s>"
-EOS_TOKEN = "</s>"
-PAD_TOKEN = "<pad>"
-UNK_TOKEN = "<unk>"
-IM_START_TOKEN = "<|im_start|>"
-IM_END_TOKEN = "<|im_end|>"
-# <unk> is never produced by a byte-level BPE, but naming one stops transformers' Qwen2Tokenizer
-# (forced by AutoTokenizer for model_type qwen2) from adding its own and growing the vocab.
-SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN]
+from tokenmill.testing.special_tokens import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    UNK_TOKEN,
+)
 
 # Qwen2's pre-tokenizer split (digits one by one). AutoTokenizer rebuilds model_type qwen2
 # tokenizers as Qwen2Tokenizer (NFC + this split) from vocab and merges, ignoring tokenizer.json's
