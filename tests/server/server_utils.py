@@ -40,11 +40,16 @@ CLI = ("-m", "tokenmill.entrypoints.cli")
 
 
 def start_server(
-    model_dir: Path | None, log_path: Path, *extra_args: str, launcher: tuple[str, ...] = CLI
+    model_dir: Path | None,
+    log_path: Path,
+    *extra_args: str,
+    launcher: tuple[str, ...] = CLI,
+    timeout: float = 120,
 ) -> Server:
     """Start `tokenmill serve` and wait until /health answers 200. With no `model_dir`, the
     server runs as a newcomer starts it: default model, default name. `launcher`: what
-    Python runs instead of the CLI module (a script that injects a fault, then calls it)."""
+    Python runs instead of the CLI module (a script that injects a fault, then calls it);
+    `timeout`: seconds to wait (several replicas start slower)."""
     port = free_port()
     model_args = [] if model_dir is None else [str(model_dir), "--served-model-name", MODEL]
     command = [
@@ -59,7 +64,7 @@ def start_server(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
     )
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log}")

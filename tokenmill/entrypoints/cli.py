@@ -16,6 +16,7 @@ from tokenmill.version import __version__
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what data-parallel replicas run
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
@@ -31,6 +32,7 @@ def build_parser() -> CommandParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
+    _add_router(commands)
     _add_generate(commands)
     _add_bench(commands)
     _add_eval(commands)
@@ -60,9 +62,33 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
         args.model = args.model_tag
     listener = bind_listener(args.host, args.port)  # before the model and its imports load
+    if args.data_parallel_size > 1:
+        from tokenmill.entrypoints.router.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, listener, args.argv)
     from tokenmill.entrypoints.openai.server import run_server
 
     return run_server(args, listener)
+
+
+def _add_router(commands: argparse._SubParsersAction) -> None:
+    from tokenmill.entrypoints.router.cli_args import add_router_args
+
+    parser = commands.add_parser(
+        "router", help="one OpenAI endpoint in front of several `tokenmill serve` replicas"
+    )
+    add_router_args(parser)
+    parser.set_defaults(handler=_router)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.openai.listener import bind_listener
+
+    listener = bind_listener(args.host, args.port)
+    from tokenmill.entrypoints.router.server import run_router
+
+    run_router(args, listener, args.backend, args.policy)
+    return 0
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:

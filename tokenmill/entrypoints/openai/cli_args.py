@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from tokenmill.entrypoints.router.cli_args import add_routing_args
+from tokenmill.entrypoints.router.policies import POLICIES
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
@@ -59,3 +62,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
+    _add_data_parallel_args(parser)
+
+
+def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    parallel = parser.add_argument_group("data parallel (docs/scale_out.md)")
+    parallel.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas (processes, each on a private port) behind one router on --port",
+    )
+    parallel.add_argument(
+        "--routing-policy",
+        default="prefix-aware",
+        choices=POLICIES,
+        help="how the router picks a replica, with --data-parallel-size > 1",
+    )
+    add_routing_args(parallel)

@@ -1,0 +1,50 @@
+"""The server test-suite's fixtures, pointed at `tokenmill serve --data-parallel-size 2`: a
+router (prefix-aware) in front of two real tiny-model replicas. Tests in this directory that
+import the server tests run them through the router."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_utils import API_KEY, Server, start_server, stop_server
+
+NUM_REPLICAS = 2
+
+
+@pytest.fixture(scope="session")
+def routed_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("router") / "router.log"
+    server = start_server(
+        model_dir, log_path,
+        "--data-parallel-size", str(NUM_REPLICAS), "--routing-policy", "prefix-aware",
+        "--enable-prompt-tokens-details", "--health-check-interval", "0.5",
+        timeout=600,
+    )  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def server(routed_server: Server) -> Server:
+    return routed_server
+
+
+@pytest.fixture(scope="session")
+def client(routed_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{routed_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def async_client(routed_server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{routed_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def http(routed_server: Server) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=routed_server.url, headers=headers, timeout=60) as http:
+        yield http

@@ -1,0 +1,2 @@
+"""`tokenmill router`: one OpenAI endpoint in front of several `tokenmill serve` replicas
+(docs/scale_out.md)."""

@@ -1,0 +1,209 @@
+"""The router's HTTP front: an OpenAI-compatible app that forwards every request to one
+replica chosen by the routing policy.
+
+Completions and chat completions are routed by the policy (prefix-aware reads the prompt);
+everything else (`/v1/models`, `/tokenize`, ...) goes to any healthy replica, except
+`/health` and `/metrics` (the router's own) and `/reset_prefix_cache` (sent to all).
+Headers pass through both ways (the `Authorization` header included: each replica checks
+its own key). A server-sent-event stream is passed through chunk by chunk as the replica
+writes it; if the replica dies mid-stream the client gets an OpenAI error event and
+`[DONE]`, a non-streaming request a 502. A replica that refuses the connection is taken out
+of rotation and the request, not yet sent, goes to another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metrics
+from tokenmill.entrypoints.router.policies import Policy
+from tokenmill.entrypoints.router.prefix_key import DEFAULT_PREFIX_CHARS, prefix_key
+from tokenmill.entrypoints.router.replicas import Replica, ReplicaSet
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Hop-by-hop headers, and those the proxy recomputes, are not passed on.
+DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "accept-encoding"}
+DROP_RESPONSE_HEADERS = {
+    "content-length", "connection", "keep-alive", "transfer-encoding", "date", "server",
+}  # fmt: skip
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def build_router_app(
+    replicas: ReplicaSet, policy: Policy, prefix_chars: int = DEFAULT_PREFIX_CHARS
+) -> FastAPI:
+    proxy = Proxy(replicas, policy, prefix_chars)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            proxy.client = client
+            await replicas.check_all(client)
+            checker = asyncio.create_task(replicas.run(client))
+            yield
+            checker.cancel()
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan, openapi_url=None)
+    app.add_api_route("/health", proxy.health, methods=["GET", "HEAD"])
+    app.add_api_route("/metrics", proxy.metrics_text, methods=["GET", "HEAD"])
+    app.add_api_route("/reset_prefix_cache", proxy.reset_prefix_cache, methods=["POST"])
+    app.add_api_route("/{path:path}", proxy.forward, methods=METHODS)
+    return app
+
+
+class Proxy:
+    """The routes' work; `client` is set by the app's lifespan."""
+
+    def __init__(self, replicas: ReplicaSet, policy: Policy, prefix_chars: int) -> None:
+        self.replicas = replicas
+        self.policy = policy
+        self.prefix_chars = prefix_chars
+        self.metrics = RouterMetrics(replicas)
+        self.client: httpx.AsyncClient
+
+    async def health(self) -> Response:
+        if self.replicas.healthy():
+            return Response(status_code=200)
+        return _error(503, "no replica is healthy", "no_healthy_replica")
+
+    async def metrics_text(self) -> Response:
+        text = await aggregated_metrics(self.metrics, self.replicas, self.client)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Sent to every healthy replica; the first failure is the answer."""
+        headers = _forward_headers(request)
+        answers = await asyncio.gather(
+            *(self.client.post(f"{r.url}/reset_prefix_cache", headers=headers)
+              for r in self.replicas.healthy()),
+            return_exceptions=True,
+        )  # fmt: skip
+        for answer in answers:
+            if isinstance(answer, httpx.Response) and answer.status_code != 200:
+                return _passthrough(answer, answer.content)
+            if isinstance(answer, BaseException):
+                return _error(502, f"a replica failed to reset: {answer!r}", "replica_failed")
+        return Response(status_code=200)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        path = "/" + path
+        key = prefix_key(path, body, self.prefix_chars) if path in ROUTED_PATHS else None
+        try:
+            sent = await self._send(request, path, body, key)
+        except _ReplicaFailed as e:
+            return _error(502, str(e), "replica_failed")
+        if sent is None:
+            return _error(503, "no replica is healthy", "no_healthy_replica")
+        replica, upstream = sent
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(
+                self._relay(replica, upstream),
+                status_code=upstream.status_code,
+                headers=dict(_response_headers(upstream)),
+            )
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as e:
+            self._failed(replica, "request", e)
+            return _error(502, _failure_message(replica, e), "replica_failed")
+        finally:
+            await upstream.aclose()
+            replica.in_flight -= 1
+        return _passthrough(upstream, content)
+
+    async def _send(
+        self, request: Request, path: str, body: bytes, key: bytes | None
+    ) -> tuple[Replica, httpx.Response] | None:
+        """Choose a replica and send; a refused connection takes the replica out and tries
+        the next (the request was never sent). Returns with the replica's count raised;
+        None when no replica is healthy."""
+        tried: set[str] = set()
+        while candidates := [r for r in self.replicas.healthy() if r.url not in tried]:
+            decision = self.policy.choose([r.load() for r in candidates], key)
+            replica = self.replicas.replicas[decision.replica]
+            upstream_request = self.client.build_request(
+                request.method,
+                replica.url + path,
+                params=request.url.query,
+                headers=_forward_headers(request),
+                content=body,
+            )
+            replica.in_flight += 1
+            try:
+                upstream = await self.client.send(upstream_request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                replica.in_flight -= 1
+                self.metrics.failures.labels(replica.url, "connect").inc()
+                self.replicas.mark_down(replica, f"connection failed: {e!r}")
+                tried.add(replica.url)
+                continue
+            except httpx.HTTPError as e:
+                replica.in_flight -= 1
+                self._failed(replica, "request", e)
+                raise _ReplicaFailed(_failure_message(replica, e)) from e
+            self.metrics.requests.labels(replica.url, decision.reason).inc()
+            return replica, upstream
+        return None
+
+    async def _relay(self, replica: Replica, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        """The replica's stream, chunk by chunk; an error event and [DONE] if it breaks."""
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self._failed(replica, "stream", e)
+            error = _error_body(_failure_message(replica, e), "replica_failed")
+            yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await upstream.aclose()
+            replica.in_flight -= 1
+
+    def _failed(self, replica: Replica, stage: str, error: Exception) -> None:
+        self.metrics.failures.labels(replica.url, stage).inc()
+        self.replicas.mark_down(replica, f"failed during a {stage}: {error!r}")
+
+
+class _ReplicaFailed(Exception):
+    pass
+
+
+def _failure_message(replica: Replica, error: Exception) -> str:
+    return (
+        f"the replica {replica.url} serving this request failed ({type(error).__name__}); "
+        "it has been taken out of rotation, retry the request"
+    )
+
+
+def _forward_headers(request: Request) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST_HEADERS]
+
+
+def _response_headers(upstream: httpx.Response) -> list[tuple[str, str]]:
+    return [
+        (k, v) for k, v in upstream.headers.multi_items() if k.lower() not in DROP_RESPONSE_HEADERS
+    ]
+
+
+def _passthrough(upstream: httpx.Response, content: bytes) -> Response:
+    response = Response(content, status_code=upstream.status_code)
+    for k, v in _response_headers(upstream):
+        response.headers.append(k, v)
+    return response
+
+
+def _error_body(message: str, code: str) -> dict[str, object]:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(_error_body(message, code), status_code=status)

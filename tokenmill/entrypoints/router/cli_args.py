@@ -1,0 +1,54 @@
+"""Flags of `tokenmill router`, and the routing flags `tokenmill serve --data-parallel-size`
+shares with it. Light to import (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.entrypoints.router.policies import POLICIES
+from tokenmill.entrypoints.router.prefix_key import DEFAULT_PREFIX_CHARS
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """`tokenmill router`'s own flags."""
+    group = parser.add_argument_group("router")
+    group.add_argument(
+        "--backend",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each replica)",
+    )
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--policy", default="prefix-aware", choices=POLICIES, help="routing policy")
+    add_routing_args(group)
+
+
+def add_routing_args(group: argparse._ArgumentGroup) -> None:
+    """What both the router and `serve --data-parallel-size` take."""
+    group.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=DEFAULT_PREFIX_CHARS,
+        help="prefix-aware: how many characters of the prompt are hashed",
+    )
+    group.add_argument(
+        "--balance-abs-threshold",
+        type=float,
+        default=8,
+        help="prefix-aware: a replica is overloaded (the request spills to the least loaded) "
+        "when it holds this many more requests than the least loaded...",
+    )
+    group.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.5,
+        help="...and more than this many times as many",
+    )
+    group.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=1.0,
+        help="seconds between health checks (and /metrics scrapes) of each replica",
+    )
