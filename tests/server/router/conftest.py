@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from router_utils import NUM_REPLICAS, PREFIX_CHARS, child_pids, wait_gone
 from server_utils import API_KEY, Server, start_server, stop_server
-
-NUM_REPLICAS = 2
 
 
 @pytest.fixture(scope="session")
@@ -22,10 +21,14 @@ def routed_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         model_dir, log_path,
         "--data-parallel-size", str(NUM_REPLICAS), "--routing-policy", "prefix-aware",
         "--enable-prompt-tokens-details", "--health-check-interval", "0.5",
+        "--prefix-chars", str(PREFIX_CHARS),
         timeout=600,
     )  # fmt: skip
+    replicas = child_pids(server.process.pid)
+    assert len(replicas) == NUM_REPLICAS
     yield server
     stop_server(server)
+    assert not wait_gone(replicas), "replicas outlived `serve --data-parallel-size`"
 
 
 @pytest.fixture(scope="session")
