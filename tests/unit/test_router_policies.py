@@ -105,6 +105,8 @@ def test_prefix_keys_read_completions_token_ids_and_chat_messages() -> None:
     chat = b'{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user"}]}'
     assert prefix_key("/v1/chat/completions", chat).startswith(b"c<system>Be brief.")
     assert prefix_key("/v1/completions", b"not json") is None
+    salted = json.dumps({"prompt": long, "cache_salt": "tenant-a"}).encode()
+    assert prefix_key("/v1/completions", salted) != prefix_key("/v1/completions", _body(long))
 
 
 def test_prefix_aware_without_a_key_falls_back_to_round_robin() -> None:

@@ -28,8 +28,13 @@ def prefix_key(path: str, body: bytes, num_chars: int = DEFAULT_PREFIX_CHARS) ->
     if not isinstance(payload, dict):
         return None
     if path.endswith("/chat/completions"):
-        return _chat_key(payload.get("messages"), num_chars)
-    return _prompt_key(payload.get("prompt"), num_chars)
+        key = _chat_key(payload.get("messages"), num_chars)
+    else:
+        key = _prompt_key(payload.get("prompt"), num_chars)
+    salt = payload.get("cache_salt")
+    if key is not None and isinstance(salt, str):  # salted prefixes are cached apart
+        key = salt.encode() + b"\0" + key
+    return key
 
 
 def _prompt_key(prompt: Any, num_chars: int) -> bytes | None:

@@ -1,0 +1,35 @@
+"""The routing simulator (benchmarks/route_sim.py) on a small fleet: its workload is what it
+says, and its policies order as they must (affinity hits more, least-loaded balances more)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+
+from route_sim import Workload, make_requests, simulate
+
+COEFFICIENTS = (0.01, 0.001, 0.001, 1e-7)
+
+
+def test_workload_is_zipf_over_tenants_with_fixed_system_prompts() -> None:
+    requests, systems = make_requests(Workload(num_tenants=50, num_requests=4000), rate=10.0)
+    counts = Counter(r.tenant for r in requests)
+    assert counts[0] > 2 * counts[1] * 0.8 and counts[0] > 10 * counts[20]  # ~1/k
+    assert all(r.system == systems[r.tenant] for r in requests)
+    assert all(1024 <= s <= 4096 for s in systems)
+    assert abs(requests[-1].arrival / len(requests) - 0.1) < 0.01  # Poisson at 10/s
+
+
+def test_prefix_aware_hits_more_and_least_loaded_balances_more() -> None:
+    workload = Workload(num_tenants=40, num_requests=1500)
+    requests, _ = make_requests(workload, rate=4.0)
+    results = {
+        policy: simulate(policy, requests, 8, 3 * 4096, COEFFICIENTS)
+        for policy in ("round-robin", "least-loaded", "prefix-aware")
+    }
+    assert results["prefix-aware"]["hit_rate"] > 1.5 * results["round-robin"]["hit_rate"]
+    assert results["prefix-aware"]["ttft_p50_s"] < results["round-robin"]["ttft_p50_s"]
+    assert results["least-loaded"]["imbalance_p99"] <= results["round-robin"]["imbalance_p99"]
