@@ -35,7 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.core.step_cost import chunk_context
-from tokenmill.entrypoints.router.policies import ReplicaLoad, make_policy
+from tokenmill.entrypoints.router.policies import (
+    DEFAULT_BALANCE_ABS_THRESHOLD,
+    ReplicaLoad,
+    make_policy,
+)
 
 # Step cost coefficients (seconds): fixed, per decode token, per prefill token, per context
 # position. Fitted by tokenmill's start-up calibration (worker/calibration.py) on the
@@ -132,12 +136,12 @@ def simulate(
     num_replicas: int,
     capacity: int,
     coefficients: tuple[float, ...],
-    abs_threshold: float = 8,
+    abs_threshold: float = DEFAULT_BALANCE_ABS_THRESHOLD,
 ) -> dict[str, float]:
     policy = make_policy(policy_name, balance_abs_threshold=abs_threshold)
     replicas = [Replica(f"replica-{i}", capacity) for i in range(num_replicas)]
     by_name = {r.name: r for r in replicas}
-    ttfts, imbalance = [], []
+    ttfts, imbalance, busiest, means = [], [], [], []
     hit_tokens = prompt_tokens = 0
     for request in requests:
         now = request.arrival
@@ -145,6 +149,8 @@ def simulate(
         counts = [load.in_flight for load in loads]
         if sum(counts):
             imbalance.append(max(counts) / statistics.fmean(counts))
+        busiest.append(max(counts))
+        means.append(statistics.fmean(counts))
         key = f"tenant-{request.tenant}".encode()
         replica = by_name[policy.choose(loads, key).replica]
         cached = replica.lookup_and_insert(request.tenant, request.system)
@@ -166,6 +172,8 @@ def simulate(
         "imbalance_p50": _quantile(imbalance, 0.5),
         "imbalance_p99": _quantile(imbalance, 0.99),
         "work_max_over_mean": max(works) / statistics.fmean(works),
+        "max_in_flight_p99": _quantile(busiest, 0.99),
+        "mean_in_flight": statistics.fmean(means),
     }
 
 
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=0.7, help="utilisation without caching")
     parser.add_argument("--coefficients", type=float, nargs=4, default=DEFAULT_COEFFICIENTS)
     parser.add_argument("--fit-model", default=None, help="fit the coefficients on this model")
-    parser.add_argument("--abs-thresholds", type=float, nargs="+", default=[8, 2])
+    parser.add_argument("--abs-thresholds", type=float, nargs="+", default=[8, 2, 0])
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -251,13 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             policy, requests, args.replicas, args.kv_capacity, coefficients, threshold
         )
     print("| policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | imbalance p50 | imbalance p99 "
-          "| work max/mean |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| work max/mean | busiest in flight p99 | mean in flight |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
             f"| {name} | {r['hit_rate']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} "
             f"| {r['imbalance_p50']:.2f} | {r['imbalance_p99']:.2f} "
-            f"| {r['work_max_over_mean']:.2f} |"
+            f"| {r['work_max_over_mean']:.2f} | {r['max_in_flight_p99']:.0f} "
+            f"| {r['mean_in_flight']:.2f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.entrypoints.router.policies import POLICIES
+from tokenmill.entrypoints.router.policies import (
+    DEFAULT_BALANCE_ABS_THRESHOLD,
+    DEFAULT_BALANCE_REL_THRESHOLD,
+    POLICIES,
+)
 from tokenmill.entrypoints.router.prefix_key import DEFAULT_PREFIX_CHARS
 
 
@@ -36,14 +40,14 @@ def add_routing_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--balance-abs-threshold",
         type=float,
-        default=8,
+        default=DEFAULT_BALANCE_ABS_THRESHOLD,
         help="prefix-aware: a replica is overloaded (the request spills to the least loaded) "
         "when it holds this many more requests than the least loaded...",
     )
     group.add_argument(
         "--balance-rel-threshold",
         type=float,
-        default=1.5,
+        default=DEFAULT_BALANCE_REL_THRESHOLD,
         help="...and more than this many times as many",
     )
     group.add_argument(

@@ -8,7 +8,7 @@ replica by rendezvous (highest-random-weight) hashing: each (key, replica) pair 
 pseudo-random score and the highest wins, so a prefix always lands on the same replica, and
 when a replica leaves or joins only the keys it owned move. It is bounded by load as SGLang's
 router bounds its cache-aware policy: when the chosen replica holds more than
-`balance_abs_threshold` requests over the least loaded one *and* more than
+`balance_abs_threshold` (2) requests over the least loaded one *and* more than
 `balance_rel_threshold` times as many, the request spills to the least loaded replica.
 """
 
@@ -27,6 +27,11 @@ ROUND_ROBIN = "round_robin"
 LEAST_LOADED = "least_loaded"
 PREFIX_AFFINITY = "prefix_affinity"
 PREFIX_SPILL = "prefix_spill"
+
+# Requests over the least loaded replica before prefix-aware spills (SGLang's router uses 64
+# for GPU batches; 2 gave the lowest TTFT p99 in benchmarks/route_sim.py, docs/scale_out.md).
+DEFAULT_BALANCE_ABS_THRESHOLD = 2.0
+DEFAULT_BALANCE_REL_THRESHOLD = 1.5
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,11 @@ class LeastLoaded:
 
 
 class PrefixAware:
-    def __init__(self, balance_abs_threshold: float = 8, balance_rel_threshold: float = 1.5):
+    def __init__(
+        self,
+        balance_abs_threshold: float = DEFAULT_BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+    ):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self._fallback = RoundRobin()
@@ -102,7 +111,9 @@ def rendezvous_score(key: bytes, replica: str) -> int:
 
 
 def make_policy(
-    name: str, balance_abs_threshold: float = 8, balance_rel_threshold: float = 1.5
+    name: str,
+    balance_abs_threshold: float = DEFAULT_BALANCE_ABS_THRESHOLD,
+    balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
 ) -> Policy:
     if name == "round-robin":
         return RoundRobin()
