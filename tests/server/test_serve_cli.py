@@ -41,3 +41,8 @@ def test_a_port_in_use_is_reported_before_the_model_loads(
         f"tokenmill: error: port {port} on 127.0.0.1 is already in use (another server?); "
         "choose another with --port"
     )
+
+
+def test_data_parallel_size_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1" in capsys.readouterr().err

@@ -61,6 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ")
         args.model = args.model_tag
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     listener = bind_listener(args.host, args.port)  # before the model and its imports load
     if args.data_parallel_size > 1:
         from tokenmill.entrypoints.router.data_parallel import run_data_parallel
