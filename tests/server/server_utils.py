@@ -63,11 +63,15 @@ def start_server(
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
     )
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    return wait_healthy(Server(f"http://127.0.0.1:{port}", process, log_path), timeout)
+
+
+def wait_healthy(server: Server, timeout: float) -> Server:
+    """Wait until `server`'s /health answers 200; stop it and raise if it exits or never does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
                 return server

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
-from server_utils import Server, free_port, scrape
+from server_utils import Server, free_port, scrape, wait_healthy
 
 NUM_REPLICAS = 2  # behind the session's `serve --data-parallel-size`
 PREFIX_CHARS = 64  # its --prefix-chars: prompts must fit the tiny model's 256-token context
@@ -61,17 +61,7 @@ def start_router(backends: list[str], log_path: Path, *extra: str) -> Server:
         command += ["--backend", url]
     log = log_path.open("wb")
     process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, server.log
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"router did not become healthy:\n{server.log}")
+    return wait_healthy(Server(f"http://127.0.0.1:{port}", process, log_path), 120)
 
 
 def _label(key: str) -> str:
