@@ -40,6 +40,12 @@ class AttentionGroup:
     # For groups with max_query_len > 1: where each flat token sits in the padded batch,
     # as a row of the flattened [num_seqs * max_query_len] queries.
     padded_index: torch.Tensor | None = None  # [group tokens]
+    # For kernels that read the cache through the block tables (no padding, no mask):
+    # sequence i's queries are the group's tokens [query_start_loc[i], query_start_loc[i + 1])
+    # and the last ones of its seq_lens[i] tokens.
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor | None = None  # [num_seqs] int32
+    sliding_window: int | None = None  # a query sees only the keys of its last n positions
 
 
 @dataclass
@@ -72,6 +78,9 @@ def build_attention_group(
         block_tables=block_tables,
         kv_len=kv_len,
         mask=_attention_mask(query_lens, seq_lens, kv_len, sliding_window),
+        query_start_loc=F.pad(torch.cumsum(query_lens, 0), (1, 0)).to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        sliding_window=sliding_window,
     )
     if max_query_len > 1:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)

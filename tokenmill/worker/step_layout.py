@@ -92,7 +92,7 @@ def _attention_groups(
         )
     if device.type != "cpu":
         for group in groups:
-            for name in ("block_tables", "mask", "padded_index"):
+            for name in ("block_tables", "mask", "padded_index", "query_start_loc", "seq_lens"):
                 value = getattr(group, name)
                 if value is not None:
                     setattr(group, name, value.to(device, non_blocking=True))

@@ -1,0 +1,73 @@
+"""The attention backend interface, and the choice of a backend, made once at start-up.
+
+Every backend takes the same inputs (a step's flat queries, its new keys and values, one
+layer's paged cache and the step's `AttentionMetadata`) and returns `[num_tokens, heads,
+head_dim]`. `torch` (`TorchPagedAttention`) runs anywhere and is the reference; `triton`
+(`TritonPagedAttention`) reads K/V through the block tables inside one kernel, for CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class AttentionBackend(Protocol):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv: torch.Tensor,  # [num_tokens, 2 (key, value), num_kv_heads, head_dim]
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """`auto` is `triton` on CUDA when Triton is installed, else `torch`. An explicit
+    `triton` without CUDA is allowed only under `TRITON_INTERPRET=1` (tests)."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; one of {ATTENTION_BACKENDS}")
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if requested == "triton" and not triton_available():
+        raise ValueError("attention backend 'triton' needs the triton package")
+    return requested
+
+
+def make_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+) -> AttentionBackend:
+    if name == "triton":
+        from tokenmill.layers.attention_triton import TritonPagedAttention
+
+        return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    if name == "torch":
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def use_attention_backend(model: torch.nn.Module, name: str) -> None:
+    """Give every attention layer of `model` (each object with an `attn` backend) a backend
+    of kind `name` with the same shape."""
+    for module in model.modules():
+        current = getattr(module, "attn", None)
+        if current is None or not hasattr(current, "forward"):
+            continue
+        module.attn = make_attention_backend(
+            name, current.num_heads, current.num_kv_heads, current.head_dim, current.scale
+        )
