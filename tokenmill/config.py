@@ -130,6 +130,12 @@ class EngineConfig:
         "else F.linear; torch: always F.linear",
         choices=("auto", "torch"),
     )
+    attention_backend: str = config_field(
+        "auto",
+        "auto: the Triton paged-attention kernel on CUDA when triton is installed, else "
+        "torch (the portable reference: gather + scaled_dot_product_attention)",
+        choices=("auto", "torch", "triton"),
+    )
     generation_config: str = config_field(
         "auto",
         "default sampling parameters (as vLLM): auto = the model's generation_config.json, "

@@ -19,6 +19,7 @@ from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_records import StepRecord, new_step_ring
+from tokenmill.layers.attention_backends import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.models.llama import LlamaForCausalLM
@@ -69,6 +70,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             config.linear_backend,
+            config.attention_backend,
         )
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
@@ -117,12 +119,13 @@ class LLMEngine:
         self.step_seconds = 0.0  # wall time inside step() since start
         self.step_records = new_step_ring()  # the last steps, for the dashboard
         logger.info(
-            "loaded %s (%s, %s on %s); KV cache (%s): %d blocks of %d tokens = %d tokens, "
-            "%.1f GiB; max concurrency at max_model_len=%d: %.1fx",
+            "loaded %s (%s, %s on %s, attention %s); KV cache (%s): %d blocks of %d tokens = "
+            "%d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
             model_dir,
             self.architecture,
             self.dtype,
             self.device,
+            resolve_attention_backend(config.attention_backend, self.device),
             kv_spec.dtype,
             num_blocks,
             config.block_size,
@@ -319,7 +322,13 @@ class LLMEngine:
             )
         hf_config, architecture = load_hf_config(draft_dir)
         draft = load_model(
-            draft_dir, hf_config, architecture, self.dtype, self.device, self.config.linear_backend
+            draft_dir,
+            hf_config,
+            architecture,
+            self.dtype,
+            self.device,
+            self.config.linear_backend,
+            self.config.attention_backend,
         )
         if draft.shape.vocab_size != target.shape.vocab_size:
             raise ConfigError(

@@ -30,6 +30,78 @@ TILE_N = 32  # keys per inner iteration
 
 
 @triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    if FP32_DOT:  # noqa: SIM108 (a constexpr branch the Triton compiler resolves)
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, scale, m_i, l_i, acc, FP32_DOT: tl.constexpr):
+    """Fold one tile of keys (`k`: [dim, keys], `v`: [keys, dim]) into the running max `m_i`,
+    denominator `l_i` and unnormalised output `acc` of each row."""
+    scores = tl.where(allowed, _dot(q, k, FP32_DOT) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_context(
+    q,
+    q_pos,
+    kv_ptr,  # at this program's KV head
+    table,  # this sequence's block table row
+    kv_start,
+    kv_end,
+    kv_stride_kv,
+    kv_stride_block,
+    kv_stride_slot,
+    dims,
+    dim_valid,
+    scale,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Rows `q` attend to keys [kv_start, kv_end), each row up to its position `q_pos`."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    for tile_start in range(kv_start, kv_end, TILE_N):
+        keys = tile_start + tl.arange(0, TILE_N)
+        key_valid = keys < kv_end
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = block * kv_stride_block + (keys % BLOCK_SIZE) * kv_stride_slot
+        k = tl.load(
+            kv_ptr + slot[None, :] + dims[:, None],
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            kv_ptr + kv_stride_kv + slot[:, None] + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            allowed = allowed & (keys[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k.to(q.dtype), v.to(q.dtype), allowed, scale, m_i, l_i, acc, FP32_DOT
+        )
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     kv_ptr,
@@ -82,53 +154,31 @@ def _paged_attention_kernel(
     if FP32_DOT:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
     last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, query_len) - 1
-    kv_end = context_len + last_q + 1
     kv_start = 0
     if SLIDING_WINDOW > 0:
         first_pos = context_len + q_block * BLOCK_Q
         kv_start = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0) // TILE_N * TILE_N
-    table = block_tables_ptr + seq.to(tl.int64) * table_stride_seq
-    for tile_start in range(kv_start, kv_end, TILE_N):
-        keys = tile_start + tl.arange(0, TILE_N)
-        key_valid = keys < kv_end
-        block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        slot = block * kv_stride_block + (keys % BLOCK_SIZE) * kv_stride_slot
-        slot += kv_head * kv_stride_head
-        load_mask = key_valid[None, :] & dim_valid[:, None]
-        k = tl.load(kv_ptr + slot[None, :] + dims[:, None], mask=load_mask, other=0.0)
-        v = tl.load(
-            kv_ptr + kv_stride_kv + slot[:, None] + dims[None, :],
-            mask=key_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        if FP32_DOT:  # noqa: SIM108 (a constexpr branch the Triton compiler resolves)
-            scores = tl.dot(q, k, input_precision="ieee")
-        else:
-            scores = tl.dot(q, k)
-        scores = scores * scale
-        allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
-        if SLIDING_WINDOW > 0:
-            allowed = allowed & (keys[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _attend_context(
+        q,
+        q_pos,
+        kv_ptr + kv_head * kv_stride_head,
+        block_tables_ptr + seq.to(tl.int64) * table_stride_seq,
+        kv_start,
+        context_len + last_q + 1,
+        kv_stride_kv,
+        kv_stride_block,
+        kv_stride_slot,
+        dims,
+        dim_valid,
+        scale,
+        BLOCK_M,
+        HEAD_DIM_PADDED,
+        BLOCK_SIZE,
+        TILE_N,
+        SLIDING_WINDOW,
+        FP32_DOT,
+    )
     tl.store(
         out_ptr
         + token[:, None] * out_stride_token

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
 from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -136,6 +137,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     linear_backend: str = "auto",
+    attention_backend: str = "auto",
 ) -> LlamaForCausalLM:
     with torch.device(device):
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype)
@@ -149,6 +151,9 @@ def load_model(
         and onednn_linear_available()
     ):
         use_onednn_linears(model)
+    attention = resolve_attention_backend(attention_backend, device)
+    if attention != "torch":
+        use_attention_backend(model, attention)
     return model
 
 
