@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -13,6 +14,8 @@ if not torch.cuda.is_available():
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.attention_triton import TritonPagedAttention
+
+pytestmark = pytest.mark.cuda  # natively on a GPU under `pytest -m cuda`
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [7], [2, 71, 82, 81, 82]]
 

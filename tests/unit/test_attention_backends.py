@@ -19,10 +19,12 @@ import pytest
 
 from tokenmill.layers.attention import TorchPagedAttention
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
+from tokenmill.layers.attention_cpu import CpuPagedAttention
 from tokenmill.layers.attention_triton import TritonPagedAttention
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.cuda  # natively on a GPU under `pytest -m cuda`
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -37,9 +39,11 @@ def run_both(
     cache_dtype: torch.dtype | None = None,
     sliding_window: int | None = None,
     seed: int = 0,
+    backend: type = TritonPagedAttention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of sequences with these new tokens over these cached contexts, through both
-    backends on identical caches with blocks scattered at random; returns (reference, triton)."""
+    """One step of sequences with these new tokens over these cached contexts, through the
+    reference and `backend` on identical caches with blocks scattered at random; returns
+    (reference output, backend output)."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     order = sorted(range(len(query_lens)), key=lambda i: query_length_class(query_lens[i]))
@@ -60,9 +64,9 @@ def run_both(
     kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     scale = head_dim**-0.5
     reference = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
-    triton_backend = TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    tested = backend(num_heads, num_kv_heads, head_dim, scale)
     expected = reference.forward(query, kv, cache.clone(), metadata)
-    actual = triton_backend.forward(query, kv, cache.clone(), metadata)
+    actual = tested.forward(query, kv, cache.clone(), metadata)
     return expected, actual
 
 
@@ -98,6 +102,27 @@ def test_fp8_cache_matches_the_reference() -> None:
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_cpu_backend_matches_the_reference(sliding_window: int | None) -> None:
+    # decodes of different lengths (a mask), a chunk, 3 query heads per KV head
+    expected, actual = run_both(
+        query_lens=[1, 1, 1, 7],
+        context_lens=[4, 17, 9, 5],
+        num_heads=6,
+        num_kv_heads=2,
+        sliding_window=sliding_window,
+        backend=CpuPagedAttention,
+    )
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_backend_bf16_decode_is_close_to_the_reference() -> None:
+    expected, actual = run_both(
+        query_lens=[1, 1], context_lens=[30, 3], dtype=torch.bfloat16, backend=CpuPagedAttention
+    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_auto_picks_triton_only_on_cuda() -> None:
     assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
@@ -116,7 +141,6 @@ def test_use_attention_backend_replaces_every_layers_backend_keeping_its_shape()
         assert (layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.scale) == (8, 2, 0.25)
 
 
-@pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_llama_1b_shaped_batch_matches_the_reference(dtype: torch.dtype) -> None:

@@ -14,8 +14,9 @@ from typing import Protocol
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.attention_cpu import CpuPagedAttention
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -56,6 +57,8 @@ def make_attention_backend(
         from tokenmill.layers.attention_triton import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    if name == "cpu":
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     raise ValueError(f"unknown attention backend {name!r}")
