@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import numpy as np
 import pytest
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.attention import TorchPagedAttention
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
 from tokenmill.layers.attention_cpu import CpuPagedAttention
@@ -127,7 +128,7 @@ def test_auto_picks_triton_only_on_cuda() -> None:
     assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_attention_backend("torch", torch.device("cuda")) == "torch"
-    with pytest.raises(ValueError, match="unknown attention backend"):
+    with pytest.raises(ConfigError, match="unknown attention backend"):
         resolve_attention_backend("flash", torch.device("cpu"))
 
 

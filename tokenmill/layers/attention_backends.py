@@ -9,10 +9,12 @@ head_dim]`. `torch` (`TorchPagedAttention`) runs anywhere and is the reference; 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Protocol
 
 import torch
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
 from tokenmill.layers.attention_cpu import CpuPagedAttention
 
@@ -42,11 +44,13 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
     """`auto` is `triton` on CUDA when Triton is installed, else `torch`. An explicit
     `triton` without CUDA is allowed only under `TRITON_INTERPRET=1` (tests)."""
     if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {requested!r}; one of {ATTENTION_BACKENDS}")
+        raise ConfigError(f"unknown attention backend {requested!r}; one of {ATTENTION_BACKENDS}")
     if requested == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if requested == "triton" and not triton_available():
-        raise ValueError("attention backend 'triton' needs the triton package")
+        raise ConfigError("attention backend 'triton' needs the triton package")
+    if requested == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        raise ConfigError("attention backend 'triton' runs on CUDA (elsewhere only interpreted)")
     return requested
 
 
@@ -61,7 +65,7 @@ def make_attention_backend(
         return CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
-    raise ValueError(f"unknown attention backend {name!r}")
+    raise ConfigError(f"unknown attention backend {name!r}")
 
 
 def use_attention_backend(model: torch.nn.Module, name: str) -> None:
