@@ -87,8 +87,10 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine(model_dir: Path, device: str, **engine_args: Any) -> LLM:
-    """KV cache from at most 40% of the device: the transformers model shares it."""
-    return LLM(model=str(model_dir), device=device, gpu_memory_utilization=0.4, **engine_args)
+    """A fixed KV cache (16 GiB, 64 MiB off CUDA): the transformers model shares the device,
+    and an engine not yet collected must not shrink the next one's."""
+    kv_bytes = 16 * 1024**3 if device.startswith("cuda") else 64 * 1024**2
+    return LLM(model=str(model_dir), device=device, kv_cache_memory=kv_bytes, **engine_args)
 
 
 def tokenmill_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

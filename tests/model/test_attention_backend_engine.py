@@ -26,6 +26,7 @@ def greedy_token_ids(checkpoint: str, backend: str) -> list[list[int]]:
         dtype="float32",
         max_model_len=64,
         max_num_batched_tokens=8,  # the first prompt is cut into chunks over its cached start
+        num_kv_blocks=64,  # not sized from free GPU memory: the other engine may still hold it
         attention_backend=backend,
         device="cuda" if torch.cuda.is_available() else "cpu",
     )

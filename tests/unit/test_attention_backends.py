@@ -85,8 +85,10 @@ def test_chunks_over_cached_context_mixed_with_decodes_match_the_reference() -> 
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_matches_the_reference() -> None:
-    expected, actual = run_both(query_lens=[1, 18], context_lens=[40, 7], sliding_window=8)
+def test_sliding_window_and_a_block_size_of_3_match_the_reference() -> None:
+    expected, actual = run_both(
+        query_lens=[1, 18], context_lens=[40, 7], sliding_window=8, block_size=3
+    )
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
