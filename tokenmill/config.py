@@ -134,7 +134,7 @@ class EngineConfig:
         "auto",
         "auto: the Triton paged-attention kernel on CUDA when triton is installed, else "
         "torch (the portable reference: gather + scaled_dot_product_attention)",
-        choices=("auto", "torch", "cpu", "triton"),
+        choices=("auto", "torch", "triton"),
     )
     generation_config: str = config_field(
         "auto",

@@ -20,7 +20,6 @@ import pytest
 from tokenmill.config import ConfigError
 from tokenmill.layers.attention import TorchPagedAttention
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
-from tokenmill.layers.attention_cpu import CpuPagedAttention
 from tokenmill.layers.attention_triton import TritonPagedAttention
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
@@ -103,27 +102,6 @@ def test_fp8_cache_matches_the_reference() -> None:
         query_lens=[1, 5], context_lens=[7, 2], cache_dtype=torch.float8_e4m3fn
     )
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("sliding_window", [None, 6])
-def test_cpu_backend_matches_the_reference(sliding_window: int | None) -> None:
-    # decodes of different lengths (a mask), a chunk, 3 query heads per KV head
-    expected, actual = run_both(
-        query_lens=[1, 1, 1, 7],
-        context_lens=[4, 17, 9, 5],
-        num_heads=6,
-        num_kv_heads=2,
-        sliding_window=sliding_window,
-        backend=CpuPagedAttention,
-    )
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_cpu_backend_bf16_decode_is_close_to_the_reference() -> None:
-    expected, actual = run_both(
-        query_lens=[1, 1], context_lens=[30, 3], dtype=torch.bfloat16, backend=CpuPagedAttention
-    )
-    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_auto_picks_triton_only_on_cuda() -> None:

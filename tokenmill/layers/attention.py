@@ -46,17 +46,6 @@ class AttentionGroup:
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
     seq_lens: torch.Tensor | None = None  # [num_seqs] int32
     sliding_window: int | None = None  # a query sees only the keys of its last n positions
-    _additive_mask: torch.Tensor | None = None
-
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """`mask` as 0 / -inf addends in `dtype`, made on the first layer's call and reused by
-        the others (`scaled_dot_product_attention` converts a boolean mask on every call)."""
-        if self.mask is None:
-            return None
-        if self._additive_mask is None or self._additive_mask.dtype != dtype:
-            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._additive_mask = additive.masked_fill_(~self.mask, float("-inf"))
-        return self._additive_mask
 
 
 @dataclass
@@ -163,7 +152,7 @@ class TorchPagedAttention:
             padded.transpose(1, 2),
             keys,
             values,
-            attn_mask=self._mask(group, query.dtype),
+            attn_mask=group.mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)
@@ -171,6 +160,3 @@ class TorchPagedAttention:
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
         flat = out.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
         return flat.index_select(0, group.padded_index)
-
-    def _mask(self, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor | None:
-        return group.mask

@@ -16,9 +16,8 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
-from tokenmill.layers.attention_cpu import CpuPagedAttention
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -61,8 +60,6 @@ def make_attention_backend(
         from tokenmill.layers.attention_triton import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
-    if name == "cpu":
-        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     raise ConfigError(f"unknown attention backend {name!r}")
