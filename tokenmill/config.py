@@ -130,6 +130,12 @@ class EngineConfig:
         "else F.linear; torch: always F.linear",
         choices=("auto", "torch"),
     )
+    enforce_eager: bool | None = config_field(
+        None,
+        "run every step eagerly (vLLM's flag). Unset: decode-only steps run as CUDA graphs at "
+        "padded batch sizes on a GPU, eagerly on the CPU, where compiling them costs minutes "
+        "per batch size (docs/benchmarks.md); --no-enforce-eager compiles them there too",
+    )
     generation_config: str = config_field(
         "auto",
         "default sampling parameters (as vLLM): auto = the model's generation_config.json, "
@@ -251,6 +257,12 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def captures_decode(self, device: torch.device) -> bool:
+        """Whether decode-only steps run captured (`worker/captured_step.py`)."""
+        if self.enforce_eager is None:
+            return device.type == "cuda"
+        return not self.enforce_eager
 
     def torch_device(self) -> torch.device:
         import torch

@@ -96,6 +96,8 @@ class LLMEngine:
             num_swap_blocks=swap_blocks,
             proposer=proposer,
         )
+        if config.captures_decode(self.device):
+            self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
