@@ -264,6 +264,13 @@ class EngineConfig:
             return device.type == "cuda"
         return not self.enforce_eager
 
+    def linear_backend_for(self, device: torch.device) -> str:
+        """Inductor cannot compile oneDNN-reordered linears (layers/linear.py); a compiled CPU
+        decode step reorders the weights itself (freezing)."""
+        if device.type == "cpu" and self.captures_decode(device):
+            return "torch"
+        return self.linear_backend
+
     def torch_device(self) -> torch.device:
         import torch
 

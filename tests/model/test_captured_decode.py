@@ -51,7 +51,7 @@ def make_prompts(vocab: int) -> list[list[int]]:
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 5, 17, 33, 60)]
     rng = random.Random(2)
     shared = [rng.randrange(3, vocab) for _ in range(12)]
-    return prompts + [shared + [rng.randrange(3, vocab)] for _ in range(2)]  # a shared prefix
+    return prompts + [[*shared, rng.randrange(3, vocab)] for _ in range(2)]  # a shared prefix
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -3,9 +3,13 @@ replay reads (a fake capture stands in for CUDA graphs, which need a GPU)."""
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import torch
 
+from tokenmill.config import EngineConfig
+from tokenmill.entrypoints.engine_args import add_engine_args
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.worker.captured_step import (
     CapturedDecodeStep,
@@ -45,9 +49,8 @@ def test_fill_pads_rows_to_the_scratch_block_and_masks_padded_keys() -> None:
     inputs.fill(np.array([11, 12]), [[7, 3], [1, 2, 5, 8]], np.array([6, 9]))
     assert inputs.input_ids.tolist() == [11, 12, 0, 0]
     assert inputs.positions.tolist() == [5, 8, 0, 0]
-    assert inputs.slot_mapping.tolist() == [3 * BLOCK + 1, 5 * BLOCK + 0, SCRATCH * BLOCK] + [
-        SCRATCH * BLOCK
-    ]
+    scratch_slot = SCRATCH * BLOCK
+    assert inputs.slot_mapping.tolist() == [3 * BLOCK + 1, 5 * BLOCK, scratch_slot, scratch_slot]
     assert inputs.block_tables.tolist() == [
         [7, 3, SCRATCH, SCRATCH],
         [1, 2, 5, SCRATCH],
@@ -112,3 +115,15 @@ def test_replays_read_the_keys_static_buffers_and_drop_padded_rows() -> None:
     step.run(DecodeBatch(step.key_for(long_lens), np.array([1]), [[0, 1, 2]], long_lens))
     assert len(graphs.captured) == 2
     assert step.key_for(np.ones(9, dtype=np.int64)) is None  # larger than every size
+
+
+def test_enforce_eager_decides_where_decode_steps_are_captured() -> None:
+    cuda = torch.device("cuda")
+    assert EngineConfig().captures_decode(cuda) and not EngineConfig().captures_decode(CPU)
+    assert not EngineConfig(enforce_eager=True).captures_decode(cuda)
+    assert EngineConfig(enforce_eager=False).captures_decode(CPU)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args(["--no-enforce-eager"]).enforce_eager is False
+    assert parser.parse_args([]).enforce_eager is None

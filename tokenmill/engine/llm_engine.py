@@ -68,7 +68,7 @@ class LLMEngine:
             self.architecture,
             self.dtype,
             self.device,
-            config.linear_backend,
+            config.linear_backend_for(self.device),
         )
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size

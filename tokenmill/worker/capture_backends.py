@@ -32,7 +32,9 @@ def compile_forward(
     # silently.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, max_keys)
-    return torch.compile(forward, dynamic=False)
+    # Freezing folds the weights into the graph as constants, which lets inductor reorder
+    # them for oneDNN (as layers/linear.py does for eager steps).
+    return torch.compile(forward, dynamic=False, options={"freezing": True})
 
 
 def first_call_capture(run: Replay) -> Replay:

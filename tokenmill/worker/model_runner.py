@@ -183,18 +183,8 @@ class ModelRunner:
             count=int(ends[-1]),
         )
         decode = self._captured_decode(states, input_ids, query_lens, seq_lens)
-        if decode is not None:  # its inputs go to the key's static buffers
-            token_ids = torch.from_numpy(input_ids)
-            return StepInputs(
-                input_ids=token_ids,
-                positions=token_ids,
-                metadata=None,
-                logits_indices=torch.arange(len(states), device=self.device),
-                sampling_states=states,
-                sampling_drafts=drafts,
-                prompt_logprob_rows=[],
-                decode=decode,
-            )
+        if decode is not None:
+            return self._captured_inputs(decode, states)
         positions, metadata = layout_step(
             [s.block_ids for s in states],
             query_lens,
@@ -218,6 +208,20 @@ class ModelRunner:
             sampling_states=[s for s, sample in zip(states, samples) if sample],
             sampling_drafts=[d for d, sample in zip(drafts, samples) if sample],
             prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
+        )
+
+    def _captured_inputs(self, decode: DecodeBatch, states: list[CachedRequestState]) -> StepInputs:
+        """A captured decode step's inputs go to its key's static buffers, not to tensors."""
+        token_ids = torch.from_numpy(decode.token_ids)
+        return StepInputs(
+            input_ids=token_ids,
+            positions=token_ids,
+            metadata=None,
+            logits_indices=torch.arange(len(states), device=self.device),
+            sampling_states=states,
+            sampling_drafts=[[] for _ in states],
+            prompt_logprob_rows=[],
+            decode=decode,
         )
 
     def _captured_decode(
