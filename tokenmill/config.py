@@ -265,8 +265,8 @@ class EngineConfig:
         return not self.enforce_eager
 
     def linear_backend_for(self, device: torch.device) -> str:
-        """Inductor cannot compile oneDNN-reordered linears (layers/linear.py); a compiled CPU
-        decode step reorders the weights itself (freezing)."""
+        """Inductor cannot compile oneDNN-reordered linears (layers/linear.py): a compiled CPU
+        decode step needs plain `nn.Linear` weights (eager steps then use them too)."""
         if device.type == "cpu" and self.captures_decode(device):
             return "torch"
         return self.linear_backend

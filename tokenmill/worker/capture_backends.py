@@ -32,8 +32,8 @@ def compile_forward(
     # silently.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, max_keys)
-    # Freezing folds the weights into the graph as constants, which lets inductor reorder
-    # them for oneDNN (as layers/linear.py does for eager steps).
+    # Freezing folds the weights into the graph as constants (inductor may then pick a
+    # oneDNN layout for them; on an AVX2-only CPU it kept aten::mm: docs/benchmarks.md).
     return torch.compile(forward, dynamic=False, options={"freezing": True})
 
 
