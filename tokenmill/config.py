@@ -136,6 +136,13 @@ class EngineConfig:
         "torch (the portable reference: gather + scaled_dot_product_attention)",
         choices=("auto", "torch", "triton"),
     )
+    enforce_eager: bool | None = config_field(
+        None,
+        "run every step eagerly (vLLM's flag); the default until the captured path has run on "
+        "a GPU. --no-enforce-eager: decode-only steps run captured at padded batch sizes, as "
+        "CUDA graphs on a GPU (not yet run on one) and compiled by torch.compile on the CPU "
+        "(minutes per batch size; faster at batch 1 only: docs/benchmarks.md)",
+    )
     generation_config: str = config_field(
         "auto",
         "default sampling parameters (as vLLM): auto = the model's generation_config.json, "
@@ -257,6 +264,19 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def captures_decode(self, device: torch.device) -> bool:
+        """Whether decode-only steps run captured (`worker/captured_step.py`)."""
+        if self.enforce_eager is None:
+            return False  # until the CUDA graphs have run on a GPU (issue 14)
+        return not self.enforce_eager
+
+    def linear_backend_for(self, device: torch.device) -> str:
+        """Inductor cannot compile oneDNN-reordered linears (layers/linear.py): a compiled CPU
+        decode step needs plain `nn.Linear` weights (eager steps then use them too)."""
+        if device.type == "cpu" and self.captures_decode(device):
+            return "torch"
+        return self.linear_backend
 
     def torch_device(self) -> torch.device:
         import torch

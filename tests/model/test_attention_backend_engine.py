@@ -14,13 +14,16 @@ if not torch.cuda.is_available():
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.attention_triton import TritonPagedAttention
+from tokenmill.worker.capture_backends import eager_capture
 
 pytestmark = pytest.mark.cuda  # natively on a GPU under `pytest -m cuda`
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [7], [2, 71, 82, 81, 82]]
 
 
-def greedy_token_ids(checkpoint: str, backend: str) -> list[list[int]]:
+def greedy_token_ids(checkpoint: str, backend: str, captured: bool = False) -> list[list[int]]:
+    """With `captured`, decode-only steps run through the captured step's static buffers
+    (worker/captured_step.py), captured eagerly here (a CUDA graph on a GPU)."""
     llm = LLM(
         model=checkpoint,
         dtype="float32",
@@ -32,11 +35,22 @@ def greedy_token_ids(checkpoint: str, backend: str) -> list[list[int]]:
     )
     attn = llm.engine.runner.model.layers[0].self_attn.attn
     assert isinstance(attn, TritonPagedAttention) == (backend == "triton")
+    if captured:
+        llm.engine.runner.use_captured_decode(4, llm.engine.max_model_len, capture=eager_capture)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert not captured or llm.engine.runner.decode_step.num_runs > 0
     return [list(out.outputs[0].token_ids) for out in outputs]
 
 
 def test_triton_backend_generates_what_the_portable_one_does(tiny_checkpoint) -> None:
     checkpoint = str(tiny_checkpoint("mistral", sliding_window=8))
     assert greedy_token_ids(checkpoint, "triton") == greedy_token_ids(checkpoint, "torch")
+
+
+def test_captured_decode_steps_feed_the_triton_backend(tiny_checkpoint) -> None:
+    """The captured step's static buffers carry what the kernel reads (sequence lengths, query
+    starts), not only the portable backend's mask."""
+    checkpoint = str(tiny_checkpoint("mistral", sliding_window=8))
+    expected = greedy_token_ids(checkpoint, "torch")
+    assert greedy_token_ids(checkpoint, "triton", captured=True) == expected

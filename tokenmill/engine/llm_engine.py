@@ -69,7 +69,7 @@ class LLMEngine:
             self.architecture,
             self.dtype,
             self.device,
-            config.linear_backend,
+            config.linear_backend_for(self.device),
             config.attention_backend,
         )
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
@@ -98,6 +98,8 @@ class LLMEngine:
             num_swap_blocks=swap_blocks,
             proposer=proposer,
         )
+        if config.captures_decode(self.device):
+            self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,

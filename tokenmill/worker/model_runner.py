@@ -19,6 +19,12 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.rejection_sampler import verify
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
+from tokenmill.worker.captured_step import (
+    Capture,
+    CapturedDecodeStep,
+    DecodeBatch,
+    build_decode_step,
+)
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
@@ -27,11 +33,12 @@ from tokenmill.worker.step_layout import layout_step, query_length_class
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | None  # None for a captured decode step
     logits_indices: torch.Tensor  # rows of the hidden states to compute logits for
     sampling_states: list[CachedRequestState]  # the requests those rows belong to
     sampling_drafts: list[list[int]]  # per sampling request: drafts verified (k + 1 rows)
     prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]  # (state, first row, count)
+    decode: DecodeBatch | None = None  # a decode-only step that runs captured
 
 
 class ModelRunner:
@@ -49,7 +56,11 @@ class ModelRunner:
         self.block_size = kv_cache_spec.block_size
         self.device = device
         self.sliding_window = model.shape.sliding_window
-        self.kv_caches = kv_cache_spec.allocate(num_kv_blocks, device)
+        # One block past the scheduler's: the scratch block padded rows of a captured decode
+        # step write to.
+        self.kv_caches = kv_cache_spec.allocate(num_kv_blocks + 1, device)
+        self.scratch_block = num_kv_blocks
+        self.decode_step: CapturedDecodeStep | None = None
         # The swap pool lives in host memory (pinned, so copies to a GPU run asynchronously).
         pin = device.type == "cuda"
         self.swap_caches = (
@@ -73,7 +84,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(scheduler_output)
         start = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        hidden = self._forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
@@ -91,6 +102,29 @@ class ModelRunner:
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         return output
+
+    def use_captured_decode(
+        self, max_num_seqs: int, max_model_len: int, capture: Capture | None = None
+    ) -> None:
+        """Run decode-only steps through captured steps: CUDA graphs on a GPU, a compiled
+        forward on the CPU, or `capture` (`worker/captured_step.py`)."""
+        self.decode_step = build_decode_step(
+            lambda ids, positions, metadata: self.model(ids, positions, self.kv_caches, metadata),
+            self.device,
+            max_num_seqs,
+            -(-max_model_len // self.block_size),
+            self.block_size,
+            self.scratch_block,
+            self.sliding_window,
+            capture,
+        )
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.decode is not None:
+            assert self.decode_step is not None
+            return self.decode_step.run(inputs.decode)
+        assert inputs.metadata is not None
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -148,6 +182,9 @@ class ModelRunner:
             dtype=np.int64,
             count=int(ends[-1]),
         )
+        decode = self._captured_decode(states, input_ids, query_lens, seq_lens)
+        if decode is not None:
+            return self._captured_inputs(decode, states)
         positions, metadata = layout_step(
             [s.block_ids for s in states],
             query_lens,
@@ -172,6 +209,41 @@ class ModelRunner:
             sampling_drafts=[d for d, sample in zip(drafts, samples) if sample],
             prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
         )
+
+    def _captured_inputs(self, decode: DecodeBatch, states: list[CachedRequestState]) -> StepInputs:
+        """A captured decode step's inputs go to its key's static buffers, not to tensors."""
+        token_ids = torch.from_numpy(decode.token_ids)
+        return StepInputs(
+            input_ids=token_ids,
+            positions=token_ids,
+            metadata=None,
+            logits_indices=torch.arange(len(states), device=self.device),
+            sampling_states=states,
+            sampling_drafts=[[] for _ in states],
+            prompt_logprob_rows=[],
+            decode=decode,
+        )
+
+    def _captured_decode(
+        self,
+        states: list[CachedRequestState],
+        input_ids: np.ndarray,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> DecodeBatch | None:
+        """The key of a step the captured decode step can run: every request decodes one
+        token and samples it, without prompt logprobs; else None."""
+        if self.decode_step is None or int(query_lens.max()) != 1:
+            return None
+        if any(
+            len(s.token_ids) != n or s.sampling_params.prompt_logprobs is not None
+            for s, n in zip(states, seq_lens)
+        ):
+            return None
+        key = self.decode_step.key_for(seq_lens)
+        if key is None:
+            return None
+        return DecodeBatch(key, input_ids, [s.block_ids for s in states], seq_lens)
 
     @staticmethod
     def _prompt_logprob_rows(

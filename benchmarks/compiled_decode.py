@@ -1,0 +1,96 @@
+"""Eager vs compiled decode steps of the SmolLM2-135M-shaped model, side by side.
+
+    OMP_NUM_THREADS=1 python benchmarks/compiled_decode.py --batches 1,16,64 --reps 7
+
+Loads the model twice (oneDNN-reordered linears, as eager steps run by default, and plain
+`nn.Linear`, which the compiled step needs), compiles the plain one's forward with static
+shapes and freezing (what `--no-enforce-eager` does on the CPU), then times one decode step
+(forward + logits; contexts of 200 tokens) of each, interleaved, and prints one JSON line per
+batch size: compile time (wall and process CPU) and median wall and CPU ms per step. CPU time
+is the figure a shared machine's load disturbs least.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from make_smollm_shaped_model import model_dir
+from transformers import AutoConfig
+
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.models.loader import load_model
+from tokenmill.worker.capture_backends import compile_forward
+from tokenmill.worker.step_layout import layout_step
+
+CONTEXT = 200
+BLOCK = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    path = model_dir()
+    config = AutoConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+    load = lambda backend: load_model(  # noqa: E731
+        path, config, config.architectures[0], torch.float32, cpu, backend
+    )
+    models = {"eager_onednn": load("auto"), "eager_plain": load("torch")}
+    blocks_per_seq = -(-CONTEXT // BLOCK)
+    batches = [int(b) for b in args.batches.split(",")]
+    spec = KVCacheSpec(
+        config.num_hidden_layers, BLOCK, config.num_key_value_heads, 64, torch.float32
+    )
+    kv_caches = spec.allocate(max(batches) * blocks_per_seq, cpu)
+    plain = models["eager_plain"]
+    compiled = compile_forward(lambda *a: plain(*a), max_keys=len(batches))
+    forwards = {name: m.forward for name, m in models.items()} | {"compiled": compiled}
+    for batch in batches:
+        block_ids = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)
+        ]
+        query_lens = np.ones(batch, dtype=np.int64)
+        positions, metadata = layout_step(
+            block_ids, query_lens, np.full(batch, CONTEXT), BLOCK, None, cpu
+        )
+        step = (torch.randint(0, 2000, (batch,)), torch.from_numpy(positions), kv_caches, metadata)
+        with torch.inference_mode():
+            wall, cpu_time = time.perf_counter(), time.process_time()
+            compiled(*step)
+            compile_s = (time.perf_counter() - wall, time.process_time() - cpu_time)
+            times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in forwards}
+            for _ in range(args.reps):
+                for name, forward in forwards.items():
+                    wall, cpu_time = time.perf_counter(), time.process_time()
+                    plain.compute_logits(forward(*step))
+                    times[name][0].append(time.perf_counter() - wall)
+                    times[name][1].append(time.process_time() - cpu_time)
+        result = {
+            name: {
+                "wall_ms": round(statistics.median(w) * 1e3, 1),
+                "cpu_ms": round(statistics.median(c) * 1e3, 1),
+            }
+            for name, (w, c) in times.items()
+        }
+        print(
+            json.dumps(
+                {
+                    "batch": batch,
+                    "compile_wall_s": round(compile_s[0], 1),
+                    "compile_cpu_s": round(compile_s[1], 1),
+                    **result,
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
