@@ -214,7 +214,14 @@ class EngineConfig:
     )
 
     tensor_parallel_size: int = config_field(
-        1, "devices to shard the model over (only 1 is supported yet)"
+        1,
+        "ranks (processes; devices on CUDA) to shard the model over; the engine starts them "
+        "(docs/scale_out.md)",
+    )
+    distributed_timeout: float = config_field(
+        60.0,
+        "seconds a tensor-parallel rank waits for its peers in a collective before the engine "
+        "fails (a hung worker)",
     )
 
     def __post_init__(self) -> None:
@@ -242,8 +249,16 @@ class EngineConfig:
             )
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported yet")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.distributed_timeout > 0:
+            raise ConfigError(f"distributed_timeout must be > 0 s, got {self.distributed_timeout}")
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method != "ngram":
+            raise ConfigError("with tensor_parallel_size > 1 only ngram speculation is supported")
 
     def _check_prefill_limits(self) -> None:
         if self.itl_target_ms is not None:

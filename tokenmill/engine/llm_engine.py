@@ -21,6 +21,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_records import StepRecord, new_step_ring
 from tokenmill.layers.attention_backends import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.parallel import SINGLE
 from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
@@ -44,6 +45,7 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar
 from tokenmill.worker.calibration import calibrate
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         torch.manual_seed(config.seed)
+        # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1.
+        self.executor = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
         model = load_model(
             model_dir,
             self.hf_config,
@@ -71,6 +75,7 @@ class LLMEngine:
             self.device,
             config.linear_backend_for(self.device),
             config.attention_backend,
+            tp=self.executor.tp if self.executor else SINGLE,
         )
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
@@ -89,7 +94,7 @@ class LLMEngine:
             num_swap_blocks=swap_blocks,
         )
         proposer = self._proposer(draft, draft_spec, num_blocks)
-        self.runner = ModelRunner(
+        self.runner = (self.executor.make_runner if self.executor else ModelRunner)(
             model,
             kv_spec,
             num_blocks,
@@ -302,11 +307,17 @@ class LLMEngine:
                 "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at garbage collection and exit)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def _kv_spec(self, model: LlamaForCausalLM) -> KVCacheSpec:
+        """Per rank: a tensor-parallel rank caches only its own KV heads."""
         return KVCacheSpec(
             num_layers=model.shape.num_layers,
             block_size=self.config.block_size,
-            num_kv_heads=model.shape.num_kv_heads,
+            num_kv_heads=model.num_local_kv_heads,
             head_dim=model.shape.head_dim,
             dtype=self.config.kv_cache_torch_dtype(self.dtype),
         )

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
 
 # (cos, sin) of each token's position, `[num_tokens, 1, head_dim]`, shared by all layers.
@@ -102,20 +103,26 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits) -> None:
+    """This rank's heads: q/k/v column-parallel, o row-parallel (its bias on rank 0 only, so
+    the all-reduce adds it once)."""
+
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
+        self.tp = tp
+        self.num_heads = tp.split(shape.num_heads, "number of attention heads")
+        self.num_kv_heads = tp.kv_heads(shape.num_kv_heads)[0]
         self.head_dim = shape.head_dim
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.q_size = self.num_heads * shape.head_dim
+        self.kv_size = self.num_kv_heads * shape.head_dim
         self.qkv_proj = nn.Linear(
             shape.hidden_size, self.q_size + 2 * self.kv_size, bias=traits.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=traits.o_proj_bias)
+        o_bias = traits.o_proj_bias and tp.rank == 0
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
         self.attn = TorchPagedAttention(
-            shape.num_heads, shape.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5
+            self.num_heads, self.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5
         )
 
     def forward(
@@ -140,30 +147,34 @@ class LlamaAttention(nn.Module):
         apply_rotary_(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         kv = qkv[:, self.q_size :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, kv, kv_cache, metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits) -> None:
+    """gate/up column-parallel, down row-parallel (bias on rank 0 only)."""
+
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = shape.intermediate_size
+        self.tp = tp
+        self.intermediate_size = tp.split(shape.intermediate_size, "intermediate_size")
         self.gate_up_proj = nn.Linear(
-            shape.hidden_size, 2 * shape.intermediate_size, bias=traits.mlp_bias
+            shape.hidden_size, 2 * self.intermediate_size, bias=traits.mlp_bias
         )
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=traits.mlp_bias)
+        down_bias = traits.mlp_bias and tp.rank == 0
+        self.down_proj = nn.Linear(self.intermediate_size, shape.hidden_size, bias=down_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits) -> None:
+    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, traits)
+        self.self_attn = LlamaAttention(shape, traits, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = LlamaMLP(shape, traits)
+        self.mlp = LlamaMLP(shape, traits, tp)
 
     def forward(
         self,
@@ -178,21 +189,30 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoint, except that q/k/v and gate/up are
-    stored fused (`qkv_proj`, `gate_up_proj`): one matmul instead of three or two."""
+    stored fused (`qkv_proj`, `gate_up_proj`): one matmul instead of three or two. `shape` is
+    the whole model's; under tensor parallelism the modules hold this rank's shard (`tp`)."""
 
-    def __init__(self, hf_config: Any, architecture: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        architecture: str,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.shape = shape = ModelShape.from_hf_config(hf_config)
+        self.tp = tp
         traits = architecture_traits(architecture, hf_config)
         self.rotary = RotaryEmbedding(
             shape.head_dim, shape.max_position, rope_parameters(hf_config), dtype
         )
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape, traits, tp) for _ in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        vocab_rows = self.embed_tokens.weight.shape[0]
+        self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -209,5 +229,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank attends with (and caches)."""
+        return self.tp.kv_heads(self.shape.num_kv_heads)[0]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Every rank gets the whole vocabulary's logits (all-gathered, padding cut off)."""
+        logits = self.tp.all_gather(self.lm_head(hidden).float())
+        return logits[:, : self.shape.vocab_size] if self.tp.size > 1 else logits

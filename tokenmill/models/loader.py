@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
 from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
+from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 
 # Architectures (config.json `architectures`) -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -37,6 +39,8 @@ _FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+# Reads a checkpoint tensor, or only the given slice of it.
+TensorReader = Callable[[RankSlice | None], torch.Tensor]
 
 
 class ModelLoadError(ValueError):
@@ -138,9 +142,11 @@ def load_model(
     device: torch.device,
     linear_backend: str = "auto",
     attention_backend: str = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
+    """The model, or under tensor parallelism this rank's shard of it (`tp`)."""
     with torch.device(device):
-        model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype)
+        model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype, tp)
     model.to(dtype=dtype)
     load_weights(model, Path(model_dir))
     model.eval().requires_grad_(False)
@@ -157,17 +163,17 @@ def load_model(
     return model
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int | None]] = set()
-    for name, tensor in _iter_checkpoint_tensors(model_dir):
+    for name, read in _iter_checkpoint_tensors(model_dir):
         if _is_ignored(name, model):
             continue
         target, shard = _param_target(name)
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint at {model_dir}")
-        _copy_into(model, param, target, shard, tensor, name)
+        _copy_into(model, param, target, shard, read(rank_slice(model, target, shard)), name)
         loaded.add((target, shard))
     missing = {target for target, shard in _expected_parts(params) if (target, shard) not in loaded}
     if model.shape.tie_word_embeddings:
@@ -186,7 +192,7 @@ def _expected_parts(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str
             yield target, None
 
 
-def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, TensorReader]]:
     index = model_dir / _INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -202,7 +208,7 @@ def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
-                    yield name, f.get_tensor(name)
+                    yield name, _reader(f, name)
         except SafetensorError as e:
             raise ModelLoadError(
                 f"{path} is not a complete safetensors file ({e}); it may be truncated by an "
@@ -210,9 +216,21 @@ def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
             ) from e
 
 
-def _is_ignored(name: str, model: torch.nn.Module) -> bool:
+def _reader(f: Any, name: str) -> TensorReader:
+    def read(part: RankSlice | None) -> torch.Tensor:
+        if part is None:
+            return f.get_tensor(name)
+        index = (slice(None),) * part.dim + (slice(part.start, part.start + part.length),)
+        return f.get_slice(name)[index]
+
+    return read
+
+
+def _is_ignored(name: str, model: LlamaForCausalLM) -> bool:
     if "rotary_emb.inv_freq" in name:
         return True
+    if model.tp.rank > 0 and name.endswith((".o_proj.bias", ".down_proj.bias")):
+        return True  # row-parallel biases live on rank 0 (added once, after the all-reduce)
     return name == "lm_head.weight" and model.shape.tie_word_embeddings
 
 
@@ -227,7 +245,7 @@ def _param_target(name: str) -> tuple[str, int | None]:
 
 
 def _copy_into(
-    model: torch.nn.Module,
+    model: LlamaForCausalLM,
     param: torch.nn.Parameter,
     target: str,
     shard: int | None,
@@ -237,23 +255,14 @@ def _copy_into(
     if shard is None:
         destination = param.data
     else:
-        destination = param.data.narrow(0, *_shard_range(model, target, shard))
+        sizes = fused_part_sizes(model, target)
+        destination = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if model.tp.size > 1 and target in ("embed_tokens.weight", "lm_head.weight"):
+        destination.zero_()  # the last rank's rows past the vocabulary are padding
+        destination = destination.narrow(0, 0, min(tensor.shape[0], destination.shape[0]))
     if destination.shape != tensor.shape:
         raise ModelLoadError(
             f"tensor {name!r} has shape {tuple(tensor.shape)}, "
             f"the model expects {tuple(destination.shape)}"
         )
     destination.copy_(tensor)
-
-
-def _shard_range(model: torch.nn.Module, target: str, shard: int) -> tuple[int, int]:
-    shape = model.shape
-    if ".qkv_proj." in target:
-        sizes = [
-            shape.num_heads * shape.head_dim,
-            shape.num_kv_heads * shape.head_dim,
-            shape.num_kv_heads * shape.head_dim,
-        ]
-    else:
-        sizes = [shape.intermediate_size, shape.intermediate_size]
-    return sum(sizes[:shard]), sizes[shard]

@@ -1,0 +1,84 @@
+"""The process groups of a tensor-parallel engine, shared by rank 0 (the engine) and workers.
+
+Two groups, as vLLM keeps a device group and a CPU group:
+- the default group carries the model's collectives (gloo on CPU, nccl on CUDA) with a short
+  timeout (`EngineConfig.distributed_timeout`), so a hung peer fails the step in bounded time;
+- the step group (always gloo) carries each step's pickled `SchedulerOutput` from rank 0. A
+  worker waits there between steps for as long as the engine is idle, so its timeout is long;
+  a worker whose engine process has gone notices by its parent's pid (`tp_worker.py`).
+
+Rendezvous is torch.distributed's TCP store at MASTER_ADDR:MASTER_PORT (defaults: 127.0.0.1 and
+a free port picked by rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.layers.parallel import TensorParallel
+
+# How long a worker waits for the next step: an idle server sends none for hours.
+_STEP_WAIT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    init_method: str
+    world_size: int
+    timeout_s: float
+    backend: str  # of the model's collectives
+
+    @classmethod
+    def local(cls, world_size: int, timeout_s: float, device: torch.device) -> Rendezvous:
+        address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(address)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        return cls(f"tcp://{address}:{port}", world_size, timeout_s, backend)
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on a CUDA machine (one device per rank), else the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def join_group(rendezvous: Rendezvous, rank: int) -> tuple[TensorParallel, Any]:
+    """Join the default (model) group and the step group; (this rank's view, step group)."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised in this process: one tensor-parallel "
+            "engine per process"
+        )
+    dist.init_process_group(
+        rendezvous.backend,
+        init_method=rendezvous.init_method,
+        rank=rank,
+        world_size=rendezvous.world_size,
+        timeout=timedelta(seconds=rendezvous.timeout_s),
+    )
+    step_group = dist.new_group(backend="gloo", timeout=_STEP_WAIT)
+    return TensorParallel(rank=rank, size=rendezvous.world_size), step_group
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj: Any, group: Any) -> Any:
+    """Rank 0's `obj` on every rank of `group` (other ranks pass None)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]

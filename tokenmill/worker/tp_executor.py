@@ -1,0 +1,160 @@
+"""Rank 0's side of tensor parallelism: start the workers, hand them each step, watch them.
+
+The engine process is rank 0 (as in vLLM's multiproc executor with its driver worker): the
+scheduler, the sampler's results and the outputs are already there, so a step costs one
+broadcast of the `SchedulerOutput` and nothing comes back but the collectives inside the
+forward. Ranks 1..N-1 are `spawn`ed processes (`tp_worker.py`).
+
+Failure: before each step every worker's liveness is checked (a dead one fails the step at
+once); a worker that dies or hangs mid-step fails rank 0's next collective, by a closed
+connection or by `distributed_timeout`. Either way the engine raises `TensorParallelError`
+naming the worker, and the workers are stopped. Shutdown (explicit, garbage collection or
+interpreter exit) stops them too; a worker whose engine was killed exits on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.tp_worker import STOP, WorkerSetup, report_parameter_bytes, run_worker
+
+logger = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT_S = 5.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker died or stopped answering; the engine cannot continue."""
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        device = config.torch_device()
+        self.rendezvous = Rendezvous.local(size, config.distributed_timeout, device)
+        num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
+        torch.set_num_threads(num_threads)
+        context = multiprocessing.get_context("spawn")
+        self.workers = [
+            context.Process(
+                target=run_worker,
+                args=(config, self.rendezvous, rank, num_threads, os.getpid()),
+                name=f"tokenmill-tp-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for worker in self.workers:
+            worker.start()
+        self._finalizer = weakref.finalize(self, _release, self.workers)
+        try:
+            self.tp, self.step_group = join_group(self.rendezvous, 0)
+        except Exception:
+            self.shutdown(graceful=False)
+            raise
+        self.parameter_bytes: list[int] = []  # per rank, once the runners are built
+        self.failure: TensorParallelError | None = None
+
+    def make_runner(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache_spec: KVCacheSpec,
+        num_kv_blocks: int,
+        device: torch.device,
+        seed: int = 0,
+        num_swap_blocks: int = 0,
+        proposer: Proposer | None = None,
+    ) -> ModelRunner:
+        """Rank 0's runner; every worker builds the same one over its shard."""
+        setup = WorkerSetup(kv_cache_spec, num_kv_blocks, num_swap_blocks, seed, proposer)
+        self.collective(lambda: broadcast_object(setup, self.step_group))
+        self.parameter_bytes = self.collective(
+            lambda: report_parameter_bytes(model, self.step_group)
+        )
+        return TensorParallelRunner(
+            self, model, kv_cache_spec, num_kv_blocks, device, seed, num_swap_blocks, proposer
+        )
+
+    def broadcast_step(self, scheduler_output: SchedulerOutput) -> None:
+        self.collective(lambda: broadcast_object(scheduler_output, self.step_group))
+
+    def collective(self, call: Any) -> Any:
+        """Run `call` (collectives with the workers), raising `TensorParallelError` if a
+        worker is dead, or dies or hangs meanwhile."""
+        self.check_workers()
+        try:
+            return call()
+        except Exception as e:
+            self.check_workers()
+            if not isinstance(e, torch.distributed.DistError):
+                raise
+            self._fail(f"a collective with the tensor-parallel workers failed ({e})")
+
+    def check_workers(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        for rank, worker in enumerate(self.workers, start=1):
+            if not worker.is_alive():
+                self._fail(
+                    f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code "
+                    f"{worker.exitcode}"
+                )
+
+    def _fail(self, message: str) -> None:
+        self.failure = TensorParallelError(message + "; the engine stopped its other workers")
+        logger.error("%s", self.failure)
+        self.shutdown(graceful=False)
+        raise self.failure
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (idempotent); graceful: tell them, else kill them."""
+        if not self._finalizer.alive:
+            return
+        self._finalizer.detach()
+        if graceful and self.failure is None:
+            try:
+                broadcast_object(STOP, self.step_group)
+            except Exception:  # a worker already gone: it is killed below
+                graceful = False
+        _stop_workers(self.workers, graceful)
+        leave_group()
+
+
+def _release(workers: list[Any]) -> None:
+    """At garbage collection or interpreter exit without a shutdown: kill, then leave."""
+    _stop_workers(workers, graceful=False)
+    leave_group()
+
+
+def _stop_workers(workers: list[Any], graceful: bool) -> None:
+    for worker in workers:
+        if graceful:
+            worker.join(_JOIN_TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+        worker.join(_JOIN_TIMEOUT_S)
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: each step goes to the workers first, then runs here in lockstep."""
+
+    def __init__(self, executor: TensorParallelExecutor, *args: Any) -> None:
+        super().__init__(*args)
+        self.executor = executor
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.executor.broadcast_step(scheduler_output)
+        return self.executor.collective(lambda: ModelRunner.execute_model(self, scheduler_output))

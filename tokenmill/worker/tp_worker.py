@@ -1,0 +1,118 @@
+"""A tensor-parallel worker process (ranks 1..N-1): load this rank's shard, then run every
+step rank 0 broadcasts, until told to stop or its engine process is gone.
+
+Every rank runs the same `ModelRunner` over the same `SchedulerOutput`: the model's
+collectives keep the ranks in lockstep, the logits are all-gathered, and each rank samples
+the same tokens from the same seeded generators (as vLLM v1's workers do), so a worker keeps
+its own copy of each request's tokens and needs nothing back from rank 0 but the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.parallel import TensorParallel
+from tokenmill.models.loader import checkpoint_dtype, load_hf_config, load_model
+from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.worker.distributed import (
+    Rendezvous,
+    broadcast_object,
+    join_group,
+    leave_group,
+    rank_device,
+)
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Broadcast instead of a SchedulerOutput: the engine is shutting down.
+STOP = "stop"
+# How often a worker checks that its engine process is still there.
+_PARENT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What rank 0 decides after loading and every rank needs to build its runner."""
+
+    kv_cache_spec: KVCacheSpec  # per rank: this rank's KV heads
+    num_kv_blocks: int
+    num_swap_blocks: int
+    seed: int
+    proposer: Proposer | None  # n-gram only: stateless, so each rank gets a copy
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this rank holds (oneDNN-packed weights included)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def run_worker(
+    config: EngineConfig, rendezvous: Rendezvous, rank: int, num_threads: int, parent: int
+) -> None:
+    """The worker process's entry point (spawned by `TensorParallelExecutor`)."""
+    _exit_with_parent(parent)
+    torch.set_num_threads(num_threads)
+    tp, step_group = join_group(rendezvous, rank)
+    try:
+        runner = _build_runner(config, tp, step_group)
+        while True:
+            scheduler_output = broadcast_object(None, step_group)
+            if scheduler_output == STOP:
+                break
+            runner.execute_model(scheduler_output)
+    finally:
+        leave_group()
+
+
+def _build_runner(config: EngineConfig, tp: TensorParallel, step_group: Any) -> ModelRunner:
+    device = rank_device(config.torch_device(), tp.rank)
+    hf_config, architecture = load_hf_config(config.model)
+    dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+    torch.manual_seed(config.seed)
+    model = load_model(
+        config.model, hf_config, architecture, dtype, device, config.linear_backend, tp
+    )
+    setup: WorkerSetup = broadcast_object(None, step_group)
+    report_parameter_bytes(model, step_group)
+    return ModelRunner(
+        model,
+        setup.kv_cache_spec,
+        setup.num_kv_blocks,
+        device,
+        seed=setup.seed,
+        num_swap_blocks=setup.num_swap_blocks,
+        proposer=setup.proposer,
+    )
+
+
+def report_parameter_bytes(model: torch.nn.Module, step_group: Any) -> list[int]:
+    """Every rank's parameter bytes, in rank order (a collective: all ranks call it)."""
+    sizes: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(sizes, parameter_bytes(model), group=step_group)
+    return sizes
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit when the engine process is gone (killed, so it could not stop us): no orphans."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
