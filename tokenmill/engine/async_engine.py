@@ -144,6 +144,8 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.put(EngineDeadError("the engine has shut down"))
         self._streams.clear()
+        if not self._thread.is_alive():  # a step still running would wait on the workers
+            self.engine.shutdown()
 
     def fail_open_requests(self, error: BaseException) -> None:
         """End every open request now with `error` (a stream sends it as its last event) and

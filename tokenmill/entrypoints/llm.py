@@ -47,6 +47,10 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (else at garbage collection or exit)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

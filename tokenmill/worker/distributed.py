@@ -3,9 +3,10 @@
 Two groups, as vLLM keeps a device group and a CPU group:
 - the default group carries the model's collectives (gloo on CPU, nccl on CUDA) with a short
   timeout (`EngineConfig.distributed_timeout`), so a hung peer fails the step in bounded time;
-- the step group (always gloo) carries each step's pickled `SchedulerOutput` from rank 0. A
-  worker waits there between steps for as long as the engine is idle, so its timeout is long;
-  a worker whose engine process has gone notices by its parent's pid (`tp_worker.py`).
+- the step group (always gloo) carries each step's pickled `SchedulerOutput` from rank 0 (whose
+  send to a hung worker times out like a collective). A worker waits there between steps for as
+  long as the engine is idle, so its own timeout is long; a worker whose engine process has
+  gone notices by its parent's pid (`tp_worker.py`).
 
 Rendezvous is torch.distributed's TCP store at MASTER_ADDR:MASTER_PORT (defaults: 127.0.0.1 and
 a free port picked by rank 0).
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,11 +29,14 @@ from tokenmill.layers.parallel import TensorParallel
 
 # How long a worker waits for the next step: an idle server sends none for hours.
 _STEP_WAIT = timedelta(days=365)
+# How long ranks may take to start and meet (spawn, imports, loading on a busy machine).
+_START_TIMEOUT = timedelta(minutes=5)
+_JOINED = "tokenmill/joined"  # store counter: ranks that reached the rendezvous
 
 
 @dataclass(frozen=True)
 class Rendezvous:
-    init_method: str
+    address: str  # host:port of the TCP store
     world_size: int
     timeout_s: float
     backend: str  # of the model's collectives
@@ -40,7 +46,7 @@ class Rendezvous:
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(address)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        return cls(f"tcp://{address}:{port}", world_size, timeout_s, backend)
+        return cls(f"{address}:{port}", world_size, timeout_s, backend)
 
 
 def _free_port(address: str) -> int:
@@ -54,22 +60,52 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def join_group(rendezvous: Rendezvous, rank: int) -> tuple[TensorParallel, Any]:
-    """Join the default (model) group and the step group; (this rank's view, step group)."""
+def join_group(
+    rendezvous: Rendezvous, rank: int, check_peers: Callable[[], None] = lambda: None
+) -> tuple[TensorParallel, Any]:
+    """Join the default (model) group and the step group; (this rank's view, step group).
+
+    Rank 0 waits for the others at the store, calling `check_peers` meanwhile, so a worker
+    that died starting fails the start at once. Starting may take minutes (a loaded machine
+    importing torch); the collectives' timeout is `rendezvous.timeout_s`.
+    """
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialised in this process: one tensor-parallel "
             "engine per process"
         )
+    store = _store(rendezvous, rank)
+    store.add(_JOINED, 1)
+    deadline = time.monotonic() + _START_TIMEOUT.total_seconds()
+    while rank == 0 and store.add(_JOINED, 0) < rendezvous.world_size:
+        check_peers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the tensor-parallel workers did not start in {_START_TIMEOUT}")
+        time.sleep(0.05)
     dist.init_process_group(
         rendezvous.backend,
-        init_method=rendezvous.init_method,
+        store=store,
         rank=rank,
         world_size=rendezvous.world_size,
         timeout=timedelta(seconds=rendezvous.timeout_s),
     )
-    step_group = dist.new_group(backend="gloo", timeout=_STEP_WAIT)
+    # The timeout is each rank's own: rank 0's sends give up like any collective, a worker's
+    # receive waits for the next step however long the engine idles.
+    step_timeout = timedelta(seconds=rendezvous.timeout_s) if rank == 0 else _STEP_WAIT
+    step_group = dist.new_group(backend="gloo", timeout=step_timeout)
     return TensorParallel(rank=rank, size=rendezvous.world_size), step_group
+
+
+def _store(rendezvous: Rendezvous, rank: int) -> dist.TCPStore:
+    host, port = rendezvous.address.rsplit(":", 1)
+    return dist.TCPStore(
+        host,
+        int(port),
+        rendezvous.world_size,
+        is_master=rank == 0,
+        timeout=_START_TIMEOUT,
+        wait_for_workers=False,
+    )
 
 
 def leave_group() -> None:

@@ -25,6 +25,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
@@ -45,7 +46,8 @@ class TensorParallelExecutor:
         size = config.tensor_parallel_size
         device = config.torch_device()
         self.rendezvous = Rendezvous.local(size, config.distributed_timeout, device)
-        num_threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 1
+        self._engine_threads = torch.get_num_threads()  # restored at shutdown
+        num_threads = max(1, self._engine_threads // size) if device.type == "cpu" else 1
         torch.set_num_threads(num_threads)
         context = multiprocessing.get_context("spawn")
         self.workers = [
@@ -60,11 +62,9 @@ class TensorParallelExecutor:
         for worker in self.workers:
             worker.start()
         self._finalizer = weakref.finalize(self, _release, self.workers)
-        try:
-            self.tp, self.step_group = join_group(self.rendezvous, 0)
-        except Exception:
-            self.shutdown(graceful=False)
-            raise
+        # Rank 0 loads its shard while the workers start; the groups are joined after that.
+        self.tp = TensorParallel(rank=0, size=size)
+        self.step_group: Any = None
         self.parameter_bytes: list[int] = []  # per rank, once the runners are built
         self.failure: TensorParallelError | None = None
 
@@ -79,6 +79,7 @@ class TensorParallelExecutor:
         proposer: Proposer | None = None,
     ) -> ModelRunner:
         """Rank 0's runner; every worker builds the same one over its shard."""
+        self._join()
         setup = WorkerSetup(kv_cache_spec, num_kv_blocks, num_swap_blocks, seed, proposer)
         self.collective(lambda: broadcast_object(setup, self.step_group))
         self.parameter_bytes = self.collective(
@@ -87,6 +88,14 @@ class TensorParallelExecutor:
         return TensorParallelRunner(
             self, model, kv_cache_spec, num_kv_blocks, device, seed, num_swap_blocks, proposer
         )
+
+    def _join(self) -> None:
+        try:
+            _, self.step_group = join_group(self.rendezvous, 0, self.check_workers)
+        except Exception as e:
+            self.check_workers()  # a worker that died starting is the better explanation
+            self.shutdown(graceful=False)
+            raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
 
     def broadcast_step(self, scheduler_output: SchedulerOutput) -> None:
         self.collective(lambda: broadcast_object(scheduler_output, self.step_group))
@@ -99,9 +108,13 @@ class TensorParallelExecutor:
             return call()
         except Exception as e:
             self.check_workers()
-            if not isinstance(e, torch.distributed.DistError):
+            if not _is_collective_error(e):
                 raise
-            self._fail(f"a collective with the tensor-parallel workers failed ({e})")
+            self._fail(
+                "a collective with the tensor-parallel workers failed: one hung (past "
+                f"distributed_timeout={self.rendezvous.timeout_s:g} s) or dropped its connection "
+                f"({str(e).strip()})"
+            )
 
     def check_workers(self) -> None:
         if self.failure is not None:
@@ -124,13 +137,21 @@ class TensorParallelExecutor:
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
-        if graceful and self.failure is None:
+        if graceful and self.failure is None and self.step_group is not None:
             try:
                 broadcast_object(STOP, self.step_group)
             except Exception:  # a worker already gone: it is killed below
                 graceful = False
+        leave_group()  # first: a worker's own leaving waits for rank 0's
         _stop_workers(self.workers, graceful)
-        leave_group()
+        torch.set_num_threads(self._engine_threads)
+
+
+def _is_collective_error(e: Exception) -> bool:
+    """Whether `e` came from torch.distributed's transport (gloo raises plain RuntimeErrors)."""
+    return isinstance(e, torch.distributed.DistError) or (
+        isinstance(e, RuntimeError) and "gloo" in str(e)
+    )
 
 
 def _release(workers: list[Any]) -> None:

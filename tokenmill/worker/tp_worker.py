@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -52,12 +53,12 @@ class WorkerSetup:
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights this rank holds (oneDNN-packed weights included)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, torch.Tensor):
-                tensors[id(value)] = value
+    """Bytes of the loaded weights this rank holds: parameters, and the weights a oneDNN
+    linear keeps outside them (not the rotary tables every rank computes whole)."""
+    tensors = {id(t): t for t in model.parameters()}
+    for name, module in model.named_modules():
+        if not name.startswith("rotary"):
+            tensors.update((id(v), v) for v in vars(module).values() if isinstance(v, torch.Tensor))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -66,10 +67,24 @@ def run_worker(
 ) -> None:
     """The worker process's entry point (spawned by `TensorParallelExecutor`)."""
     _exit_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops us
     torch.set_num_threads(num_threads)
-    tp, step_group = join_group(rendezvous, rank)
+    device = rank_device(config.torch_device(), rank)
+    # Load first, as rank 0 does: once the ranks meet, every step is bounded by the timeout.
+    model = _load_shard(config, TensorParallel(rank=rank, size=rendezvous.world_size), device)
+    _, step_group = join_group(rendezvous, rank)
     try:
-        runner = _build_runner(config, tp, step_group)
+        setup: WorkerSetup = broadcast_object(None, step_group)
+        report_parameter_bytes(model, step_group)
+        runner = ModelRunner(
+            model,
+            setup.kv_cache_spec,
+            setup.num_kv_blocks,
+            device,
+            seed=setup.seed,
+            num_swap_blocks=setup.num_swap_blocks,
+            proposer=setup.proposer,
+        )
         while True:
             scheduler_output = broadcast_object(None, step_group)
             if scheduler_output == STOP:
@@ -77,26 +92,18 @@ def run_worker(
             runner.execute_model(scheduler_output)
     finally:
         leave_group()
+    # Skip the interpreter's teardown: its garbage collection of torch.distributed's objects
+    # took 5 s after the group was gone, and there is nothing left to flush but logs.
+    logging.shutdown()
+    os._exit(0)
 
 
-def _build_runner(config: EngineConfig, tp: TensorParallel, step_group: Any) -> ModelRunner:
-    device = rank_device(config.torch_device(), tp.rank)
+def _load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -> torch.nn.Module:
     hf_config, architecture = load_hf_config(config.model)
     dtype = config.torch_dtype(checkpoint_dtype(hf_config))
     torch.manual_seed(config.seed)
-    model = load_model(
+    return load_model(
         config.model, hf_config, architecture, dtype, device, config.linear_backend, tp
-    )
-    setup: WorkerSetup = broadcast_object(None, step_group)
-    report_parameter_bytes(model, step_group)
-    return ModelRunner(
-        model,
-        setup.kv_cache_spec,
-        setup.num_kv_blocks,
-        device,
-        seed=setup.seed,
-        num_swap_blocks=setup.num_swap_blocks,
-        proposer=setup.proposer,
     )
 
 
