@@ -1,11 +1,12 @@
 """Offline throughput with one rank vs two tensor-parallel ranks, interleaved in one process.
 
-Both engines stay up; each repeat runs the same workload on one, then the other. The one-rank
-engine gets all of torch's threads, each of the two ranks half of them (what the executor
-sets), so both use the same cores. Greedy outputs are checked equal. Median tokens/s and the
-ratio are printed.
+Both engines stay up; each repeat runs the same workload on each configuration in turn: one
+rank with all of torch's threads, one rank with half of them, two ranks with half each (what
+the executor sets), so the first and last use the same cores. The middle one separates what
+tensor parallelism buys from what fewer OpenMP threads per process buy on a loaded machine.
+Greedy outputs are checked equal. Median tokens/s and ratios to the first are printed.
 
-    OMP_NUM_THREADS=2 python benchmarks/tensor_parallel.py --repeats 3
+    cd benchmarks && OMP_NUM_THREADS=2 python tensor_parallel.py --repeats 2
     # model: benchmarks/make_bench_model.py's 79M Llama (12 heads, 4 KV heads: splits in 2)
 """
 
@@ -48,31 +49,31 @@ def main() -> None:
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens
     ]
     threads = torch.get_num_threads()
-    engines = {
-        1: LLM(model, dtype="float32"),
-        2: LLM(model, dtype="float32", tensor_parallel_size=2),
-    }
+    single = LLM(model, dtype="float32")
+    sharded = LLM(model, dtype="float32", tensor_parallel_size=2)
     rank_threads = torch.get_num_threads()  # what the executor set for rank 0
-    seconds: dict[int, list[float]] = {1: [], 2: []}
-    outputs: dict[int, list] = {}
+    # name -> (engine, torch threads of the engine process)
+    configs = {
+        f"TP=1, {threads} threads": (single, threads),
+        f"TP=1, {rank_threads} thread(s)": (single, rank_threads),
+        f"TP=2, {rank_threads} thread(s) per rank": (sharded, rank_threads),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in configs}
+    outputs: dict[str, list] = {}
     for _ in range(args.repeats + 1):  # the first round warms up, unrecorded
-        for tp, llm in engines.items():
-            torch.set_num_threads(threads if tp == 1 else rank_threads)
-            elapsed, outputs[tp] = run(llm, workload.prompts, params)
-            seconds[tp].append(elapsed)
-    engines[2].shutdown()
-    assert outputs[1] == outputs[2], "tensor-parallel outputs differ"
+        for name, (llm, num_threads) in configs.items():
+            torch.set_num_threads(num_threads)
+            elapsed, outputs[name] = run(llm, workload.prompts, params)
+            seconds[name].append(elapsed)
+    sharded.shutdown()
+    assert len({str(o) for o in outputs.values()}) == 1, "tensor-parallel outputs differ"
     tokens = workload.num_output_tokens
-    rates = {tp: tokens / statistics.median(s[1:]) for tp, s in seconds.items()}
-    print(
-        f"model {model}, {args.num_prompts} prompts x {args.input_len} in + {args.output_len} out"
-    )
-    print(f"threads: TP=1 {threads}, TP=2 {rank_threads} per rank; repeats {args.repeats}")
-    for tp, rate in rates.items():
-        print(
-            f"TP={tp}: {rate:8.1f} output tok/s (median; runs {[round(s, 2) for s in seconds[tp]]})"
-        )
-    print(f"TP=2 / TP=1: {rates[2] / rates[1]:.2f}x")
+    rates = {name: tokens / statistics.median(s[1:]) for name, s in seconds.items()}
+    print(f"model {model}: {args.num_prompts} prompts, {args.input_len} in, {args.output_len} out")
+    baseline = next(iter(rates.values()))
+    for name, rate in rates.items():
+        runs = [round(s, 2) for s in seconds[name]]
+        print(f"{name}: {rate:7.1f} output tok/s, {rate / baseline:.2f}x (seconds per run {runs})")
 
 
 if __name__ == "__main__":
