@@ -103,7 +103,14 @@ def _load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) 
     dtype = config.torch_dtype(checkpoint_dtype(hf_config))
     torch.manual_seed(config.seed)
     return load_model(
-        config.model, hf_config, architecture, dtype, device, config.linear_backend, tp
+        config.model,
+        hf_config,
+        architecture,
+        dtype,
+        device,
+        config.linear_backend,
+        config.attention_backend,
+        tp=tp,
     )
 
 
