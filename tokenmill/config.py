@@ -256,9 +256,13 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.distributed_timeout > 0:
             raise ConfigError(f"distributed_timeout must be > 0 s, got {self.distributed_timeout}")
+        if self.tensor_parallel_size == 1:
+            return
         spec = self.speculative_config
-        if self.tensor_parallel_size > 1 and spec is not None and spec.method != "ngram":
+        if spec is not None and spec.method != "ngram":
             raise ConfigError("with tensor_parallel_size > 1 only ngram speculation is supported")
+        if self.enforce_eager is False:  # collectives inside a captured step: not built yet
+            raise ConfigError("tensor_parallel_size > 1 runs eager steps: leave enforce_eager on")
 
     def _check_prefill_limits(self) -> None:
         if self.itl_target_ms is not None:

@@ -45,3 +45,5 @@ def test_settings_tensor_parallelism_cannot_take_are_refused() -> None:
     draft = SpeculativeConfig.parse({"method": "draft_model", "model": "x"})
     with pytest.raises(ConfigError, match="only ngram speculation"):
         EngineConfig(tensor_parallel_size=2, speculative_config=draft)
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        EngineConfig(tensor_parallel_size=2, enforce_eager=False)

@@ -108,7 +108,7 @@ def _load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) 
         architecture,
         dtype,
         device,
-        config.linear_backend,
+        config.linear_backend_for(device),
         config.attention_backend,
         tp=tp,
     )
