@@ -6,10 +6,12 @@
 Prints one JSON line per figure (`{"figure": ..., ...}`), in this order:
 
 1. correctness: greedy fp32 token ids of a small random Llama (GQA), tokenmill (the default
-   attention backend for the device: Triton on CUDA) vs transformers, 24 prompts of varied
-   lengths, with default settings and with a 64-token budget and 48 KV blocks (chunks,
-   preemption); then, on the big bf16 model, the Triton backend vs the portable one.
-2. batch 1: a 128-token prompt, 256 new tokens; tokenmill and transformers, tokens/s.
+   attention backend for the device: Triton on CUDA; eager and with decode steps captured as
+   CUDA graphs) vs transformers, 24 prompts of varied lengths, with default settings and with
+   a 64-token budget and 48 KV blocks (chunks, preemption); then, on the big bf16 model, the
+   Triton backend vs the portable one.
+2. batch 1: a 128-token prompt, 256 new tokens; tokenmill eager, tokenmill with CUDA graphs
+   (the engine used from here on) and transformers, tokens/s.
 3. throughput: 256 requests x (128 prompt + 128 new), all submitted at once to tokenmill;
    transformers in static batches of 64; output tokens/s.
 4. a 4096-token prompt arriving while 64 streams decode: its TTFT and the streams' inter-token
@@ -86,11 +88,15 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def engine(model_dir: Path, device: str, **engine_args: Any) -> LLM:
+def engine(model_dir: Path, device: str, captured: bool = False, **engine_args: Any) -> LLM:
     """A fixed KV cache (16 GiB, 64 MiB off CUDA): the transformers model shares the device,
-    and an engine not yet collected must not shrink the next one's."""
+    and an engine not yet collected must not shrink the next one's. `captured`: decode-only
+    steps as CUDA graphs (`--no-enforce-eager`; on the CPU, torch.compile: minutes)."""
     kv_bytes = 16 * 1024**3 if device.startswith("cuda") else 64 * 1024**2
-    return LLM(model=str(model_dir), device=device, kv_cache_memory=kv_bytes, **engine_args)
+    return LLM(
+        model=str(model_dir), device=device, kv_cache_memory=kv_bytes,
+        enforce_eager=not captured, **engine_args,
+    )  # fmt: skip
 
 
 def tokenmill_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -144,13 +150,20 @@ def check_against_transformers(model_dir: Path, device: str) -> None:
         "budget64_blocks48": dict(max_num_batched_tokens=64, num_kv_blocks=48),
     }
     for name, extra in settings.items():
-        llm = engine(model_dir, device, dtype="float32", max_model_len=256, **extra)
-        backend = type(llm.engine.runner.model.layers[0].self_attn.attn).__name__
-        got = tokenmill_ids(llm, prompts, 32)
-        equal = sum(g == e for g, e in zip(got, expected))
-        emit("greedy_fp32_vs_transformers", setting=name, backend=backend, equal=equal, total=24)
-        del llm
-        free()
+        # (on a CPU, capturing is torch.compile: minutes; the tests cover it there)
+        for captured in (False, True) if device.startswith("cuda") else (False,):
+            llm = engine(
+                model_dir, device, dtype="float32", max_model_len=256, captured=captured, **extra
+            )
+            backend = type(llm.engine.runner.model.layers[0].self_attn.attn).__name__
+            got = tokenmill_ids(llm, prompts, 32)
+            equal = sum(g == e for g, e in zip(got, expected))
+            emit(
+                "greedy_fp32_vs_transformers", setting=name, backend=backend, captured=captured,
+                equal=equal, total=24,
+            )  # fmt: skip
+            del llm
+            free()
 
 
 def check_backends_agree(model_dir: Path, device: str, sizes: dict) -> None:
@@ -248,8 +261,15 @@ def main() -> None:
     )
     check_backends_agree(bench_dir, args.device, sizes)
     model = hf_model(bench_dir, torch.bfloat16, args.device)
-    llm = engine(bench_dir, args.device, max_model_len=sizes["long"] + 256)
-    emit("engine", attention=type(llm.engine.runner.model.layers[0].self_attn.attn).__name__)
+    eager = engine(bench_dir, args.device, max_model_len=sizes["long"] + 256)
+    emit("engine", captured=False)
+    batch1(eager, model, args.device, sizes)  # eager, for the side-by-side
+    del eager
+    free()
+    captured = args.device.startswith("cuda")  # compiling on a CPU takes minutes per size
+    llm = engine(bench_dir, args.device, captured=captured, max_model_len=sizes["long"] + 256)
+    attention = type(llm.engine.runner.model.layers[0].self_attn.attn).__name__
+    emit("engine", attention=attention, captured=captured)
     batch1(llm, model, args.device, sizes)
     throughput(llm, model, args.device, sizes)
     del model
