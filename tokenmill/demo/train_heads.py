@@ -162,17 +162,13 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
     medusa = MedusaHeads(config.hidden_size, lm_head, spec.medusa_heads)
     params = [p for p in (*eagle.parameters(), *medusa.parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
     rotary = LlamaRotaryEmbedding(config)
+    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (eagle, medusa)]
     logger.info(
         "heads: %d steps x %d rows x %d tokens; eagle %.2fM, medusa %.2fM parameters",
-        num_steps,
-        spec.batch_size,
-        spec.seq_len,
-        sum(p.numel() for p in eagle.parameters()) / 1e6,
-        sum(p.numel() for p in medusa.parameters()) / 1e6,
-    )
+        num_steps, spec.batch_size, spec.seq_len, *sizes,
+    )  # fmt: skip
     history: list[dict] = []
     window: list[dict[str, float]] = []
     for step in range(num_steps):
@@ -207,13 +203,19 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
             window = []
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "heads_history.json").write_text(json.dumps(history) + "\n")
-    seconds = round(time.time() - start)
-    summary = {"train_steps": num_steps, "train_seconds": seconds, "final": history[-1]}
+    summary = {"train_steps": num_steps, "train_seconds": round(time.time() - start)}
+    _save(eagle, medusa, config, out_dir, {**summary, "final": history[-1]})
+
+
+def _save(
+    eagle: EagleLayer, medusa: MedusaHeads, config: transformers.LlamaConfig, out_dir: Path,
+    summary: dict,
+) -> None:  # fmt: skip
     eagle_state = {k: v.detach().clone() for k, v in eagle.state_dict().items()}
     save_eagle(eagle_state, config, out_dir / "eagle", _info("eagle", eagle, summary))
     medusa_state = {k: v.detach().clone() for k, v in medusa.state_dict().items()}
     save_medusa(medusa_state, config, out_dir / "medusa", _info("medusa", medusa, summary))
-    logger.info("heads saved to %s after %d s", out_dir, seconds)
+    logger.info("heads saved to %s after %d s", out_dir, summary["train_seconds"])
 
 
 def _losses(
