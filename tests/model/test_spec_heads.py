@@ -32,7 +32,7 @@ CHATS = [
 ENGINE_VARIANTS = {
     "plain": {},
     "chunked": {"max_num_batched_tokens": 16, "block_size": 4},
-    "preempting": {"num_kv_blocks": 40, "block_size": 4},
+    "preempting": {"num_kv_blocks": 32, "block_size": 4},
 }
 
 
@@ -56,7 +56,7 @@ def greedy() -> SamplingParams:
 
 def demo_llm(spec: dict | None, **kwargs) -> LLM:
     """The demo target (no model given: the entrypoint fills in target and heads)."""
-    return LLM(dtype="float32", speculative_config=spec, max_model_len=256, **kwargs)
+    return LLM(dtype="float32", speculative_config=spec, max_model_len=128, **kwargs)
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -81,7 +81,7 @@ def test_greedy_output_is_identical_with_heads(demo_prompts, reference, method, 
     stats = llm.get_stats().scheduler
     assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
     # The trained heads draft from the right features: random ones are accepted ~never.
-    assert stats.spec_decode.num_accepted_tokens > 0.15 * stats.spec_decode.num_draft_tokens
+    assert stats.spec_decode.num_accepted_tokens > 0.05 * stats.spec_decode.num_draft_tokens
     assert stats.prefix_cache.hits > 0
     if variant == "preempting":
         assert stats.num_preemptions > 0
