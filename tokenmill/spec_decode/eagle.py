@@ -189,25 +189,11 @@ class EagleProposer:
             device=self.device,
         )
         features = torch.cat([p[2] for p in pieces]) if len(pieces) > 1 else pieces[0][2]
-        hidden = self._forward([p[0] for p in pieces], input_ids, features, query_lens, seq_lens)
+        blocks = [p[0].block_ids for p in pieces]
+        positions, metadata = layout_step(
+            blocks, query_lens, seq_lens, self.block_size, None, self.device
+        )  # fmt: skip
+        positions_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.draft(input_ids, features, positions_t, self.kv_caches, metadata)
         last_rows = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
         return hidden[last_rows]
-
-    def _forward(
-        self,
-        states: list[CachedRequestState],
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        query_lens: np.ndarray,
-        seq_lens: np.ndarray,
-    ) -> torch.Tensor:
-        positions, metadata = layout_step(
-            [s.block_ids for s in states],
-            query_lens,
-            seq_lens,
-            self.block_size,
-            None,
-            self.device,
-        )
-        positions_t = torch.from_numpy(positions).to(self.device)
-        return self.draft(input_ids, features, positions_t, self.kv_caches, metadata)
