@@ -25,6 +25,7 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionMetadata, build_attention_group
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.parallel import SINGLE
 from tokenmill.models.llama import (
     ArchitectureTraits,
     LlamaDecoderLayer,
@@ -49,7 +50,7 @@ class EagleDraft(nn.Module):
         self.shape = shape
         self.num_local_kv_heads = shape.num_kv_heads  # the layer is never sharded
         self.fc = nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=fc_bias)
-        layer = LlamaDecoderLayer(shape, ArchitectureTraits())
+        layer = LlamaDecoderLayer(shape, ArchitectureTraits(), SINGLE)
         layer.input_layernorm = nn.Identity()  # EAGLE: the features are already normalised
         self.layers = nn.ModuleList([layer])
         self._target = (target,)  # a tuple: not a submodule (not saved, not converted twice)
