@@ -1,10 +1,13 @@
 """Speculative decoding benchmark, offline, every configuration side by side in one run.
 
-    python benchmarks/spec_decode.py [--model PATH] [--draft-model PATH] [--repeats 3]
+    python benchmarks/spec_decode.py [--model PATH] [--draft-model PATH] [--eagle-model PATH]
+        [--medusa-model PATH] [--methods ngram,draft,eagle,medusa] [--repeats 3]
 
-With no model: the demo target and its draft (tokenmill.demo), on held-out demo prompts.
+With no model: the demo target, its draft and its EAGLE / Medusa heads (tokenmill.demo), on
+held-out demo prompts.
 1. Batch-1 decode tokens/s on prompts whose answer echoes the input (copy a passage) and on
-   the mix of all demo tasks: no speculation vs n-gram prompt lookup vs the draft model.
+   the mix of all demo tasks: no speculation vs n-gram prompt lookup vs the draft model vs
+   EAGLE vs Medusa.
 2. Throughput at concurrency 1, 8, 32, 64 (max_num_seqs = concurrency, 2x that many requests)
    on echo prompts: speculation off, then each method with a fixed k and with the adaptive
    policy.
@@ -80,14 +83,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--eagle-model", default=None, help="default: the demo target's")
+    parser.add_argument("--medusa-model", default=None, help="default: the demo target's")
+    parser.add_argument("--methods", default="ngram,draft,eagle,medusa")
+    parser.add_argument("--concurrency", default="1,8,32,64")
     args = parser.parse_args()
     methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
-    if args.draft_model or args.model is None:
-        methods["draft"] = {
-            "method": "draft_model",
-            "model": args.draft_model,  # None: the demo draft
-            "num_speculative_tokens": args.k,
-        }
+    # name -> (method, model); a None model is the demo target's default.
+    with_models = {
+        "draft": ("draft_model", args.draft_model),
+        "eagle": ("eagle", args.eagle_model),
+        "medusa": ("medusa", args.medusa_model),
+    }
+    for name, (method, model) in with_models.items():
+        if model or args.model is None:
+            methods[name] = {"method": method, "model": model, "num_speculative_tokens": args.k}
+    chosen = args.methods.split(",")
+    methods = {name: spec for name, spec in methods.items() if name in chosen}
 
     def engine(max_num_seqs: int, spec: dict | None = None) -> LLM:
         return LLM(model=args.model, max_num_seqs=max_num_seqs, speculative_config=spec)
@@ -113,7 +125,7 @@ def main() -> None:
     print("\n## throughput by concurrency, echo prompts, tokens/s (ratio to off)")
     names = [f"{m} {mode}" for m in methods for mode in ("fixed", "adaptive")]
     print(f"  {'concurrency':>11} {'off':>8} " + " ".join(f"{n:>16}" for n in names))
-    for concurrency in (1, 8, 32, 64):
+    for concurrency in map(int, args.concurrency.split(",")):
         engines = {"off": engine(concurrency)}
         for name, spec in methods.items():
             engines[f"{name} fixed"] = engine(concurrency, {**spec, "adaptive": False})

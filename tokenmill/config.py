@@ -40,17 +40,22 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+# ngram: prompt lookup; draft_model: a smaller model; eagle / medusa: heads on the target.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+
+
 @dataclass
 class SpeculativeConfig:
     """`--speculative-config` as vLLM takes it, e.g. `{"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 5}` or `{"method": "draft_model",
-    "model": PATH, "num_speculative_tokens": 4}`."""
+    "num_speculative_tokens": 4, "prompt_lookup_max": 5}`, `{"method": "draft_model",
+    "model": PATH, "num_speculative_tokens": 4}`, or `{"method": "eagle"}` / `{"method":
+    "medusa"}` with `model` the heads' directory (default: the demo target's heads)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # the draft model's directory (draft_model)
+    model: str | None = None  # the draft model's (draft_model) or the heads' directory
     # Pick k per step (down to 0) from measured throughput; False: always num_speculative_tokens.
     adaptive: bool = True
 
@@ -71,12 +76,14 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"unknown speculative_config keys: {sorted(unknown)}")
         if "method" not in value:
-            raise ConfigError("speculative_config needs a method: ngram or draft_model")
+            raise ConfigError(
+                f"speculative_config needs a method: one of {', '.join(SPECULATIVE_METHODS)}"
+            )
         value = {"num_speculative_tokens": 4, **value}
         return cls(**value)
 
     def __post_init__(self) -> None:
-        _check_choice("speculative method", self.method, ("ngram", "draft_model"))
+        _check_choice("speculative method", self.method, SPECULATIVE_METHODS)
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(
                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"

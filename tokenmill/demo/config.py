@@ -100,3 +100,27 @@ DEMO_MODELS: dict[str, DemoModelSpec] = {
         train=TrainSpec(num_tokens=11_000_000, lr=3e-3, batch_size=2, warmup_steps=200),
     ),
 }
+
+
+@dataclass(frozen=True)
+class HeadsSpec:
+    """The speculative heads on the frozen demo target (`python -m tokenmill.demo.train_heads`):
+    an EAGLE layer and Medusa heads, trained together on the same batches of target features."""
+
+    num_steps: int = 100
+    batch_size: int = 2
+    seq_len: int = 1024  # the longest documents (lookups) need it
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    seed: int = SEED + 3  # the corpus stream (another than the target's) and the init
+    # EAGLE: chain steps unrolled in training (EAGLE-3's training-time test), so the layer
+    # learns from its own predicted features as it drafts k tokens; loss weights per step.
+    eagle_steps: tuple[float, ...] = (1.0, 0.8, 0.6)
+    feature_weight: float = 0.5  # smooth-L1 on the predicted hidden state, next to the KL
+    medusa_heads: int = 4
+    log_every: int = 10
+
+
+HEADS = HeadsSpec()

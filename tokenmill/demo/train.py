@@ -75,11 +75,11 @@ def build_training_rows(
         (iter_corpus(SEED + 1, exclusions, CURRICULUM_WEIGHTS), num_curriculum),
         (iter_corpus(SEED, exclusions), num_rows - num_curriculum),
     ]
-    parts = [_pack_rows(tokenizer, stream, n, train.seq_len) for stream, n in phases]
+    parts = [pack_rows(tokenizer, stream, n, train.seq_len) for stream, n in phases]
     return PackedRows.concat(parts)
 
 
-def _pack_rows(
+def pack_rows(
     tokenizer: transformers.PreTrainedTokenizerFast,
     stream: Iterator[Example],
     num_rows: int,
@@ -212,7 +212,7 @@ def build_polish_rows(
 ) -> PackedRows:
     """Rows for the second schedule: `POLISH_WEIGHTS` from a stream of its own seed."""
     stream = iter_corpus(SEED + 2, training_exclusions(), POLISH_WEIGHTS)
-    return _pack_rows(tokenizer, stream, polish.num_steps * polish.batch_size, polish.seq_len)
+    return pack_rows(tokenizer, stream, polish.num_steps * polish.batch_size, polish.seq_len)
 
 
 def _with_steps(spec: TrainSpec, num_steps: int | None) -> TrainSpec:

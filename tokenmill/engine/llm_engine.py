@@ -37,6 +37,9 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.eagle import EagleDraft, EagleProposer
+from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
+from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.policy import SpeculationPolicy
 from tokenmill.spec_decode.proposer import Proposer
@@ -84,7 +87,10 @@ class LLMEngine:
         kv_spec = self._kv_spec(model)
         spec = config.speculative_config
         draft = self._load_draft_model(model, spec) if spec is not None else None
-        draft_spec = None if draft is None else self._kv_spec(draft)
+        # A draft model and an EAGLE layer keep KV in the paged pool; Medusa heads need none.
+        draft_spec = (
+            None if draft is None or isinstance(draft, MedusaHeads) else self._kv_spec(draft)
+        )
         num_blocks = num_kv_blocks(config, kv_spec, self.max_model_len, self.device, draft_spec)
         swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
         self.kv_cache_manager = KVCacheManager(
@@ -114,7 +120,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
             spec_policy=self._speculation_policy(),
-            spec_lookahead=draft is not None,
+            spec_lookahead=draft_spec is not None,
             prefill_limits=self._prefill_limits(num_blocks),
         )
         self.structured_output = StructuredOutputManager(
@@ -312,7 +318,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.shutdown()
 
-    def _kv_spec(self, model: LlamaForCausalLM) -> KVCacheSpec:
+    def _kv_spec(self, model: LlamaForCausalLM | EagleDraft) -> KVCacheSpec:
         """Per rank: a tensor-parallel rank caches only its own KV heads."""
         return KVCacheSpec(
             num_layers=model.shape.num_layers,
@@ -324,15 +330,19 @@ class LLMEngine:
 
     def _load_draft_model(
         self, target: LlamaForCausalLM, spec: SpeculativeConfig
-    ) -> LlamaForCausalLM | None:
-        if spec.method != "draft_model":
+    ) -> LlamaForCausalLM | EagleDraft | MedusaHeads | None:
+        if spec.method == "ngram":
             return None
         draft_dir = spec.model
         if draft_dir is None:
             raise ConfigError(
-                "speculative_config method draft_model needs a model path (only the built-in "
-                "demo target has a default draft)"
+                f"speculative_config method {spec.method} needs a model path (only the "
+                "built-in demo target has a default draft and heads)"
             )
+        if spec.method == "eagle":
+            return load_eagle(draft_dir, target, self.dtype, self.device)
+        if spec.method == "medusa":
+            return load_medusa(draft_dir, target, self.dtype, self.device)
         hf_config, architecture = load_hf_config(draft_dir)
         draft = load_model(
             draft_dir,
@@ -408,11 +418,18 @@ class LLMEngine:
         return limits
 
     def _proposer(
-        self, draft: LlamaForCausalLM | None, draft_spec: KVCacheSpec | None, num_blocks: int
+        self,
+        draft: LlamaForCausalLM | EagleDraft | MedusaHeads | None,
+        draft_spec: KVCacheSpec | None,
+        num_blocks: int,
     ) -> Proposer | None:
         spec = self.config.speculative_config
         if spec is None:
             return None
+        if isinstance(draft, MedusaHeads):
+            return MedusaProposer(draft)
+        if isinstance(draft, EagleDraft) and draft_spec is not None:
+            return EagleProposer(draft, draft_spec, num_blocks, self.device)
         if draft is not None and draft_spec is not None:
             return DraftModelProposer(draft, draft_spec, num_blocks, self.device)
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

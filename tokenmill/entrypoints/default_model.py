@@ -1,6 +1,7 @@
 """The built-in demo models as defaults, filled in at the entrypoints so the engine itself
 never needs to know about them: no model means the demo target, and a draft-model
-speculative config without a model drafts with the demo draft when the target is the demo's."""
+speculative config without a model drafts with the demo draft (or the demo EAGLE / Medusa
+heads) when the target is the demo's."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def with_default_models(config: EngineConfig) -> EngineConfig:
         logger.info("no model given: using the built-in demo model %s (%s)", DEMO_TARGET_NAME, path)
         config = dataclasses.replace(config, model=str(path))
     spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model" and not spec.model:
-        draft = default_draft_for(Path(config.model))
+    if spec is not None and spec.method != "ngram" and not spec.model:
+        draft = default_draft_for(Path(config.model), spec.method)
         if draft is not None:
             config = dataclasses.replace(
                 config, speculative_config=dataclasses.replace(spec, model=str(draft))

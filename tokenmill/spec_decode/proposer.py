@@ -5,10 +5,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenmill.worker.request_state import CachedRequestState
 
 
 class Proposer(Protocol):
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
         """Up to `num_tokens` drafts per request, to follow its last (verified) token."""
+        ...
+
+
+class HiddenStateProposer(Proposer, Protocol):
+    """A proposer that drafts from the target's hidden states (EAGLE, Medusa): the runner
+    hands it, after each step, the rows of every token the target verified."""
+
+    def record_hidden_states(
+        self, state: CachedRequestState, first_position: int, hidden: torch.Tensor
+    ) -> None:
+        """The target's last hidden states at positions first_position, first_position + 1,
+        ... of the request (post-norm, as the LM head takes them)."""
         ...

@@ -16,7 +16,7 @@ from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
 from tokenmill.spec_decode.rejection_sampler import verify
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.captured_step import (
@@ -38,6 +38,11 @@ class StepInputs:
     sampling_states: list[CachedRequestState]  # the requests those rows belong to
     sampling_drafts: list[list[int]]  # per sampling request: drafts verified (k + 1 rows)
     prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]  # (state, first row, count)
+    # Per scheduled request, in row order: its first row, first position, end of known tokens.
+    states: list[CachedRequestState]
+    row_starts: np.ndarray
+    first_positions: np.ndarray
+    known_ends: list[int]
     decode: DecodeBatch | None = None  # a decode-only step that runs captured
 
 
@@ -73,7 +78,11 @@ class ModelRunner:
         self.sampler = Sampler(generator=generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
-        self.proposer = proposer  # speculative decoding: n-gram or draft model
+        self.proposer = proposer  # speculative decoding: n-gram, draft model, EAGLE, Medusa
+        # A proposer drafting from the target's hidden states gets them after every step.
+        self.hidden_consumer: HiddenStateProposer | None = (
+            proposer if hasattr(proposer, "record_hidden_states") else None  # type: ignore[assignment]
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -93,6 +102,8 @@ class ModelRunner:
             if scheduler_output.grammar_bitmask is not None:
                 _apply_grammar(logits, scheduler_output.grammar_bitmask, inputs)
             output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
+            if self.hidden_consumer is not None:
+                self._record_hidden_states(self.hidden_consumer, hidden, inputs, output)
             num_drafts = scheduler_output.num_spec_tokens_to_propose
             if self.proposer is not None and num_drafts > 0:
                 propose_start = time.perf_counter()
@@ -184,7 +195,7 @@ class ModelRunner:
         )
         decode = self._captured_decode(states, input_ids, query_lens, seq_lens)
         if decode is not None:
-            return self._captured_inputs(decode, states)
+            return self._captured_inputs(decode, states, computed, known_ends)
         positions, metadata = layout_step(
             [s.block_ids for s in states],
             query_lens,
@@ -208,9 +219,19 @@ class ModelRunner:
             sampling_states=[s for s, sample in zip(states, samples) if sample],
             sampling_drafts=[d for d, sample in zip(drafts, samples) if sample],
             prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
+            states=states,
+            row_starts=starts,
+            first_positions=computed,
+            known_ends=known_ends,
         )
 
-    def _captured_inputs(self, decode: DecodeBatch, states: list[CachedRequestState]) -> StepInputs:
+    def _captured_inputs(
+        self,
+        decode: DecodeBatch,
+        states: list[CachedRequestState],
+        computed: np.ndarray,
+        known_ends: list[int],
+    ) -> StepInputs:
         """A captured decode step's inputs go to its key's static buffers, not to tensors."""
         token_ids = torch.from_numpy(decode.token_ids)
         return StepInputs(
@@ -221,6 +242,10 @@ class ModelRunner:
             sampling_states=states,
             sampling_drafts=[[] for _ in states],
             prompt_logprob_rows=[],
+            states=states,
+            row_starts=np.arange(len(states)),
+            first_positions=computed,
+            known_ends=known_ends,
             decode=decode,
         )
 
@@ -244,6 +269,27 @@ class ModelRunner:
         if key is None:
             return None
         return DecodeBatch(key, input_ids, [s.block_ids for s in states], seq_lens)
+
+    @staticmethod
+    def _record_hidden_states(
+        consumer: HiddenStateProposer,
+        hidden: torch.Tensor,
+        inputs: StepInputs,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Hand the proposer the hidden states of each request's verified tokens: its known
+        tokens and the drafts it accepted (the rows of rejected drafts are left out)."""
+        accepted = {r: len(t) - 1 for r, t in zip(output.req_ids, output.sampled_token_ids)}
+        if inputs.decode is not None:  # a captured step's output buffer is reused: copy
+            hidden = hidden[: len(inputs.states)].clone()
+        for state, start, first, known_end in zip(
+            inputs.states,
+            inputs.row_starts.tolist(),
+            inputs.first_positions.tolist(),
+            inputs.known_ends,
+        ):
+            count = known_end - first + accepted.get(state.req_id, 0)
+            consumer.record_hidden_states(state, first, hidden[start : start + count])
 
     @staticmethod
     def _prompt_logprob_rows(

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -21,6 +25,9 @@ class CachedRequestState:
     num_computed_tokens: int
     # Positions whose KV the draft model has computed (speculative decoding; see draft_model).
     num_draft_computed_tokens: int = 0
+    # The target's hidden states (first position, rows) not yet consumed by a proposer that
+    # drafts from them (EAGLE, Medusa; see spec_decode/eagle.py).
+    draft_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
     token_array: array = field(default_factory=lambda: array("i"))
 

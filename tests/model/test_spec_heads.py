@@ -1,0 +1,160 @@
+"""Speculative heads on the target (EAGLE, Medusa): greedy outputs identical with and without
+them on the demo target with its shipped heads (chunked prefill, preemption, prefix hits);
+sampled outputs distributed as the target's (chi-square, random heads on a small-vocabulary
+model); heads load in vLLM's formats and a mismatched target is a clear error."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.model.test_spec_decode import (
+    PROMPT,
+    VOCAB,
+    chi_square,
+    chi_square_critical,
+    target_joint,
+)
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ConfigError
+from tokenmill.demo import demo_model_path
+from tokenmill.testing.random_heads import random_eagle, random_medusa
+
+MAX_TOKENS = 24
+CHATS = [
+    "Repeat this text exactly:\nOnce upon a time, there was a little fox named Max.",
+    "Reverse this list: apple banana cherry dog",
+    "Sort these numbers: 31 5 77 12",
+    "Tell me a story about a dog.",
+]
+
+ENGINE_VARIANTS = {
+    "plain": {},
+    "chunked": {"max_num_batched_tokens": 16, "block_size": 4},
+    "preempting": {"num_kv_blocks": 32, "block_size": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def demo_prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path("target"))
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False
+        )
+        for c in CHATS
+    ]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def demo_llm(spec: dict | None, **kwargs) -> LLM:
+    """The demo target (no model given: the entrypoint fills in target and heads)."""
+    return LLM(dtype="float32", speculative_config=spec, max_model_len=128, **kwargs)
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """In two waves, so the second hits the prefix cache."""
+    first = llm.generate(prompts[:2], params, use_tqdm=False)
+    second = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in first + second]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_prompts) -> list[list[int]]:
+    return generate(demo_llm(None), demo_prompts, greedy())
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
+def test_greedy_output_is_identical_with_heads(demo_prompts, reference, method, variant) -> None:
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    llm = demo_llm(spec, **ENGINE_VARIANTS[variant])
+    assert llm.engine.config.speculative_config.model == str(demo_model_path(method))
+    assert generate(llm, demo_prompts, greedy()) == reference
+    stats = llm.get_stats().scheduler
+    assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
+    # The trained heads draft from the right features: random ones are accepted ~never.
+    assert stats.spec_decode.num_accepted_tokens > 0.05 * stats.spec_decode.num_draft_tokens
+    assert stats.prefix_cache.hits > 0
+    if variant == "preempting":
+        assert stats.num_preemptions > 0
+    manager = llm.engine.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_blocks, "rollback leaked blocks"
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama", vocab_size=VOCAB, seed=5))
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_sampled_tokens_follow_the_target_distribution(small_vocab_model, tmp_path, method) -> None:
+    n = 3000
+    make_heads = random_eagle if method == "eagle" else random_medusa
+    heads = make_heads(small_vocab_model, tmp_path / method)
+    spec = {"method": method, "model": str(heads), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(
+        model=small_vocab_model,
+        dtype="float32",
+        speculative_config=spec,
+        max_model_len=128,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+    )
+    # Token 2 comes from verifying a draft (max_tokens 3 leaves room for one draft).
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([PROMPT] * n, params, use_tqdm=False)
+    counts = Counter(tuple(o.outputs[0].token_ids[:2]) for o in outputs)
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats.num_draft_tokens > n / 2, "the second token should mostly come from verification"
+    joint = target_joint(small_vocab_model, 1.0, 1.0)
+    statistic, dof = chi_square(counts, joint, n)
+    assert dof >= 4
+    assert statistic < chi_square_critical(dof)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.mark.parametrize(
+    "method, original_names", [("eagle", False), ("medusa", False), ("medusa", True)]
+)
+def test_random_heads_load_and_leave_outputs_unchanged(
+    target, tmp_path, method, original_names
+) -> None:
+    """vLLM's names (and the original Medusa repository's); a random head's drafts are mostly
+    rejected, which exercises rollback."""
+    if method == "eagle":
+        heads = random_eagle(target, tmp_path / "eagle")
+    else:
+        heads = random_medusa(target, tmp_path / "medusa", original_names=original_names)
+    prompts = [[5, 6, 7, 8, 9] * 3, [100, 200, 300]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=target, dtype="float32", max_model_len=64).generate(prompts, params)
+    spec = {"method": method, "model": str(heads), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=target, dtype="float32", max_model_len=64, speculative_config=spec)
+    fast = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_stats().scheduler.spec_decode.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_heads_of_another_target_are_a_clear_error(target, method) -> None:
+    """The demo heads (hidden 256, vocabulary 2048) on a tiny random target."""
+    spec = {"method": method, "model": str(demo_model_path(method))}
+    with pytest.raises(ConfigError, match="heads only work on the model they were trained on"):
+        LLM(model=target, dtype="float32", speculative_config=spec)
+
+
+def test_other_targets_need_explicit_heads(target) -> None:
+    with pytest.raises(ConfigError, match="needs a model path"):
+        LLM(model=target, dtype="float32", speculative_config={"method": "eagle"})

@@ -1,0 +1,200 @@
+"""EAGLE drafts: one decoder layer on the target's own hidden states.
+
+At position p the layer reads fc([embed(t[p+1]), h[p]]), where h[p] is the target's last
+(post-norm) hidden state at p, and predicts h[p+1]; the target's LM head turns that into a
+token. Drafting k tokens after the last verified token t[n-1]: the layer runs over the
+positions it has not seen (up to n - 2, whose features the target computed in its steps),
+whose last output gives draft 1; then k - 1 single-token steps, each feeding back the token
+it drafted and the feature it predicted. Its one layer of KV lives in the target's block
+layout (same block ids and slots, its own tensors), as the draft model's does.
+
+Features come from the runner (`record_hidden_states`): the rows of every scheduled token
+the target verified, kept on the request until the next proposal consumes them, so steps
+without drafts cost one slice per request. Positions the target never computed in this
+runner (a prefix-cache hit, a request swapped back in) keep whatever EAGLE KV their blocks
+hold: drafts may be worse there, outputs are the same (verification is lossless).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.layers.attention import AttentionMetadata, build_attention_group
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.parallel import SINGLE
+from tokenmill.models.llama import (
+    ArchitectureTraits,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    ModelShape,
+)
+from tokenmill.worker.step_layout import block_table_array, layout_step, query_length_class
+
+if TYPE_CHECKING:
+    from tokenmill.worker.request_state import CachedRequestState
+
+# Tokens per catch-up forward: bounds the padded attention batch when many requests catch up.
+CATCH_UP_TOKENS_PER_FORWARD = 2048
+
+
+class EagleDraft(nn.Module):
+    """fc + one Llama decoder layer without its input norm; the target's embedding, rotary
+    table and LM head are borrowed, not copied."""
+
+    def __init__(self, shape: ModelShape, target: LlamaForCausalLM, fc_bias: bool) -> None:
+        super().__init__()
+        self.shape = shape
+        self.num_local_kv_heads = shape.num_kv_heads  # the layer is never sharded
+        self.fc = nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=fc_bias)
+        layer = LlamaDecoderLayer(shape, ArchitectureTraits(), SINGLE)
+        layer.input_layernorm = nn.Identity()  # EAGLE: the features are already normalised
+        self.layers = nn.ModuleList([layer])
+        self._target = (target,)  # a tuple: not a submodule (not saved, not converted twice)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata,
+    ) -> torch.Tensor:
+        target = self._target[0]
+        x = self.fc(torch.cat([target.embed_tokens(input_ids), features], dim=-1))
+        return self.layers[0](target.rotary.cos_sin(positions), x, kv_caches[0], metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._target[0].compute_logits(hidden)
+
+
+class EagleProposer:
+    def __init__(
+        self, draft: EagleDraft, kv_cache_spec: KVCacheSpec, num_blocks: int, device: torch.device
+    ) -> None:
+        self.draft = draft
+        self.block_size = kv_cache_spec.block_size
+        self.device = device
+        self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
+        self.max_position = draft.shape.max_position
+
+    def record_hidden_states(
+        self, state: CachedRequestState, first_position: int, hidden: torch.Tensor
+    ) -> None:
+        """The target's features at positions first_position, first_position + 1, ..."""
+        if hidden.shape[0]:
+            state.draft_hidden.append((first_position, hidden))
+
+    @torch.inference_mode()
+    def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
+        pieces = [p for p in map(self._pending, states) if p is not None]
+        if not pieces:
+            return {}
+        active, features, tokens = self._catch_up(pieces)
+        drafted = [tokens]
+        # Decode steps: one block table for all of them, positions advancing by one.
+        positions = [len(s.token_ids) - 1 for s in active]
+        table = self._block_table(active, [p + num_tokens for p in positions])
+        for _ in range(1, num_tokens):
+            keep = [i for i, p in enumerate(positions) if self._has_slot(active[i], p)]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                active, positions = [active[i] for i in keep], [positions[i] for i in keep]
+                features, tokens, table = features[index], tokens[index], table[index]
+                drafted = [d[index] for d in drafted]
+            features = self._decode(tokens, features, positions, table)
+            tokens = self.draft.compute_logits(features).argmax(dim=-1)
+            drafted.append(tokens)
+            positions = [p + 1 for p in positions]
+        rows = torch.stack(drafted, dim=1).tolist()
+        return {s.req_id: row for s, row in zip(active, rows)}
+
+    def _block_table(self, states: list[CachedRequestState], ends: list[int]) -> torch.Tensor:
+        """`[requests, blocks]`: each request's blocks up to position `end` (or its last)."""
+        lens = np.minimum(np.array(ends), [len(s.block_ids) * self.block_size for s in states])
+        table = block_table_array([s.block_ids for s in states], lens, self.block_size)
+        return torch.from_numpy(table).to(self.device)
+
+    def _decode(
+        self, tokens: torch.Tensor, features: torch.Tensor, positions: list[int], table
+    ) -> torch.Tensor:
+        """One token per request at `positions`: metadata built from tensors directly (the
+        per-step layout costs as much as the layer itself on a CPU)."""
+        pos = torch.tensor(positions, device=self.device)
+        blocks = table.gather(1, (pos // self.block_size)[:, None]).squeeze(1)
+        group = build_attention_group(
+            token_start=0,
+            query_lens=torch.ones(len(positions), dtype=torch.long),
+            seq_lens=torch.tensor(positions) + 1,
+            block_tables=table,
+            block_size=self.block_size,
+            sliding_window=None,
+        )
+        if group.mask is not None:
+            group.mask = group.mask.to(self.device)
+        slots = blocks * self.block_size + pos % self.block_size
+        metadata = AttentionMetadata(slot_mapping=slots, groups=[group])
+        return self.draft(tokens, features, pos, self.kv_caches, metadata)
+
+    def _has_slot(self, state: CachedRequestState, position: int) -> bool:
+        return position < len(state.block_ids) * self.block_size and position < self.max_position
+
+    def _pending(self, state: CachedRequestState) -> tuple | None:
+        """(state, first position, features) of the positions the layer has not run over,
+        which end at n - 2; None (and the features dropped) if they do not."""
+        chunks, state.draft_hidden = state.draft_hidden, []
+        last = len(state.token_ids) - 2
+        if not chunks or chunks[-1][0] + chunks[-1][1].shape[0] - 1 != last:
+            return None
+        first = max(state.num_draft_computed_tokens, chunks[0][0])
+        while chunks and chunks[0][0] + chunks[0][1].shape[0] <= first:
+            chunks.pop(0)  # already run over (cannot happen unless positions were resent)
+        if not chunks or not self._has_slot(state, last):
+            return None
+        start = first - chunks[0][0]
+        rows = [chunks[0][1][start:], *(c[1] for c in chunks[1:])]
+        features = rows[0] if len(rows) == 1 else torch.cat(rows)
+        state.num_draft_computed_tokens = last + 1
+        return state, first, features
+
+    def _catch_up(self, pieces: list[tuple]) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Run the layer over each request's pending positions (in forwards of at most
+        CATCH_UP_TOKENS_PER_FORWARD tokens); returns the requests, each one's last output
+        feature and its first draft."""
+        pieces = sorted(pieces, key=lambda p: query_length_class(p[2].shape[0]))
+        outputs: list[torch.Tensor] = []
+        batch: list[tuple] = []
+        size = 0
+        for piece in pieces:
+            if batch and size + piece[2].shape[0] > CATCH_UP_TOKENS_PER_FORWARD:
+                outputs.append(self._forward_pieces(batch))
+                batch, size = [], 0
+            batch.append(piece)
+            size += piece[2].shape[0]
+        outputs.append(self._forward_pieces(batch))
+        features = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        tokens = self.draft.compute_logits(features).argmax(dim=-1)
+        return [p[0] for p in pieces], features, tokens
+
+    def _forward_pieces(self, pieces: list[tuple]) -> torch.Tensor:
+        """One forward over whole pieces; the output feature at each piece's last row."""
+        query_lens = np.array([p[2].shape[0] for p in pieces], dtype=np.int64)
+        seq_lens = np.array([p[1] for p in pieces], dtype=np.int64) + query_lens
+        input_ids = torch.tensor(
+            [t for s, first, f in pieces for t in s.token_ids[first + 1 : first + 1 + len(f)]],
+            device=self.device,
+        )
+        features = torch.cat([p[2] for p in pieces]) if len(pieces) > 1 else pieces[0][2]
+        blocks = [p[0].block_ids for p in pieces]
+        positions, metadata = layout_step(
+            blocks, query_lens, seq_lens, self.block_size, None, self.device
+        )  # fmt: skip
+        positions_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.draft(input_ids, features, positions_t, self.kv_caches, metadata)
+        last_rows = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
+        return hidden[last_rows]

@@ -1,0 +1,204 @@
+"""EAGLE and Medusa heads on disk, in the formats vLLM loads for Llama targets.
+
+EAGLE (vLLM's `EagleLlamaForCausalLM`): a Llama config.json with one hidden layer, and
+`fc.weight` (`[H, 2H]`, over the concatenated token embedding and target hidden state),
+optionally `fc.bias`, and the decoder layer's `layers.0.*` tensors (q/k/v/o, gate/up/down,
+`post_attention_layernorm`; an `input_layernorm` is ignored: EAGLE's layer has none). The
+token embedding and LM head are the target's (an `embed_tokens` or `lm_head` tensor in the
+file is ignored). Names may carry a `model.` prefix.
+
+Medusa (vLLM's `MedusaModel`): a config.json with `hidden_size`, `vocab_size`, `num_heads`,
+`num_hidden_layers` (residual blocks per head), and `blocks.{i}.layers.{j}.weight/bias` and
+`lm_heads.{i}.weight`; the original Medusa names (`medusa_heads.{i}.{j}.linear.*`, with the
+LM head as the last entry `medusa_heads.{i}.{n}.weight`) are read too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenmill.config import ConfigError
+from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
+from tokenmill.models.llama import LlamaForCausalLM, ModelShape
+from tokenmill.spec_decode.eagle import EagleDraft
+from tokenmill.spec_decode.medusa import MedusaHeads
+
+EAGLE_ARCHITECTURE = "EagleLlamaForCausalLM"
+MEDUSA_ARCHITECTURE = "MedusaModel"
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_FUSED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_FUSE_ORDER = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor], info: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "tokenmill_demo.json").write_text(json.dumps(info, indent=2) + "\n")
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
+
+
+def save_eagle(state: dict[str, torch.Tensor], target_config: Any, out_dir: Path, info: dict):
+    """An EAGLE directory: the target's Llama config with one layer, and the tensors of
+    `state` (checkpoint names: fc.*, layers.0.*)."""
+    config = target_config.to_dict()
+    config.update(architectures=[EAGLE_ARCHITECTURE], num_hidden_layers=1, model_type="llama")
+    _write(out_dir, config, state, info)
+
+
+def save_medusa(state: dict[str, torch.Tensor], target_config: Any, out_dir: Path, info: dict):
+    """A Medusa directory; tensors stored in bfloat16 (half the size, loaded as float32)."""
+    num_heads = len({k.split(".")[1] for k in state})  # blocks.i / lm_heads.i / medusa_heads.i
+    config = {
+        "architectures": [MEDUSA_ARCHITECTURE],
+        "model_type": "medusa",
+        "hidden_size": target_config.hidden_size,
+        "vocab_size": target_config.vocab_size,
+        "num_heads": num_heads,
+        "num_hidden_layers": 1,
+        "medusa_fc_bias": True,
+    }
+    _write(out_dir, config, {k: v.to(torch.bfloat16) for k, v in state.items()}, info)
+
+
+def _read(head_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = Path(head_dir)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"speculative heads: no config.json in {path}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"speculative heads: no *.safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return json.loads(config_file.read_text()), tensors
+
+
+def _check_target(kind: str, head_dir: str | Path, config: dict, target: LlamaForCausalLM):
+    shape = target.shape
+    for key, want in (("hidden_size", shape.hidden_size), ("vocab_size", shape.vocab_size)):
+        have = config.get(key)
+        if have is not None and have != want:
+            raise ConfigError(
+                f"the {kind} heads at {head_dir} were made for a target with {key}={have}; "
+                f"this target has {key}={want}: heads only work on the model they were "
+                "trained on"
+            )
+
+
+def _load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], head_dir) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(
+            f"the heads at {head_dir} do not match their config: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ConfigError(
+                f"the heads at {head_dir}: {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(expected[name].shape)}"
+            )
+    module.load_state_dict(state)
+
+
+def _speed_up(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    module.eval().requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
+        use_onednn_linears(module)
+
+
+def load_eagle(
+    head_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> EagleDraft:
+    config, tensors = _read(head_dir)
+    _check_target("EAGLE", head_dir, config, target)
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"the EAGLE heads at {head_dir}: only one decoder layer is supported")
+    shape = ModelShape.from_hf_config(_Namespace({**_target_defaults(target), **config}))
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        name = name.removeprefix("model.")
+        if name.startswith(("embed_tokens.", "lm_head.")) or ".input_layernorm." in name:
+            continue
+        match = re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name)
+        if match is None:
+            state[name] = tensor
+            continue
+        fused = name.replace(f".{match.group(1)}.", f".{_FUSED[match.group(1)]}.")
+        parts.setdefault(fused, {})[match.group(1)] = tensor
+    for fused, pieces in parts.items():
+        state[fused] = torch.cat([pieces[k] for k in _FUSE_ORDER if k in pieces])
+    with torch.device(device):
+        draft = EagleDraft(shape, target, fc_bias="fc.bias" in state)
+    _load_state(draft, {k: v.to(dtype) for k, v in state.items()}, head_dir)
+    draft.to(device=device, dtype=dtype)
+    _speed_up(draft, dtype, device)
+    return draft
+
+
+def load_medusa(
+    head_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> MedusaHeads:
+    config, tensors = _read(head_dir)
+    _check_target("Medusa", head_dir, config, target)
+    state: dict[str, torch.Tensor] = {}
+    num_layers = int(config.get("num_hidden_layers", 1))
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"medusa_heads\.(\d+)\.(\d+)\.(linear\.)?(weight|bias)", name)
+        if match is not None:  # the original Medusa layout
+            head, index, _, kind = match.groups()
+            if int(index) == num_layers:
+                name = f"lm_heads.{head}.{kind}"
+            else:
+                name = f"blocks.{head}.layers.{index}.{kind}"
+        state[name] = tensor.to(dtype)
+    num_heads = int(config.get("num_heads") or config.get("medusa_num_heads") or 0)
+    with torch.device(device):
+        heads = MedusaHeads(
+            target.shape.hidden_size,
+            target.shape.vocab_size,
+            num_heads,
+            num_layers,
+            bias=any(k.endswith(".bias") for k in state),
+        )
+    _load_state(heads, state, head_dir)
+    heads.to(device=device, dtype=dtype)
+    heads.stack()
+    return heads
+
+
+def _target_defaults(target: LlamaForCausalLM) -> dict:
+    """Config fields an EAGLE config may leave out: the target's."""
+    shape = target.shape
+    return {
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "max_position_embeddings": shape.max_position,
+        "tie_word_embeddings": False,
+    }
+
+
+class _Namespace:
+    """A config dict read as attributes (what `ModelShape.from_hf_config` takes)."""
+
+    def __init__(self, values: dict) -> None:
+        self.__dict__.update(values)
