@@ -19,6 +19,7 @@ from tests.model.test_spec_decode import (
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
 from tokenmill.demo import demo_model_path
+from tokenmill.spec_decode import eagle
 from tokenmill.testing.random_heads import random_eagle, random_medusa
 
 MAX_TOKENS = 24
@@ -87,6 +88,73 @@ def test_greedy_output_is_identical_with_heads(demo_prompts, reference, method, 
         assert stats.num_preemptions > 0
     manager = llm.engine.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks, "rollback leaked blocks"
+
+
+class _StretchPolicy:
+    """Eight steps without drafts, then four drafting 3 tokens: every return to drafting
+    finds each request behind."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def choose(self, num_decodes: int) -> int:
+        self.calls += 1
+        return 3 if self.calls % 12 >= 8 else 0
+
+    def observe(self, *args: object) -> None:
+        pass
+
+
+def test_eagle_catch_up_is_bounded_per_step(demo_prompts, reference, monkeypatch) -> None:
+    """After steps without drafts, a proposal runs the EAGLE layer over at most the steady
+    state's tokens plus CATCH_UP_EXTRA_TOKENS (requests further behind draft later), and a
+    request holds at most 2 * FEATURE_WINDOW positions of features; outputs stay the
+    target's."""
+    module = "tokenmill.spec_decode.eagle"
+    extra, window = 3, 6
+    monkeypatch.setattr(f"{module}.CATCH_UP_EXTRA_TOKENS", extra)
+    monkeypatch.setattr(f"{module}.FEATURE_WINDOW", window)
+    monkeypatch.setattr(f"{module}.MAX_FEATURE_CHUNKS", 3)
+    proposer_class = eagle.EagleProposer
+    run_pieces, propose, record = (
+        proposer_class._forward_pieces,
+        proposer_class.propose,
+        proposer_class.record_hidden_states,
+    )
+    caught_up: list[int] = []
+    steps: list[tuple[int, int, int]] = []  # (tokens caught up, budget, tokens behind)
+
+    def counting_pieces(self, pieces):
+        caught_up.append(sum(p[2].shape[0] for p in pieces))
+        return run_pieces(self, pieces)
+
+    def counting_propose(self, states, num_tokens):
+        behind = sum(
+            len(s.token_ids) - 1 - max(s.num_draft_computed_tokens, s.draft_hidden[0][0])
+            for s in states
+            if s.draft_hidden
+        )
+        caught_up.clear()
+        proposals = propose(self, states, num_tokens)
+        steps.append((sum(caught_up), extra + (num_tokens + 1) * len(states), behind))
+        return proposals
+
+    def bounded_record(self, state, first_position, hidden):
+        record(self, state, first_position, hidden)
+        chunks = state.draft_hidden
+        if chunks:
+            assert chunks[-1][0] + chunks[-1][1].shape[0] - chunks[0][0] <= 2 * window
+
+    monkeypatch.setattr(proposer_class, "_forward_pieces", counting_pieces)
+    monkeypatch.setattr(proposer_class, "propose", counting_propose)
+    monkeypatch.setattr(proposer_class, "record_hidden_states", bounded_record)
+    llm = demo_llm({"method": "eagle", "num_speculative_tokens": 3})
+    llm.engine.scheduler.spec_policy = _StretchPolicy()
+    assert generate(llm, demo_prompts, greedy()) == reference
+    assert all(tokens <= budget for tokens, budget, _ in steps), steps
+    assert any(behind > budget for _, budget, behind in steps), "the budget never bound"
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats is not None and stats.num_draft_tokens > 0
 
 
 @pytest.fixture(scope="module")

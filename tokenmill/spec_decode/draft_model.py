@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.worker.step_layout import layout_step, query_length_class
 
 if TYPE_CHECKING:
@@ -57,15 +58,11 @@ class DraftModelProposer:
         active = [s for s in states if self._has_slot(s, len(s.token_ids) - 1)]
         if not active:
             return {}
-        # Steady state needs at most k + 1 tokens per request (the accepted drafts and the
-        # bonus token); new prompts, and requests back from steps without drafts, share
-        # CATCH_UP_EXTRA_TOKENS more, smallest gap first, and draft once caught up.
-        budget = CATCH_UP_EXTRA_TOKENS + (num_tokens + 1) * len(active)
-        ends: list[tuple[CachedRequestState, int]] = []
-        for state in sorted(active, key=lambda s: len(s.token_ids) - s.num_draft_computed_tokens):
-            gap = len(state.token_ids) - state.num_draft_computed_tokens
-            ends.append((state, state.num_draft_computed_tokens + min(gap, budget)))
-            budget -= min(gap, budget)
+        # New prompts, and requests back from steps without drafts, catch up within a
+        # budget (catch_up.py) and draft once caught up.
+        gaps = [len(s.token_ids) - s.num_draft_computed_tokens for s in active]
+        allowances = catch_up_allowances(gaps, num_tokens, CATCH_UP_EXTRA_TOKENS)
+        ends = [(s, s.num_draft_computed_tokens + a) for s, a in zip(active, allowances)]
         first_tokens = self._catch_up(ends)
         active = [s for s in active if s.req_id in first_tokens]
         tokens = [first_tokens[s.req_id] for s in active]

@@ -10,9 +10,13 @@ layout (same block ids and slots, its own tensors), as the draft model's does.
 
 Features come from the runner (`record_hidden_states`): the rows of every scheduled token
 the target verified, kept on the request until the next proposal consumes them, so steps
-without drafts cost one slice per request. Positions the target never computed in this
-runner (a prefix-cache hit, a request swapped back in) keep whatever EAGLE KV their blocks
-hold: drafts may be worse there, outputs are the same (verification is lossless).
+without drafts cost one slice per request. A proposal catches up within a per-step budget
+(catch_up.py), so drafting again after a stretch without drafts costs about what a steady
+step does; a request further behind drafts a few steps later. While nothing drafts, a
+request keeps only its last FEATURE_WINDOW positions' features (what two steps' catch-up
+budget can use). Positions whose features were dropped, or that the target never computed
+in this runner (a prefix-cache hit, a request swapped back in), keep whatever EAGLE KV their
+blocks hold: drafts may be worse there, outputs are the same (verification is lossless).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tokenmill.models.llama import (
     LlamaForCausalLM,
     ModelShape,
 )
+from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.worker.step_layout import block_table_array, layout_step, query_length_class
 
 if TYPE_CHECKING:
@@ -39,6 +44,13 @@ if TYPE_CHECKING:
 
 # Tokens per catch-up forward: bounds the padded attention batch when many requests catch up.
 CATCH_UP_TOKENS_PER_FORWARD = 2048
+# Catch-up tokens per step beyond the steady state's (see catch_up.py).
+CATCH_UP_EXTRA_TOKENS = 256
+# Positions of features a request keeps while it does not draft; older ones are dropped.
+FEATURE_WINDOW = 2 * CATCH_UP_EXTRA_TOKENS
+# Chunks (one a step) a request may hold before they are copied into one tensor of the last
+# FEATURE_WINDOW rows: each chunk is a view that keeps its whole step's output alive.
+MAX_FEATURE_CHUNKS = 32
 
 
 class EagleDraft(nn.Module):
@@ -85,15 +97,33 @@ class EagleProposer:
         self, state: CachedRequestState, first_position: int, hidden: torch.Tensor
     ) -> None:
         """The target's features at positions first_position, first_position + 1, ..."""
-        if hidden.shape[0]:
-            state.draft_hidden.append((first_position, hidden))
+        if not hidden.shape[0]:
+            return
+        chunks = state.draft_hidden
+        chunks.append((first_position, hidden))
+        end = first_position + hidden.shape[0]
+        if len(chunks) > MAX_FEATURE_CHUNKS or end - chunks[0][0] > 2 * FEATURE_WINDOW:
+            first = max(end - FEATURE_WINDOW, chunks[0][0])
+            state.draft_hidden = [(first, _rows(chunks, first, end).clone())]
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
-        pieces = [p for p in map(self._pending, states) if p is not None]
+        behind = [(s, first) for s in states if (first := self._first_pending(s)) is not None]
+        gaps = [len(s.token_ids) - 1 - first for s, first in behind]
+        allowances = catch_up_allowances(gaps, num_tokens, CATCH_UP_EXTRA_TOKENS)
+        pieces = [self._take(s, first, a) for (s, first), a in zip(behind, allowances) if a]
         if not pieces:
             return {}
         active, features, tokens = self._catch_up(pieces)
+        # Requests brought part of the way draft once caught up.
+        done = [
+            i for i, s in enumerate(active) if s.num_draft_computed_tokens == len(s.token_ids) - 1
+        ]
+        if len(done) < len(active):
+            if not done:
+                return {}
+            index = torch.tensor(done, device=self.device)
+            active, features, tokens = [active[i] for i in done], features[index], tokens[index]
         drafted = [tokens]
         # Decode steps: one block table for all of them, positions advancing by one.
         positions = [len(s.token_ids) - 1 for s in active]
@@ -144,22 +174,32 @@ class EagleProposer:
     def _has_slot(self, state: CachedRequestState, position: int) -> bool:
         return position < len(state.block_ids) * self.block_size and position < self.max_position
 
-    def _pending(self, state: CachedRequestState) -> tuple | None:
-        """(state, first position, features) of the positions the layer has not run over,
-        which end at n - 2; None (and the features dropped) if they do not."""
-        chunks, state.draft_hidden = state.draft_hidden, []
+    def _first_pending(self, state: CachedRequestState) -> int | None:
+        """The first position the layer has not run over, if the request's features reach
+        its position n - 2 (the token before its last) and it has room to draft; else None
+        (and its features are dropped)."""
+        chunks = state.draft_hidden
         last = len(state.token_ids) - 2
         if not chunks or chunks[-1][0] + chunks[-1][1].shape[0] - 1 != last:
+            state.draft_hidden = []
             return None
         first = max(state.num_draft_computed_tokens, chunks[0][0])
-        while chunks and chunks[0][0] + chunks[0][1].shape[0] <= first:
-            chunks.pop(0)  # already run over (cannot happen unless positions were resent)
-        if not chunks or not self._has_slot(state, last):
+        if first > last or not self._has_slot(state, last):
+            state.draft_hidden = []
             return None
-        start = first - chunks[0][0]
-        rows = [chunks[0][1][start:], *(c[1] for c in chunks[1:])]
-        features = rows[0] if len(rows) == 1 else torch.cat(rows)
-        state.num_draft_computed_tokens = last + 1
+        return first
+
+    def _take(self, state: CachedRequestState, first: int, count: int) -> tuple:
+        """(state, first, features) for positions first .. first + count - 1; the rest of the
+        request's features stay for a later step."""
+        end = first + count
+        features = _rows(state.draft_hidden, first, end)
+        state.draft_hidden = [
+            (max(start, end), rows[max(0, end - start) :])
+            for start, rows in state.draft_hidden
+            if start + rows.shape[0] > end
+        ]
+        state.num_draft_computed_tokens = end
         return state, first, features
 
     def _catch_up(self, pieces: list[tuple]) -> tuple[list, torch.Tensor, torch.Tensor]:
@@ -198,3 +238,15 @@ class EagleProposer:
         hidden = self.draft(input_ids, features, positions_t, self.kv_caches, metadata)
         last_rows = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
         return hidden[last_rows]
+
+
+def _rows(chunks: list[tuple[int, torch.Tensor]], first: int, end: int) -> torch.Tensor:
+    """The features of positions first .. end - 1 out of consecutive (start, rows) chunks (a
+    position sent twice is taken once)."""
+    rows = []
+    for start, r in chunks:
+        low, high = max(first, start), min(end, start + r.shape[0])
+        if high > low:
+            rows.append(r[low - start : high - start])
+            first = high
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
