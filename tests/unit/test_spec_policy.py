@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
+from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.policy import SpeculationPolicy
 
 
 def simulated_step(num_decodes: int, k: int, rng: random.Random) -> tuple[int, float]:
@@ -150,3 +150,42 @@ def test_prefill_chunks_in_the_same_steps_do_not_hide_the_decode_cost() -> None:
         assert adaptive >= 0.95 * fixed[0], (num_decodes, fixed, adaptive)
         assert adaptive >= 0.88 * max(fixed.values()), (num_decodes, fixed, adaptive)
     assert policy.choose(64) == 0
+
+
+class _ScriptedPolicy:
+    """Asks for 2 drafts on the first decode step, then none; records what it is told."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.observed: list[tuple[int, float]] = []  # (k, seconds)
+
+    def choose(self, num_decodes: int) -> int:
+        self.calls += 1
+        return 2 if self.calls == 2 else 0
+
+    def observe(self, num_decodes, k, num_generated, seconds, num_prefill_tokens=0) -> None:
+        self.observed.append((k, seconds))
+
+
+def test_proposing_that_yields_no_drafts_is_billed_to_the_k_asked_for() -> None:
+    """A proposer asked for k that returns nothing (every request still catching up) spent
+    its time on that k: the next step is charged it as a k = 2 step, not a k = 0 one."""
+    policy = _ScriptedPolicy()
+    scheduler = Scheduler(
+        KVCacheManager(64, 16),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        spec_policy=policy,  # type: ignore[arg-type]
+    )
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    scheduler.add_request(Request("r", list(range(1, 9)), params, max_tokens=8))
+    for _ in range(4):
+        out = scheduler.schedule()
+        output = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[7]])
+        if out.num_spec_tokens_to_propose:
+            output.propose_seconds = 0.5  # a catch-up, and no drafts
+        scheduler.update_from_output(out, output)
+        scheduler.observe_step_time(0.01 + output.propose_seconds, output)
+    assert [k for k, _ in policy.observed[1:]] == [0, 2, 0]
+    assert [round(s, 3) for _, s in policy.observed[1:]] == [0.01, 0.51, 0.01]

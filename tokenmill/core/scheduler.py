@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.config import PREEMPTION_MODES
-from tokenmill.core.draft_length_policy import DraftLengthPolicy
+from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.core.request_queue import RequestQueue
@@ -82,7 +82,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         preemption_mode: str = "recompute",
-        spec_policy: DraftLengthPolicy | None = None,
+        spec_policy: SpeculationPolicy | None = None,
         spec_lookahead: bool = False,
         prefill_limits: PrefillLimits | None = None,
     ) -> None:
@@ -113,6 +113,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats() if spec_policy else None
         self._last_step: _MeasuredStep | None = None
         self._last_propose_seconds = 0.0  # what the last step spent proposing drafts
+        self._last_num_to_propose = 0  # the drafts per request the last step asked for
         # Prefill limits (ITL target, per-request threshold, partial prefills); with a target,
         # the last step's shape waits for its measured time to feed the cost model.
         self.prefill_limits = prefill_limits or PrefillLimits()
@@ -197,7 +198,8 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         if self.spec_policy is not None:
-            self._last_step = self._measured_step(plan, total)
+            self._last_step = self._measured_step(plan, total, self._last_num_to_propose)
+            self._last_num_to_propose = plan.num_to_propose
         if self.itl_stats is not None and total:
             self._last_shape = self._step_shape(plan)
             if plan.prefill is not None and plan.prefill.wanted:
@@ -238,7 +240,7 @@ class Scheduler:
             self.itl_stats.num_steps_over_target += 1
 
     @staticmethod
-    def _measured_step(plan: _StepPlan, total: int) -> _MeasuredStep:
+    def _measured_step(plan: _StepPlan, total: int, num_asked: int) -> _MeasuredStep:
         # Decoding requests: one known token (plus drafts) each; the rest is prefill.
         decode_ids = {
             r
@@ -247,8 +249,9 @@ class Scheduler:
         }
         num_decode_tokens = sum(plan.num_scheduled[r] for r in decode_ids)
         # The k measured is the drafts this step really verifies (the previous step's choice,
-        # or fewer where the proposer found nothing): a step with no drafts is a k=0 step.
-        k = max((len(d) for d in plan.spec_tokens.values()), default=0)
+        # or fewer where the proposer found fewer). Where it found none (every request still
+        # catching up, no n-gram match) the k asked for is billed: its proposing cost that k.
+        k = max((len(d) for d in plan.spec_tokens.values()), default=0) or num_asked
         return _MeasuredStep(decode_ids, k, total - num_decode_tokens)
 
     def observe_step_time(self, seconds: float, output: ModelRunnerOutput) -> None:

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
+from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillLimits
 from tokenmill.core.scheduler import Scheduler
@@ -41,7 +42,6 @@ from tokenmill.spec_decode.eagle import EagleDraft, EagleProposer
 from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
 from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
 from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.spec_decode.policy import SpeculationPolicy
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.manager import StructuredOutputManager
