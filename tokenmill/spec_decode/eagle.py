@@ -114,16 +114,17 @@ class EagleProposer:
         pieces = [self._take(s, first, a) for (s, first), a in zip(behind, allowances) if a]
         if not pieces:
             return {}
-        active, features, tokens = self._catch_up(pieces)
+        active, features = self._catch_up(pieces)
         # Requests brought part of the way draft once caught up.
         done = [
             i for i, s in enumerate(active) if s.num_draft_computed_tokens == len(s.token_ids) - 1
         ]
+        if not done:
+            return {}
         if len(done) < len(active):
-            if not done:
-                return {}
             index = torch.tensor(done, device=self.device)
-            active, features, tokens = [active[i] for i in done], features[index], tokens[index]
+            active, features = [active[i] for i in done], features[index]
+        tokens = self.draft.compute_logits(features).argmax(dim=-1)
         drafted = [tokens]
         # Decode steps: one block table for all of them, positions advancing by one.
         positions = [len(s.token_ids) - 1 for s in active]
@@ -202,10 +203,10 @@ class EagleProposer:
         state.num_draft_computed_tokens = end
         return state, first, features
 
-    def _catch_up(self, pieces: list[tuple]) -> tuple[list, torch.Tensor, torch.Tensor]:
+    def _catch_up(self, pieces: list[tuple]) -> tuple[list, torch.Tensor]:
         """Run the layer over each request's pending positions (in forwards of at most
-        CATCH_UP_TOKENS_PER_FORWARD tokens); returns the requests, each one's last output
-        feature and its first draft."""
+        CATCH_UP_TOKENS_PER_FORWARD tokens); returns the requests and each one's last output
+        feature."""
         pieces = sorted(pieces, key=lambda p: query_length_class(p[2].shape[0]))
         outputs: list[torch.Tensor] = []
         batch: list[tuple] = []
@@ -218,8 +219,7 @@ class EagleProposer:
             size += piece[2].shape[0]
         outputs.append(self._forward_pieces(batch))
         features = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        tokens = self.draft.compute_logits(features).argmax(dim=-1)
-        return [p[0] for p in pieces], features, tokens
+        return [p[0] for p in pieces], features
 
     def _forward_pieces(self, pieces: list[tuple]) -> torch.Tensor:
         """One forward over whole pieces; the output feature at each piece's last row."""
