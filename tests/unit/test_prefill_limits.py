@@ -10,7 +10,11 @@ from hypothesis import strategies as st
 from test_scheduler import expected_output, fake_run, make_request
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.prefill_budget import MIN_PREFILL_TOKENS_PER_STEP, PrefillLimits
+from tokenmill.core.prefill_budget import (
+    MIN_PREFILL_TOKENS_PER_STEP,
+    PredictionError,
+    PrefillLimits,
+)
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.core.step_cost import StepShape, chunk_context
@@ -209,6 +213,40 @@ def test_observed_step_times_reach_the_cost_model_and_count_steps_over_target() 
     stats = scheduler.get_stats().itl_target
     assert stats is not None and stats.num_steps_over_target == 1
     assert stats.budget_sum == 40 and sum(stats.budget_bucket_counts) == 1
+
+
+def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
+    """Steps with prompt tokens that keep taking 1.5x their prediction make the scheduler size
+    chunks for target / 1.5, so that most steps, not half, land within the target."""
+    cost = LinearCost(fixed=0.004, per_decode=0.001, per_prefill=0.0001)
+    scheduler = make_scheduler(cost, 0.040, max_num_batched_tokens=4096, max_model_len=8192)
+    scheduler.add_request(make_request("long", 8000, max_tokens=1))
+    predictions = []
+    for _ in range(9):
+        out = scheduler.schedule()
+        predicted = cost.predict(view(scheduler, out).shape)
+        predictions.append(predicted)
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+        scheduler.observe_step_cost(1.5 * predicted)
+    assert 0.0398 <= predictions[0] <= 0.040  # sized to the target while nothing is known
+    assert scheduler.prefill_limits.prediction_error.factor == 1.5
+    assert 0.040 / 1.5 - 0.0002 <= predictions[-1] <= 0.040 / 1.5
+
+
+def test_prediction_error_is_an_upper_quantile_between_one_and_its_cap() -> None:
+    error = PredictionError(window=10, quantile=0.9, cap=2.0, min_steps=4)
+    for ratio in (1.2, 1.2, 1.2):
+        error.observe(1.0, ratio)
+    assert error.factor == 1.0  # too few steps to judge
+    for ratio in (0.5, 0.6, 0.7, 0.8, 0.9, 1.3, 1.2):
+        error.observe(2.0, 2 * ratio)
+    assert error.factor == 1.3  # the 90th percentile of the last ten ratios
+    for _ in range(10):
+        error.observe(1.0, 0.5)
+    assert error.factor == 1.0  # faster than predicted: the target is not raised
+    for _ in range(10):
+        error.observe(1.0, 9.0)
+    assert error.factor == 2.0
 
 
 def test_chunk_context_counts_causal_positions() -> None:

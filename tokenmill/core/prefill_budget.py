@@ -13,13 +13,42 @@ Three limits, all off by default (then a step's prefill is bounded by the token 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from tokenmill.core.step_cost import CostModel, StepShape
 
 # Prompt tokens a step may always take under a latency target, so prompts finish even when
 # the decodes alone take the whole target (one KV block of the default size).
 MIN_PREFILL_TOKENS_PER_STEP = 16
+
+
+class PredictionError:
+    """How far measured steps with prompt tokens ran over the cost model's predictions lately:
+    the `quantile` of measured / predicted over the last `window` such steps, between 1 and
+    `cap`. The model fits the mean, so about half the steps sized to a target land over it;
+    sizing to the target divided by this factor puts the `quantile` of steps within it
+    (measured: with the plain fit, 50-60% of the steps under a target went over it)."""
+
+    def __init__(
+        self, window: int = 64, quantile: float = 0.9, cap: float = 2.0, min_steps: int = 8
+    ) -> None:
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.quantile = quantile
+        self.cap = cap
+        self.min_steps = min_steps
+
+    def observe(self, predicted: float, seconds: float) -> None:
+        if predicted > 0 and seconds > 0:
+            self.ratios.append(seconds / predicted)
+
+    @property
+    def factor(self) -> float:
+        if len(self.ratios) < self.min_steps:
+            return 1.0
+        ordered = sorted(self.ratios)
+        upper = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        return min(max(upper, 1.0), self.cap)
 
 
 @dataclass
@@ -31,6 +60,7 @@ class PrefillLimits:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap
     max_num_partial_prefills: int = 1
     min_tokens_per_step: int = MIN_PREFILL_TOKENS_PER_STEP
+    prediction_error: PredictionError = field(default_factory=PredictionError)
 
     def __post_init__(self) -> None:
         if self.itl_target is not None and self.cost_model is None:
@@ -82,6 +112,7 @@ class PrefillBudget:
         a binary search, as the cost of a chunk grows with its length for any sane model."""
         model, target = self.limits.cost_model, self.limits.itl_target
         assert model is not None and target is not None
+        target /= self.limits.prediction_error.factor
         if model.predict(self.shape.plus_chunk(upper, num_cached)) <= target:
             return upper
         low, high = 0, upper  # predict(low) fits (or low = 0), predict(high) does not

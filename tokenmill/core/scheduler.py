@@ -234,8 +234,11 @@ class Scheduler:
         shape, self._last_shape = self._last_shape, None
         if shape is None or self.itl_stats is None:
             return
-        assert self.prefill_limits.cost_model is not None
-        self.prefill_limits.cost_model.observe(shape, seconds)
+        model = self.prefill_limits.cost_model
+        assert model is not None
+        if shape.num_prefill_tokens:
+            self.prefill_limits.prediction_error.observe(model.predict(shape), seconds)
+        model.observe(shape, seconds)
         if seconds > self.itl_stats.itl_target:
             self.itl_stats.num_steps_over_target += 1
 
