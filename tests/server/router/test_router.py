@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from router_utils import (
     HEALTHY,
     NUM_REPLICAS,
@@ -21,6 +22,8 @@ from router_utils import (
 )
 from server_utils import API_KEY, MODEL, scrape, start_server, stop_server
 from test_prometheus_metrics import COUNTERS, GAUGES
+
+from tokenmill.entrypoints.router.policies import POLICIES
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -113,3 +116,35 @@ def test_a_replica_killed_mid_stream_is_taken_out_and_its_stream_ends_in_an_erro
     finally:
         stop_server(router)
         stop_server(doomed)
+
+
+EXPECTED_DECISIONS = {
+    "round-robin": {"round_robin"},
+    "least-loaded": {"least_loaded"},
+    "prefix-aware": {"prefix_affinity", "prefix_spill"},
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_serves_the_openai_api(
+    policy: str, http: httpx.Client, tmp_path: Path
+) -> None:
+    """A router of each policy in front of the replicas answers completions, streamed chat and
+    an error as a server does, and routes by its own rule."""
+    router = start_router(replica_urls(http), tmp_path / "router.log", "--policy", policy)
+    try:
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=API_KEY, max_retries=0)
+        completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+        assert completion.usage.completion_tokens == 3
+        messages = [{"role": "user", "content": "Hi"}]
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="Hello", max_tokens=1)
+        with httpx.Client(base_url=router.url, headers=HEADERS, timeout=60) as routed:
+            decisions = {decision for _, decision in routed_counts(routed)}
+        assert decisions and decisions <= EXPECTED_DECISIONS[policy], decisions
+    finally:
+        stop_server(router)
