@@ -80,7 +80,11 @@ def run_once(model: Path, engine_kwargs: dict[str, Any], args: argparse.Namespac
     vocab = engine.vocab_size
     for i in range(args.streams):
         prompt = [rng.randrange(3, vocab) for _ in range(args.stream_prompt)]
-        params = SamplingParams(temperature=0.0, ignore_eos=True)  # longer than the run
+        # Decoding through the whole run (the default max_tokens, 16, ended the streams during
+        # the steady steps: the long prompt then arrived into an idle engine).
+        params = SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=args.max_model_len - args.stream_prompt
+        )
         engine.add_request(f"stream-{i}", prompt, params)
     decoding: set[str] = set()
     while len(decoding) < args.streams:  # until every stream decodes (under a target the
@@ -97,6 +101,8 @@ def run_once(model: Path, engine_kwargs: dict[str, Any], args: argparse.Namespac
         admission.append(seconds)
         if any(o.request_id == "long" for o in outputs):
             ttft = time.perf_counter() - arrival
+    streams = [r for r in engine.scheduler.running if r.request_id.startswith("stream-")]
+    assert len(streams) == args.streams, "a stream stopped decoding during the run"
     after = engine.get_stats()
     tokens = (after.num_prompt_tokens - before.num_prompt_tokens) + (
         after.num_generation_tokens - before.num_generation_tokens
