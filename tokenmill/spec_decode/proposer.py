@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -16,6 +16,7 @@ class Proposer(Protocol):
         ...
 
 
+@runtime_checkable
 class HiddenStateProposer(Proposer, Protocol):
     """A proposer that drafts from the target's hidden states (EAGLE, Medusa): the runner
     hands it, after each step, the rows of every token the target verified."""

@@ -80,9 +80,7 @@ class ModelRunner:
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
         self.proposer = proposer  # speculative decoding: n-gram, draft model, EAGLE, Medusa
         # A proposer drafting from the target's hidden states gets them after every step.
-        self.hidden_consumer: HiddenStateProposer | None = (
-            proposer if hasattr(proposer, "record_hidden_states") else None  # type: ignore[assignment]
-        )
+        self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
