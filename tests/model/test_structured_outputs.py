@@ -1,6 +1,7 @@
 """Structured outputs enforced while decoding: sampled JSON validates against its schema, regex
 and choice outputs match, free requests in the same batch are untouched, and the matcher's
-state survives chunked prefill, preemption, prefix caching, n > 1 and speculative decoding."""
+state survives chunked prefill, preemption, prefix caching, n > 1, an ITL target, captured
+decode steps and speculative decoding (n-gram, EAGLE, Medusa: drafts cut at the grammar)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.request_grammar import UNSATISFIABLE
+from tokenmill.structured_output.request_grammar import UNSATISFIABLE, RequestGrammar
 from tokenmill.testing import random_checkpoint as rc
+from tokenmill.worker.capture_backends import eager_capture
 
 PROMPT = "Reverse this list: apple banana cherry"
 
@@ -155,22 +157,52 @@ def test_equal_schemas_compile_once(tiny_checkpoint) -> None:
     assert llm.engine.structured_output.num_cached_grammars == 2
 
 
-def test_grammar_the_vocabulary_cannot_satisfy_finishes_with_a_reason(tiny_checkpoint, tmp_path):
-    """A word-level vocabulary of a, b, ab, c cannot spell "z": the request ends with
-    finish_reason "error" and the reason, after the tokens that could be generated."""
-    words = [rc.UNK_TOKEN, rc.BOS_TOKEN, rc.EOS_TOKEN, rc.PAD_TOKEN, rc.IM_START_TOKEN]
-    words += [rc.IM_END_TOKEN, "a", "b", "ab", "c"]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, rc.UNK_TOKEN))
+# A word-level vocabulary that cannot spell "z".
+WORDS = [rc.UNK_TOKEN, rc.BOS_TOKEN, rc.EOS_TOKEN, rc.PAD_TOKEN, rc.IM_START_TOKEN]
+WORDS += [rc.IM_END_TOKEN, "a", "b", "ab", "c"]
+
+
+@pytest.fixture
+def words_checkpoint(tiny_checkpoint, tmp_path) -> str:
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, rc.UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     rc.wrap_tokenizer(tokenizer, 256).save_pretrained(tmp_path)
-    checkpoint = tiny_checkpoint("llama", tokenizer_dir=tmp_path)
-    llm = LLM(model=str(checkpoint), dtype="float32", max_model_len=64)
+    return str(tiny_checkpoint("llama", tokenizer_dir=tmp_path))
+
+
+def test_grammar_the_vocabulary_cannot_satisfy_finishes_with_a_reason(words_checkpoint) -> None:
+    """A word-level vocabulary of a, b, ab, c cannot spell "z": the request ends with
+    finish_reason "error" and the reason, after the tokens that could be generated."""
+    llm = LLM(model=words_checkpoint, dtype="float32", max_model_len=64)
     params = [constrained(regex=r"ab+c", max_tokens=10), constrained(regex="abz")]
     satisfiable, unsatisfiable = llm.generate(["a b", "a b"], params, use_tqdm=False)
     assert satisfiable.outputs[0].finish_reason == "stop"
     completion = unsatisfiable.outputs[0]
     assert (completion.finish_reason, completion.stop_reason) == ("error", UNSATISFIABLE)
-    assert completion.token_ids == [words.index("ab")]
+    assert completion.token_ids == [WORDS.index("ab")]
+
+
+def test_a_draft_into_a_dead_end_ends_the_request_only_if_accepted(words_checkpoint) -> None:
+    """Under "c(bz|a)", "c" then "b" is a dead end. The prompt makes n-gram lookup draft "b"
+    after "c": the request ends with finish_reason "error" only where the target samples
+    that "b" itself, so outputs (per seed) are those of the engine without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    params = [
+        SamplingParams(
+            temperature=3.0, seed=seed, max_tokens=6, structured_outputs={"regex": "c(bz|a)"}
+        )
+        for seed in range(12)
+    ]
+
+    def run(**kwargs) -> list[tuple]:
+        llm = LLM(model=words_checkpoint, dtype="float32", max_model_len=64, **kwargs)
+        outputs = llm.generate(["c b c b c b"] * len(params), params, use_tqdm=False)
+        completions = [o.outputs[0] for o in outputs]
+        return [(c.token_ids, c.finish_reason, c.stop_reason) for c in completions]
+
+    plain = run()
+    assert {reason for _, reason, _ in plain} == {"stop", "error"}  # both paths are taken
+    assert run(speculative_config=spec) == plain
 
 
 CONFIGS = {
@@ -183,6 +215,19 @@ CONFIGS = {
     "ngram-speculation": {
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     },
+    # The target drafts for itself (its model filled in by the test): argmax drafts, blind to
+    # the grammar, from a proposer that keeps its own KV and catches up after cut drafts.
+    "draft-model": {
+        "speculative_config": {
+            "method": "draft_model",
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        }
+    },
+    # A tiny inter-token-latency target: prompts cut to the floor of prompt tokens per step.
+    "itl-target": {"itl_target_ms": 0.001},
+    # Decode-only steps through the bucketed captured step (its bookkeeping, no compiler).
+    "captured-decode": {"max_num_seqs": 12},
 }
 
 
@@ -199,15 +244,83 @@ def test_constrained_output_is_identical_across_engine_features(tiny_checkpoint,
 
     def run(**kwargs) -> tuple[list[list[list[int]]], LLM]:
         llm = LLM(model=checkpoint, dtype="float32", max_model_len=96, block_size=8, **kwargs)
+        if config == "captured-decode" and kwargs:
+            llm.engine.runner.use_captured_decode(12, 96, capture=eager_capture)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [[c.token_ids for c in o.outputs] for o in outputs], llm
 
-    tokens, llm = run(**CONFIGS[config])
+    settings = dict(CONFIGS[config])
+    if config == "draft-model":
+        settings["speculative_config"] = {**settings["speculative_config"], "model": checkpoint}
+    tokens, llm = run(**settings)
     assert tokens == run()[0]
     stats = llm.get_stats().scheduler
     if config in ("recompute", "swap"):
         assert stats.num_preemptions_by_mode[config] > 0
     if config == "prefix-caching":
         assert stats.prefix_cache.hits > 0
-    if config == "ngram-speculation":
+    if config in ("ngram-speculation", "draft-model"):
         assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
+    if config == "itl-target":
+        assert stats.itl_target is not None and stats.itl_target.num_steps_over_target > 0
+    if config == "captured-decode":
+        assert llm.engine.runner.decode_step.num_runs > 0
+
+
+def test_tensor_parallel_ranks_sample_what_one_rank_does(tiny_checkpoint) -> None:
+    """Every rank receives the step's bitmask inside the broadcast SchedulerOutput and masks
+    the same all-gathered logits, so two ranks sample the tokens one does (the vocabulary
+    splits unevenly: the last rank's shard is padded)."""
+    checkpoint = str(tiny_checkpoint("llama", vocab_size=1021))
+    params = [constrained(seed=1, n=2, json=PET), constrained(seed=2, regex=r"(ab|c)+d")]
+    settings = {"dtype": "float32", "max_model_len": 128}
+    single = LLM(checkpoint, **settings)
+    outputs = single.generate([PROMPT] * 2, params, use_tqdm=False)
+    expected = [[c.token_ids for c in o.outputs] for o in outputs]
+    sharded = LLM(checkpoint, tensor_parallel_size=2, **settings)
+    try:
+        outputs = sharded.generate([PROMPT] * 2, params, use_tqdm=False)
+    finally:
+        sharded.engine.shutdown()
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
+    for completion in outputs[0].outputs:
+        jsonschema.validate(json.loads(completion.text), PET)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_heads_drafts_are_cut_at_the_grammar_and_verified(method, monkeypatch) -> None:
+    """EAGLE and Medusa draft from the target's hidden states, blind to the grammar: a
+    request's drafts are cut at the first token its grammar rejects and the rest verified
+    against masked logits, so seeded outputs are the engine's without speculation."""
+    proposed, kept = [], []
+    valid_prefix = RequestGrammar.valid_prefix
+
+    def counting(self: RequestGrammar, drafts: list[int]) -> list[int]:
+        prefix = valid_prefix(self, drafts)
+        proposed.append(len(drafts))
+        kept.append(len(prefix))
+        return prefix
+
+    monkeypatch.setattr(RequestGrammar, "valid_prefix", counting)
+    prompts = [PROMPT, PROMPT, "Tell me a story about a dog."]
+    params = [
+        constrained(seed=7, n=3, json=PET),
+        constrained(seed=8, regex=r"(ab|c)+d"),
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+    ]
+
+    def run(spec: dict | None) -> tuple[list[list[list[int]]], LLM, list[str]]:
+        llm = LLM(dtype="float32", max_model_len=256, speculative_config=spec)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        texts = [c.text for c in outputs[0].outputs]
+        return [[c.token_ids for c in o.outputs] for o in outputs], llm, texts
+
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    tokens, llm, texts = run(spec)
+    assert tokens == run(None)[0]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PET)
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0
+    # Constrained rows drafted; the grammar cut some drafts and let others be verified.
+    assert 0 < sum(kept) < sum(proposed)

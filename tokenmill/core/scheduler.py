@@ -550,9 +550,12 @@ class Scheduler:
         if request.max_tokens == 0:  # computed only for its prompt logprobs
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         grammar = request.grammar
-        if grammar is not None and grammar.unsatisfiable:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = UNSATISFIABLE
+        dead_row = None if grammar is None else grammar.dead_row
+        if dead_row is not None and len(generated) > dead_row:
+            # The step sampled at a row no token can continue (its tokens, kept, led there).
+            generated = generated[:dead_row]
+        else:
+            dead_row = None
         for token_id in generated if not request.is_finished else []:
             request.append_output_token(token_id)
             new_token_ids.append(token_id)
@@ -561,6 +564,11 @@ class Scheduler:
                 advance_grammar(request, token_id)
             if request.is_finished:  # tokens after a stop are dropped
                 break
+        if grammar is not None:
+            grammar.dead_row = None
+        if dead_row is not None and not request.is_finished:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = UNSATISFIABLE
         spec = (runner_output.spec_token_ids or {}).get(request.request_id, [])
         if grammar is not None and spec and not request.is_finished:
             spec = grammar.valid_prefix(spec)  # drafts the grammar rejects are not verified

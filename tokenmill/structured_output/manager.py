@@ -128,16 +128,20 @@ class StructuredOutputManager:
         first_rows: dict[str, int],
         sampling: list[tuple[str, RequestGrammar, list[int]]],
     ) -> None:
-        """A row allowing no token would leave nothing to sample: its request is finished by
-        the scheduler (finish_reason "error") and the row is left unmasked meanwhile."""
+        """A row allowing no token would leave nothing to sample. Its request's first such
+        row is noted (`RequestGrammar.dead_row`): the scheduler finishes the request
+        (finish_reason "error") if verification reaches that row, i.e. accepts the drafts
+        leading into the dead end; a rejected draft leaves it running, as without drafts.
+        That row and the ones after it are left unmasked meanwhile."""
         empty = ~bitmask.numpy().any(axis=1)  # numpy: a torch op costs more on 32 x 64 ints
         if not empty.any():
             return
         for req_id, grammar, drafts in sampling:
-            rows = slice(first_rows[req_id], first_rows[req_id] + len(drafts) + 1)
-            if bool(empty[rows].any()):
-                grammar.unsatisfiable = True
-                bitmask[rows] = -1
+            first = first_rows[req_id]
+            dead = empty[first : first + len(drafts) + 1].nonzero()[0]
+            if len(dead):
+                grammar.dead_row = int(dead[0])
+                bitmask[first + grammar.dead_row : first + len(drafts) + 1] = -1
 
     def shutdown(self) -> None:
         if self._executor is not None:

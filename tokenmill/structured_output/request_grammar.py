@@ -35,7 +35,9 @@ class RequestGrammar:
         self._stop_token_ids = stop_token_ids
         self.matcher: xgrammar.GrammarMatcher | None = None
         self.error: str | None = None  # why the grammar could not be compiled
-        self.unsatisfiable = False  # set when a step found no allowed token
+        # Set for one step: its row (0: the next token, j: after j drafts) where no token
+        # can continue the grammar.
+        self.dead_row: int | None = None
 
     def is_ready(self) -> bool:
         """Compiled (or failed to compile): the request may be scheduled. Never blocks."""
