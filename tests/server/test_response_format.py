@@ -25,6 +25,8 @@ SCHEMA = {
 }
 # A random model pads with whitespace as readily as anything else (docs/server.md).
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+DIGIT = {"type": "integer", "minimum": 10, "maximum": 99}
+COLOR = {"enum": ["red", "blue"]}
 MESSAGES = [{"role": "user", "content": "Where is the meeting?"}]
 
 
@@ -74,6 +76,17 @@ def test_openai_sdk_json_object_streams(client: openai.OpenAI) -> None:
         ({"guided_regex": r"\d{2}-[ab]"}, lambda t: re.fullmatch(r"\d{2}-[ab]", t)),
         ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
         ({"structured_outputs": {"grammar": 'root ::= "go" [0-9]'}}, lambda t: t[:2] == "go"),
+        ({"guided_grammar": 'root ::= "id" [0-9] [0-9]'}, lambda t: re.fullmatch(r"id\d\d", t)),
+        ({"guided_json": DIGIT}, lambda t: 10 <= json.loads(t) <= 99),
+        ({"structured_outputs": {"json": DIGIT}}, lambda t: 10 <= json.loads(t) <= 99),
+        # OpenAI's field on completions too (as vLLM accepts it).
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": COLOR}}},
+            lambda t: json.loads(t) in ("red", "blue"),
+        ),
+        # Any JSON object: it starts one (a random model rarely closes it within 12 tokens).
+        ({"response_format": {"type": "json_object"}, **COMPACT}, lambda t: t.startswith("{")),
+        ({"structured_outputs": {"json_object": True}}, lambda t: t.lstrip().startswith("{")),
     ],
 )
 def test_vllm_fields_constrain_completions(client: openai.OpenAI, fields, check) -> None:
