@@ -5,10 +5,12 @@
 With no model: the built-in demo model.
 1. Decode step time at batch 1, 8 and 32 with no row constrained, half of them and all of
    them (a JSON schema whose output does not end within --tokens, so the batch stays full),
-   sampled at temperature 1.0. Mean engine step time per run; median over interleaved runs
-   (in a shuffled order). Beside it, the time spent per step in structured-output code
-   (filling the bitmask, applying it, advancing matchers), timed directly: on a shared
-   machine the difference of two step times is noisier than the thing measured.
+   sampled at temperature 1.0. Runs interleaved (in a shuffled order); the median over every
+   decode step of a cell's runs (on a shared machine a run's mean takes in every burst of
+   load from other work; the median of its hundreds of steps does not). Beside it, the time
+   spent per step in structured-output code (filling the bitmask, applying it, advancing
+   matchers), timed directly: on a shared machine the difference of two step times is
+   noisier than the thing measured.
 2. Grammar compile time per schema (cache bypassed), median of --repeats.
 3. Constrained rows under n-gram speculation (k = 4, fixed): drafts checked against the
    grammar and verified (rollback) vs no drafts for constrained rows, output tokens/s.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 import statistics
 import time
@@ -25,6 +28,7 @@ from collections.abc import Callable
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core import scheduler  # its advance_grammar is wrapped
+from tokenmill.sampling_params import RequestOutputKind
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.backend import XgrammarBackend
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -113,35 +117,54 @@ class GrammarTimer:
 
 
 TIMER = GrammarTimer()
+REQUEST_IDS = itertools.count()
 
 
-def step_time(llm: LLM, batch: int, num_constrained: int, tokens: int) -> tuple[float, float]:
-    """Mean seconds per engine step generating `tokens` tokens for `batch` rows, and of that
-    the mean in structured-output code."""
-    free = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+def step_times(
+    llm: LLM, batch: int, num_constrained: int, tokens: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of each decode step generating `tokens` tokens for `batch` rows (the first
+    step, which prefills the prompts, left out), and of each the seconds in structured-output
+    code."""
+    kind = RequestOutputKind.FINAL_ONLY
+    free = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, output_kind=kind)
     constrained = SamplingParams(
         temperature=1.0,
         max_tokens=tokens,
         ignore_eos=True,
         structured_outputs=structured(LONG_SCHEMA),
+        output_kind=kind,
     )
-    params = [constrained] * num_constrained + [free] * (batch - num_constrained)
     engine = llm.engine
-    steps, seconds, grammar = engine.num_steps, engine.step_seconds, TIMER.seconds
-    outputs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
-    num_steps = engine.num_steps - steps
-    return (engine.step_seconds - seconds) / num_steps, (TIMER.seconds - grammar) / num_steps
+    for i in range(batch):
+        engine.add_request(
+            f"{next(REQUEST_IDS)}", PROMPT, constrained if i < num_constrained else free
+        )
+    steps: list[float] = []
+    grammar: list[float] = []
+    finished = []
+    while engine.has_unfinished_requests():
+        in_grammar, start = TIMER.seconds, time.perf_counter()
+        outputs = engine.step()
+        steps.append(time.perf_counter() - start)
+        grammar.append(TIMER.seconds - in_grammar)
+        finished += [o for o in outputs if o.finished]
+    assert len(finished) == batch
+    assert all(len(o.outputs[0].token_ids) == tokens for o in finished)
+    return steps[1:], grammar[1:]
 
 
 def bench_step_overhead(llm: LLM, repeats: int, tokens: int) -> None:
-    print(f"\n1. decode step time, {tokens} tokens per row, median of {repeats} interleaved runs")
+    print(
+        f"\n1. decode step time, {tokens} tokens per row, {repeats} interleaved runs per cell: "
+        "median over every decode step of the runs"
+    )
     print(
         "| batch | none constrained (ms) | half (ms) | all (ms) | half / none | all / none "
         "| in grammar code, half (ms) | in grammar code, all (ms) | all: grammar / none step |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    step_time(llm, 2, 1, 8)  # compile the schema, warm up
+    step_times(llm, 2, 1, 8)  # compile the schema, warm up
     for batch in (1, 8, 32):
         modes = {"none": 0, "half": batch // 2, "all": batch}
         if batch == 1:
@@ -150,9 +173,9 @@ def bench_step_overhead(llm: LLM, repeats: int, tokens: int) -> None:
         grammar: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(repeats):
             for mode in random.sample(list(modes), len(modes)):
-                step, in_grammar = step_time(llm, batch, modes[mode], tokens)
-                steps[mode].append(step)
-                grammar[mode].append(in_grammar)
+                step, in_grammar = step_times(llm, batch, modes[mode], tokens)
+                steps[mode].extend(step)
+                grammar[mode].extend(in_grammar)
         ms = {m: 1000 * statistics.median(v) for m, v in steps.items()}
         gms = {m: 1000 * statistics.median(v) for m, v in grammar.items()}
         half = "half" in ms
