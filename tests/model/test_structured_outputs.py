@@ -124,6 +124,23 @@ def test_max_tokens_mid_object_is_length(random_llm: LLM) -> None:
     assert len(completion.token_ids) == 5 and completion.text.startswith('{"')
 
 
+def test_min_tokens_past_the_grammar_end_stops_cleanly(random_llm: LLM) -> None:
+    """The grammar wins over min_tokens (as in vLLM): once it can only end, the stop token
+    min_tokens would ban is sampled and the request stops with a valid output."""
+    choices = ["yes", "no"]
+    params = [
+        constrained(seed=9, n=4, choice=choices),
+        constrained(seed=10, json={"type": "integer", "minimum": 1, "maximum": 9}),
+    ]
+    for p in params:
+        p.min_tokens = 20
+    choice_out, integer_out = random_llm.generate([PROMPT] * 2, params, use_tqdm=False)
+    for completion in [*choice_out.outputs, *integer_out.outputs]:
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", None)
+    assert all(c.text in choices for c in choice_out.outputs)
+    assert 1 <= json.loads(integer_out.outputs[0].text) <= 9
+
+
 @pytest.mark.parametrize(
     "kind, value, message",
     [

@@ -382,6 +382,22 @@ def test_min_tokens_blocks_stop_tokens_until_reached() -> None:
     assert len(samples.unique()) == 8  # the rest stay reachable
 
 
+def test_min_tokens_leaves_stop_tokens_where_nothing_else_is_allowed() -> None:
+    """A row a grammar has already masked to its stop tokens keeps them (rather than sampling
+    from nothing); a row with other tokens left still has its stop tokens banned."""
+    vocab = 10
+    stop = {"min_tokens": 3, "stop_token_ids": [8], "all_stop_token_ids": {9}}
+    logits = torch.arange(vocab, dtype=torch.float32).expand(2, -1).clone()
+    logits[0, :8] = float("-inf")  # only the stop tokens 8 and 9 left
+    logits[1, :7] = float("-inf")  # 7 left beside them
+    params = [SamplingParams(temperature=0.0, **stop)] * 2
+    processed = process_logits(logits, build(params, vocab))
+    torch.testing.assert_close(processed[0], logits[0])
+    assert processed[1].isneginf().tolist() == [True] * 7 + [False, True, True]
+    tokens = sampler()(logits, build(params, vocab)).sampled_token_ids
+    assert tokens.tolist() == [9, 7]
+
+
 def test_logit_bias_shifts_only_its_row() -> None:
     torch.manual_seed(2)
     logits = torch.randn(3, 20)

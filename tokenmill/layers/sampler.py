@@ -172,10 +172,20 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
         rows, ids, values = md.logit_bias
         logits.index_put_((rows, ids), values, accumulate=True)
     if md.min_tokens_mask is not None:
-        logits.index_put_(md.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
+        _ban_stop_tokens(logits, md.min_tokens_mask)
     if md.penalties is not None:
         apply_penalties(logits, md.penalties)
     return logits
+
+
+def _ban_stop_tokens(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """min_tokens: stop tokens get -inf, except in a row where they are all that is left (a
+    grammar that can only end, masked before): there the grammar wins, as in vLLM, and the
+    request ends when its matcher accepts the stop token. No host sync."""
+    kept = logits[mask]
+    logits.index_put_(mask, torch.tensor(_NEG_INF, device=logits.device))
+    emptied = torch.isneginf(logits).all(dim=-1)[mask[0]]
+    logits.index_put_(mask, torch.where(emptied, kept, _NEG_INF))
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> torch.Tensor:
