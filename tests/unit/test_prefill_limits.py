@@ -10,16 +10,10 @@ from hypothesis import strategies as st
 from test_scheduler import expected_output, fake_run, make_request
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.prefill_budget import (
-    MIN_PREFILL_TOKENS_PER_STEP,
-    PredictionError,
-    PrefillLimits,
-)
+from tokenmill.core.prefill_budget import PREFILL_FLOOR_SHARE, PredictionError, PrefillLimits
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.core.step_cost import StepShape, chunk_context
-
-FLOOR = MIN_PREFILL_TOKENS_PER_STEP
 
 
 @dataclass
@@ -125,13 +119,26 @@ def test_no_step_is_predicted_over_target_except_the_progress_floor(
         scheduler.add_request(request)
     outputs, steps = run(scheduler)
     for step in steps:
-        num_prefill = step.shape.num_prefill_tokens
-        if num_prefill and cost.predict(step.shape) > target_ms / 1000:
-            assert num_prefill <= FLOOR, step
+        if step.shape.num_prefill_tokens and cost.predict(step.shape) > target_ms / 1000:
+            assert within_floor(cost, step, target_ms / 1000), step
         assert step.num_partial <= max_partial, step
         if threshold:
             assert all(n <= threshold for n in step.chunks.values()), step
     assert outputs == {r.request_id: expected_output(r) for r in requests}
+
+
+def decodes_only(shape: StepShape) -> StepShape:
+    return StepShape(num_decode_tokens=shape.num_decode_tokens)
+
+
+def within_floor(cost: LinearCost, step: StepView, target: float) -> bool:
+    """Whether a step's prompt chunks fit the progress floor: one chunk whose predicted time
+    is at most the floor's share of the larger of the target and the decodes' time (or a
+    single token, the least progress)."""
+    decodes = cost.predict(decodes_only(step.shape))
+    added = cost.predict(step.shape) - decodes
+    floor = PREFILL_FLOOR_SHARE * max(target, decodes)
+    return len(step.chunks) == 1 and (added <= floor + 1e-12 or step.shape.num_prefill_tokens == 1)
 
 
 def test_chunks_shrink_as_the_context_they_attend_to_grows() -> None:
@@ -146,7 +153,7 @@ def test_chunks_shrink_as_the_context_they_attend_to_grows() -> None:
     while "long" in scheduler.requests:
         out = scheduler.schedule()
         step = view(scheduler, out)
-        assert cost.predict(step.shape) <= 0.040 or step.shape.num_prefill_tokens <= FLOOR
+        assert cost.predict(step.shape) <= 0.040 or within_floor(cost, step, 0.040)
         assert step.shape.num_decode_tokens == 16  # every stream got its token
         chunks.append(step.chunks.get("long", 0))
         scheduler.update_from_output(out, fake_run(scheduler, out))
@@ -161,7 +168,8 @@ def run_steps(scheduler: Scheduler, num_steps: int) -> None:
 
 
 def test_a_long_prompt_finishes_with_a_tiny_target() -> None:
-    # The decodes alone take 4x the target: prompts still move by the floor every step.
+    # The decodes alone take 12x the target: prompts still move by the floor every step, a
+    # quarter of the decodes' 12 ms: 3 ms, 6 prompt tokens at 0.5 ms.
     cost = LinearCost(fixed=0.004, per_decode=0.001)
     scheduler = make_scheduler(cost, 0.001, max_model_len=4096)
     for i in range(8):
@@ -171,7 +179,29 @@ def test_a_long_prompt_finishes_with_a_tiny_target() -> None:
     outputs, steps = run(scheduler)
     assert len(outputs["long"]) == 3
     chunks = [s.chunks["long"] for s in steps if "long" in s.chunks]
-    assert chunks == [FLOOR] * (400 // FLOOR)
+    assert chunks == [6] * 66 + [4]
+
+
+def test_the_floor_is_time_so_chunks_deep_in_a_long_context_shrink() -> None:
+    # Decodes take the whole 20 ms target; the floor chunk's cost, context included, stays
+    # within a quarter of it (5 ms: 9 tokens at the start), so late chunks are a fraction of
+    # the first (a floor counted in tokens costs 1 + 2000 * 1e-6 / 0.5e-3 = 5x more late).
+    cost = LinearCost(fixed=0.004, per_decode=0.002, per_prefill=0.0005, per_context=1e-6)
+    scheduler = make_scheduler(cost, 0.020, max_num_batched_tokens=2048, max_model_len=4096)
+    for i in range(8):
+        scheduler.add_request(make_request(f"d{i}", 4, max_tokens=1500))
+    run_steps(scheduler, 8)  # the streams' prompts go in by the floor too
+    scheduler.add_request(make_request("long", 2000, max_tokens=1))
+    chunks = []
+    while "long" in scheduler.requests:
+        out = scheduler.schedule()
+        step = view(scheduler, out)
+        assert within_floor(cost, step, 0.020), step
+        assert step.shape.num_decode_tokens == 8  # no stream waits, none was preempted
+        chunks.append(step.chunks["long"])
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+    assert sum(chunks) == 2000
+    assert chunks[0] == 9 and chunks[-2] < chunks[0] / 2, chunks
 
 
 def test_without_limits_a_step_takes_the_whole_token_budget() -> None:
@@ -216,8 +246,8 @@ def test_observed_step_times_reach_the_cost_model_and_count_steps_over_target() 
 
 
 def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
-    """Steps with prompt tokens that keep taking 1.5x their prediction make the scheduler size
-    chunks for target / 1.5, so that most steps, not half, land within the target."""
+    """Prompt chunks that keep adding 1.5x their predicted time make the scheduler size
+    chunks for the slack / 1.5, so that most steps, not half, land within the target."""
     cost = LinearCost(fixed=0.004, per_decode=0.001, per_prefill=0.0001)
     scheduler = make_scheduler(cost, 0.040, max_num_batched_tokens=4096, max_model_len=8192)
     scheduler.add_request(make_request("long", 8000, max_tokens=1))
@@ -227,10 +257,12 @@ def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
         predicted = cost.predict(view(scheduler, out).shape)
         predictions.append(predicted)
         scheduler.update_from_output(out, fake_run(scheduler, out))
-        scheduler.observe_step_cost(1.5 * predicted)
+        scheduler.observe_step_cost(cost.fixed + 1.5 * (predicted - cost.fixed))
     assert 0.0398 <= predictions[0] <= 0.040  # sized to the target while nothing is known
-    assert scheduler.prefill_limits.prediction_error.factor == 1.5
-    assert 0.040 / 1.5 - 0.0002 <= predictions[-1] <= 0.040 / 1.5
+    assert abs(scheduler.prefill_limits.prediction_error.factor - 1.5) < 1e-9
+    # The slack past the decodes (here the fixed cost) shrinks, not the whole target.
+    expected = cost.fixed + (0.040 - cost.fixed) / 1.5
+    assert expected - 0.0002 <= predictions[-1] <= expected
 
 
 def test_prediction_error_is_an_upper_quantile_between_one_and_its_cap() -> None:

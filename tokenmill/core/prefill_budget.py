@@ -4,8 +4,10 @@ Three limits, all off by default (then a step's prefill is bounded by the token 
 
 - an inter-token-latency target (`--itl-target-ms`): the step's predicted time (a
   `CostModel`) must stay within the target once the running decodes are paid for, as
-  Sarathi-Serve sizes its chunks; except that a step always gets a small floor of prefill
-  tokens, so a long prompt progresses even when the decodes alone take the whole target;
+  Sarathi-Serve sizes its chunks; except that a step always gets a floor of prefill *time*
+  (a share of the target, or of the decodes' own time when they alone exceed it), so a
+  long prompt progresses even when the decodes take the whole target, and a floor chunk
+  deep into a long context costs no more than a floor chunk at its start;
 - vLLM's `--long-prefill-token-threshold`: at most this many tokens per request and step;
 - vLLM's `--max-num-partial-prefills`: how many prompts may be cut mid-way in one step (so a
   long prompt can't take every step's prefill while short prompts queue behind it).
@@ -18,17 +20,24 @@ from dataclasses import dataclass, field
 
 from tokenmill.core.step_cost import CostModel, StepShape
 
-# Prompt tokens a step may always take under a latency target, so prompts finish even when
-# the decodes alone take the whole target (one KV block of the default size).
-MIN_PREFILL_TOKENS_PER_STEP = 16
+# The prefill time a step may always take under a latency target, as a share of the larger
+# of the target and the decodes' predicted time: prompts progress even when the decodes
+# alone take the whole target, and the floor's overrun of the target stays bounded (a floor
+# counted in tokens, 16 before, cost 1-2x the target once those tokens attended to 4,000
+# cached positions).
+PREFILL_FLOOR_SHARE = 0.25
 
 
 class PredictionError:
-    """How far measured steps with prompt tokens ran over the cost model's predictions lately:
-    the `quantile` of measured / predicted over the last `window` such steps, between 1 and
-    `cap`. The model fits the mean, so about half the steps sized to a target land over it;
-    sizing to the target divided by this factor puts the `quantile` of steps within it
-    (measured: with the plain fit, 50-60% of the steps under a target went over it)."""
+    """How far the prompt chunks of recent steps ran over the cost model's predictions: the
+    `quantile`, over the last `window` steps with prompt tokens, of the time they added to
+    the step (measured step minus the decodes' predicted time) over the time predicted for
+    them, between 1 and `cap`. The model fits the mean, so about half the steps sized to a
+    target land over it; sizing the chunks to the slack (target minus the decodes' time)
+    divided by this factor puts about the `quantile` of steps within it (measured: with the
+    plain fit, 50-60% of the steps under a target went over it). Dividing the whole target
+    instead, as before, left the chunks nothing whenever the decodes took over half of it,
+    and the progress floor then set every chunk's size."""
 
     def __init__(
         self, window: int = 64, quantile: float = 0.9, cap: float = 2.0, min_steps: int = 8
@@ -39,7 +48,8 @@ class PredictionError:
         self.min_steps = min_steps
 
     def observe(self, predicted: float, seconds: float) -> None:
-        if predicted > 0 and seconds > 0:
+        """The chunks were predicted to add `predicted` seconds and added `seconds`."""
+        if predicted > 0:
             self.ratios.append(seconds / predicted)
 
     @property
@@ -59,7 +69,7 @@ class PrefillLimits:
     cost_model: CostModel | None = None  # required with a target
     long_prefill_token_threshold: int = 0  # 0: no per-request cap
     max_num_partial_prefills: int = 1
-    min_tokens_per_step: int = MIN_PREFILL_TOKENS_PER_STEP
+    floor_share: float = PREFILL_FLOOR_SHARE
     prediction_error: PredictionError = field(default_factory=PredictionError)
 
     def __post_init__(self) -> None:
@@ -80,6 +90,9 @@ class PrefillBudget:
     def __init__(self, limits: PrefillLimits, num_decode_tokens: int) -> None:
         self.limits = limits
         self.shape = StepShape(num_decode_tokens=num_decode_tokens)
+        self.decode_seconds = 0.0  # the decodes' predicted time, with a target
+        if limits.cost_model is not None:
+            self.decode_seconds = limits.cost_model.predict(self.shape)
         self.num_partial = 0
         self.num_granted = 0  # prompt tokens given this step
         self.wanted = False  # whether any prompt asked for tokens this step
@@ -93,9 +106,9 @@ class PrefillBudget:
         if limits.long_prefill_token_threshold > 0:
             num = min(num, limits.long_prefill_token_threshold)
         if limits.itl_target is not None:
-            fitting = self._fitting_tokens(num, num_cached)
-            if self.num_granted == 0:
-                fitting = max(fitting, limits.min_tokens_per_step)
+            fitting = self._tokens_within(num, num_cached, self._step_limit())
+            if self.num_granted == 0 and num > 0:
+                fitting = max(fitting, self._floor_tokens(num, num_cached), 1)
             num = min(num, fitting)
         if num < num_left and self.num_partial >= limits.max_num_partial_prefills:
             return 0
@@ -107,18 +120,34 @@ class PrefillBudget:
         if num_tokens < num_left:
             self.num_partial += 1
 
-    def _fitting_tokens(self, upper: int, num_cached: int) -> int:
-        """The most tokens (<= upper) whose chunk keeps the predicted step within the target:
-        a binary search, as the cost of a chunk grows with its length for any sane model."""
-        model, target = self.limits.cost_model, self.limits.itl_target
-        assert model is not None and target is not None
-        target /= self.limits.prediction_error.factor
-        if model.predict(self.shape.plus_chunk(upper, num_cached)) <= target:
+    def _step_limit(self) -> float:
+        """The predicted step time the prompt chunks may fill up to: the decodes' time plus
+        the slack to the target, shrunk by how far chunks ran over their predictions."""
+        target = self.limits.itl_target
+        assert target is not None
+        slack = target - self.decode_seconds
+        return target - slack * (1 - 1 / self.limits.prediction_error.factor)
+
+    def _floor_tokens(self, upper: int, num_cached: int) -> int:
+        """The tokens (<= upper) that fit the progress floor: a share of the larger of the
+        target and the decodes' predicted time, on top of the decodes."""
+        target = self.limits.itl_target
+        assert target is not None
+        floor = self.limits.floor_share * max(target, self.decode_seconds)
+        return self._tokens_within(upper, num_cached, self.decode_seconds + floor)
+
+    def _tokens_within(self, upper: int, num_cached: int, limit: float) -> int:
+        """The most tokens (<= upper) whose chunk keeps the step predicted within `limit`
+        seconds: a binary search, as the cost of a chunk grows with its length for any sane
+        model."""
+        model = self.limits.cost_model
+        assert model is not None
+        if model.predict(self.shape.plus_chunk(upper, num_cached)) <= limit:
             return upper
         low, high = 0, upper  # predict(low) fits (or low = 0), predict(high) does not
         while high - low > 1:
             middle = (low + high) // 2
-            if model.predict(self.shape.plus_chunk(middle, num_cached)) <= target:
+            if model.predict(self.shape.plus_chunk(middle, num_cached)) <= limit:
                 low = middle
             else:
                 high = middle

@@ -236,8 +236,11 @@ class Scheduler:
             return
         model = self.prefill_limits.cost_model
         assert model is not None
-        if shape.num_prefill_tokens:
-            self.prefill_limits.prediction_error.observe(model.predict(shape), seconds)
+        if shape.num_prefill_tokens:  # how far the chunks' added time ran over its prediction
+            decodes = model.predict(StepShape(num_decode_tokens=shape.num_decode_tokens))
+            self.prefill_limits.prediction_error.observe(
+                model.predict(shape) - decodes, seconds - decodes
+            )
         model.observe(shape, seconds)
         if seconds > self.itl_stats.itl_target:
             self.itl_stats.num_steps_over_target += 1
