@@ -203,8 +203,8 @@ class EngineConfig:
         None,
         "inter-token-latency target in ms: each step gets only the prompt tokens that a cost "
         "model learned from measured steps predicts to fit it once the running decodes are "
-        "paid for (and at least a quarter of each step's time, so long prompts still "
-        "progress); off by default",
+        "paid for (and at least half the decodes' time, so long prompts still progress); "
+        "off by default",
     )
     long_prefill_token_threshold: int = config_field(
         0, "at most this many prompt tokens per request and step (0: no cap)"

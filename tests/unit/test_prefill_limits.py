@@ -120,7 +120,7 @@ def test_no_step_is_predicted_over_target_except_the_progress_floor(
     outputs, steps = run(scheduler)
     for step in steps:
         if step.shape.num_prefill_tokens and cost.predict(step.shape) > target_ms / 1000:
-            assert within_floor(cost, step, target_ms / 1000), step
+            assert within_floor(cost, step), step
         assert step.num_partial <= max_partial, step
         if threshold:
             assert all(n <= threshold for n in step.chunks.values()), step
@@ -131,13 +131,13 @@ def decodes_only(shape: StepShape) -> StepShape:
     return StepShape(num_decode_tokens=shape.num_decode_tokens)
 
 
-def within_floor(cost: LinearCost, step: StepView, target: float) -> bool:
+def within_floor(cost: LinearCost, step: StepView) -> bool:
     """Whether a step's prompt chunks fit the progress floor: one chunk whose predicted time
-    is at most the floor's share of the larger of the target and the decodes' time (or a
-    single token, the least progress)."""
+    is at most the floor's share of the decodes' time (or a single token, the least
+    progress)."""
     decodes = cost.predict(decodes_only(step.shape))
     added = cost.predict(step.shape) - decodes
-    floor = PREFILL_FLOOR_SHARE * max(target, decodes)
+    floor = PREFILL_FLOOR_SHARE * decodes
     return len(step.chunks) == 1 and (added <= floor + 1e-12 or step.shape.num_prefill_tokens == 1)
 
 
@@ -153,7 +153,7 @@ def test_chunks_shrink_as_the_context_they_attend_to_grows() -> None:
     while "long" in scheduler.requests:
         out = scheduler.schedule()
         step = view(scheduler, out)
-        assert cost.predict(step.shape) <= 0.040 or within_floor(cost, step, 0.040)
+        assert cost.predict(step.shape) <= 0.040 or within_floor(cost, step)
         assert step.shape.num_decode_tokens == 16  # every stream got its token
         chunks.append(step.chunks.get("long", 0))
         scheduler.update_from_output(out, fake_run(scheduler, out))
@@ -168,8 +168,8 @@ def run_steps(scheduler: Scheduler, num_steps: int) -> None:
 
 
 def test_a_long_prompt_finishes_with_a_tiny_target() -> None:
-    # The decodes alone take 12x the target: prompts still move by the floor every step, a
-    # quarter of the decodes' 12 ms: 3 ms, 6 prompt tokens at 0.5 ms.
+    # The decodes alone take 12x the target: prompts still move by the floor every step, half
+    # the decodes' 12 ms: 6 ms, 12 prompt tokens at 0.5 ms.
     cost = LinearCost(fixed=0.004, per_decode=0.001)
     scheduler = make_scheduler(cost, 0.001, max_model_len=4096)
     for i in range(8):
@@ -179,12 +179,12 @@ def test_a_long_prompt_finishes_with_a_tiny_target() -> None:
     outputs, steps = run(scheduler)
     assert len(outputs["long"]) == 3
     chunks = [s.chunks["long"] for s in steps if "long" in s.chunks]
-    assert chunks == [6] * 66 + [4]
+    assert chunks == [12] * 33 + [4]
 
 
 def test_the_floor_is_time_so_chunks_deep_in_a_long_context_shrink() -> None:
     # Decodes take the whole 20 ms target; the floor chunk's cost, context included, stays
-    # within a quarter of it (5 ms: 9 tokens at the start), so late chunks are a fraction of
+    # within half of it (10 ms: 19 tokens at the start), so late chunks are a fraction of
     # the first (a floor counted in tokens costs 1 + 2000 * 1e-6 / 0.5e-3 = 5x more late).
     cost = LinearCost(fixed=0.004, per_decode=0.002, per_prefill=0.0005, per_context=1e-6)
     scheduler = make_scheduler(cost, 0.020, max_num_batched_tokens=2048, max_model_len=4096)
@@ -196,12 +196,12 @@ def test_the_floor_is_time_so_chunks_deep_in_a_long_context_shrink() -> None:
     while "long" in scheduler.requests:
         out = scheduler.schedule()
         step = view(scheduler, out)
-        assert within_floor(cost, step, 0.020), step
+        assert within_floor(cost, step), step
         assert step.shape.num_decode_tokens == 8  # no stream waits, none was preempted
         chunks.append(step.chunks["long"])
         scheduler.update_from_output(out, fake_run(scheduler, out))
     assert sum(chunks) == 2000
-    assert chunks[0] == 9 and chunks[-2] < chunks[0] / 2, chunks
+    assert chunks[0] == 19 and chunks[-2] < chunks[0] / 2, chunks
 
 
 def test_without_limits_a_step_takes_the_whole_token_budget() -> None:

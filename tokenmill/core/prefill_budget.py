@@ -5,9 +5,9 @@ Three limits, all off by default (then a step's prefill is bounded by the token 
 - an inter-token-latency target (`--itl-target-ms`): the step's predicted time (a
   `CostModel`) must stay within the target once the running decodes are paid for, as
   Sarathi-Serve sizes its chunks; except that a step always gets a floor of prefill *time*
-  (a share of the target, or of the decodes' own time when they alone exceed it), so a
-  long prompt progresses even when the decodes take the whole target, and a floor chunk
-  deep into a long context costs no more than a floor chunk at its start;
+  (half the decodes' predicted time), so a long prompt progresses even when the decodes
+  take the whole target, and a floor chunk deep into a long context costs no more than
+  one at its start;
 - vLLM's `--long-prefill-token-threshold`: at most this many tokens per request and step;
 - vLLM's `--max-num-partial-prefills`: how many prompts may be cut mid-way in one step (so a
   long prompt can't take every step's prefill while short prompts queue behind it).
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 from tokenmill.core.step_cost import CostModel, StepShape
 
-# The prefill time a step may always take under a latency target, as a share of the larger
-# of the target and the decodes' predicted time: prompts progress even when the decodes
-# alone take the whole target, and the floor's overrun of the target stays bounded (a floor
-# counted in tokens, 16 before, cost 1-2x the target once those tokens attended to 4,000
-# cached positions).
-PREFILL_FLOOR_SHARE = 0.25
+# The prefill time a step may always take under a latency target, as a share of the decodes'
+# predicted time: prompts progress (a third of each step) even when the decodes alone take
+# the whole target, and a floor step stays within 1.5x the decodes' time (a floor counted
+# in tokens, 16 before, cost 1-2x the target once those tokens attended to 4,000 cached
+# positions). With the target at 1.5x the decodes or more, the floor fits within it.
+PREFILL_FLOOR_SHARE = 0.5
 
 
 class PredictionError:
@@ -129,11 +129,9 @@ class PrefillBudget:
         return target - slack * (1 - 1 / self.limits.prediction_error.factor)
 
     def _floor_tokens(self, upper: int, num_cached: int) -> int:
-        """The tokens (<= upper) that fit the progress floor: a share of the larger of the
-        target and the decodes' predicted time, on top of the decodes."""
-        target = self.limits.itl_target
-        assert target is not None
-        floor = self.limits.floor_share * max(target, self.decode_seconds)
+        """The tokens (<= upper) that fit the progress floor: a share of the decodes'
+        predicted time, on top of them."""
+        floor = self.limits.floor_share * self.decode_seconds
         return self._tokens_within(upper, num_cached, self.decode_seconds + floor)
 
     def _tokens_within(self, upper: int, num_cached: int, limit: float) -> int:
