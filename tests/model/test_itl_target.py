@@ -45,18 +45,14 @@ def test_a_long_prompt_finishes_behind_decodes_with_a_tiny_target(checkpoint) ->
         while len(engine.step()) < len(streams):  # until every stream decodes
             pass
         engine.add_request("long", long_prompt, greedy(4))
-        steps_to_first_token, tokens = None, {}
-        for step in range(1, 1000):
+        tokens = {}
+        for _ in range(1000):
             for output in engine.step():
                 tokens[output.request_id] = output.outputs[0].token_ids
-            if steps_to_first_token is None and tokens.get("long"):
-                steps_to_first_token = step
             if not engine.has_unfinished_requests():
                 break
         assert not engine.has_unfinished_requests()
         outputs[target] = tokens
-        if target:  # the floor: a share of each step's time, so the prompt is cut
-            assert steps_to_first_token is not None and steps_to_first_token > 2
     assert outputs[0.001] == outputs[None]
 
 
@@ -92,11 +88,11 @@ def test_metrics_show_the_target_the_budgets_and_steps_over_it(checkpoint) -> No
     metrics.record_stats(llm.get_stats())
     text = generate_latest(registry).decode()
     assert 'tokenmill:itl_target_seconds{model_name="tiny"} 1e-06' in text
-    # 40 prompt tokens, cut by the floor into several steps; then two decode steps. Every
-    # step is over a 1 us target.
+    # 40 prompt tokens in one or more steps (the floor is half the decodes' predicted time),
+    # then two decode steps: every step is over a 1 us target.
     assert 'tokenmill:itl_prefill_budget_tokens_sum{model_name="tiny"} 40.0' in text
     num_prefill_steps = metric_value(text, "tokenmill:itl_prefill_budget_tokens_count")
-    assert num_prefill_steps >= 2
+    assert num_prefill_steps >= 1
     steps_over = metric_value(text, "tokenmill:itl_steps_over_target_total")
     assert steps_over == num_prefill_steps + 2
 
