@@ -59,9 +59,14 @@ def measure(seq_lens: list[int], repeats: int) -> dict[str, float]:
     keys, values = read_kv(cache, group.block_tables, query.dtype)
     keys, values = keys[:, :, : group.kv_len], values[:, :, : group.kv_len]
     q = query.view(batch, 1, HEADS, DIM).transpose(1, 2)
-    portable = TorchPagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
+    portable, out = TorchPagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5), torch.empty_like(query)
+
+    def portable_call() -> torch.Tensor:
+        portable._attend_group(query, cache, group, out)
+        return out
+
     calls: dict[str, Callable[[], object]] = {
-        "portable": lambda: portable._attend_group(query, cache, group),
+        "portable": portable_call,
         "gather": lambda: read_kv(cache, group.block_tables, query.dtype),
         "sdpa": lambda: F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=DIM**-0.5, enable_gqa=True

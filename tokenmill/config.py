@@ -31,6 +31,10 @@ KV_CACHE_DTYPES = {
 }
 
 
+# auto: triton on CUDA when installed, else torch (layers/attention_backends.py).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 class ConfigError(ValueError):
     """An engine setting is invalid or inconsistent with the model."""
 
@@ -141,7 +145,7 @@ class EngineConfig:
         "auto",
         "auto: the Triton paged-attention kernel on CUDA when triton is installed, else "
         "torch (the portable reference: gather + scaled_dot_product_attention)",
-        choices=("auto", "torch", "triton"),
+        choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool | None = config_field(
         None,

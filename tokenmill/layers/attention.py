@@ -10,6 +10,7 @@ kv_heads, head_dim]`, as the fused QKV projection lays them out), one copy in an
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -105,10 +106,9 @@ def _attention_mask(
     return mask.unsqueeze(1)
 
 
-class TorchPagedAttention:
-    """The portable backend: gathers each request's context from the cache and runs
-    `scaled_dot_product_attention` on a padded batch per group. Correct for any mix of chunk
-    and context lengths; the reference any faster backend would be tested against."""
+class PagedAttention(ABC):
+    """What every backend shares: its shape, writing the step's new keys and values into the
+    cache, and one `_attend_group` per attention group, each filling its rows of the output."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -124,20 +124,27 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(kv_cache, metadata.slot_mapping, kv)
-        if len(metadata.groups) == 1:
-            return self._attend_group(query, kv_cache, metadata.groups[0])
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
             start, end = group.token_start, group.token_end
-            output[start:end] = self._attend_group(query[start:end], kv_cache, group)
+            self._attend_group(query[start:end], kv_cache, group, output[start:end])
         return output
 
+    @abstractmethod
     def _attend_group(
-        self,
-        query: torch.Tensor,
-        kv_cache: KVCache,
-        group: AttentionGroup,
-    ) -> torch.Tensor:
+        self, query: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, out: torch.Tensor
+    ) -> None:
+        """Write the attention of the group's queries (`[tokens, heads, head_dim]`) to `out`."""
+
+
+class TorchPagedAttention(PagedAttention):
+    """The portable backend: gathers each request's context from the cache and runs
+    `scaled_dot_product_attention` on a padded batch per group. Correct for any mix of chunk
+    and context lengths; the reference the Triton backend is tested against."""
+
+    def _attend_group(
+        self, query: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, out: torch.Tensor
+    ) -> None:
         num_seqs = group.block_tables.shape[0]
         keys, values = read_kv(kv_cache, group.block_tables, query.dtype)
         keys, values = keys[:, :, : group.kv_len], values[:, :, : group.kv_len]
@@ -148,7 +155,7 @@ class TorchPagedAttention:
             padded = query.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
             padded.index_copy_(0, group.padded_index, query)
             padded = padded.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
+        attended = F.scaled_dot_product_attention(
             padded.transpose(1, 2),
             keys,
             values,
@@ -157,6 +164,7 @@ class TorchPagedAttention:
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)
         if group.max_query_len == 1:
-            return out.reshape(num_seqs, self.num_heads, self.head_dim)
-        flat = out.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
-        return flat.index_select(0, group.padded_index)
+            out.view(attended.shape).copy_(attended)
+            return
+        flat = attended.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
+        torch.index_select(flat, 0, group.padded_index, out=out)

@@ -1,38 +1,21 @@
-"""The attention backend interface, and the choice of a backend, made once at start-up.
+"""The choice of an attention backend, made once at start-up.
 
-Every backend takes the same inputs (a step's flat queries, its new keys and values, one
-layer's paged cache and the step's `AttentionMetadata`) and returns `[num_tokens, heads,
-head_dim]`. `torch` (`TorchPagedAttention`) runs anywhere and is the reference; `triton`
-(`TritonPagedAttention`) reads K/V through the block tables inside one kernel, for CUDA.
+Every backend is a `PagedAttention` (layers/attention.py): the same inputs (a step's flat
+queries, its new keys and values, one layer's paged cache and the step's `AttentionMetadata`),
+`[num_tokens, heads, head_dim]` out, and its own `_attend_group`. `torch`
+(`TorchPagedAttention`) runs anywhere and is the reference; `triton` (`TritonPagedAttention`)
+reads K/V through the block tables inside one kernel, for CUDA.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Protocol
 
 import torch
 
-from tokenmill.config import ConfigError
-from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
-class AttentionBackend(Protocol):
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        kv: torch.Tensor,  # [num_tokens, 2 (key, value), num_kv_heads, head_dim]
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor: ...
+from tokenmill.config import ATTENTION_BACKENDS, ConfigError
+from tokenmill.layers.attention import PagedAttention, TorchPagedAttention
 
 
 def triton_available() -> bool:
@@ -55,7 +38,7 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 
 def make_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
-) -> AttentionBackend:
+) -> PagedAttention:
     if name == "triton":
         from tokenmill.layers.attention_triton import TritonPagedAttention
 
@@ -70,7 +53,7 @@ def use_attention_backend(model: torch.nn.Module, name: str) -> None:
     of kind `name` with the same shape."""
     for module in model.modules():
         current = getattr(module, "attn", None)
-        if current is None or not hasattr(current, "forward"):
+        if not isinstance(current, PagedAttention):
             continue
         module.attn = make_attention_backend(
             name, current.num_heads, current.num_kv_heads, current.head_dim, current.scale

@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.attention import AttentionGroup, AttentionMetadata, KVCache
-from tokenmill.layers.kv_cache import write_kv
+from tokenmill.layers.attention import AttentionGroup, KVCache, PagedAttention
 
 PREFILL_BLOCK_M = 64  # rows (queries x heads of a KV group) per program for chunks
 TILE_N = 32  # keys per inner iteration
@@ -189,36 +188,13 @@ def _paged_attention_kernel(
     )
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PagedAttention):
     """Attention over the paged cache in one kernel launch per attention group."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-    ) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.queries_per_kv = num_heads // num_kv_heads
         self.head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        kv: torch.Tensor,  # [num_tokens, 2 (key, value), num_kv_heads, head_dim]
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_kv(kv_cache, metadata.slot_mapping, kv)
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        for group in metadata.groups:
-            start, end = group.token_start, group.token_end
-            self._attend_group(query[start:end], kv_cache, group, output[start:end])
-        return output
 
     def _attend_group(
         self, query: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, out: torch.Tensor
