@@ -155,7 +155,7 @@ def check_against_transformers(model_dir: Path, device: str) -> None:
             llm = engine(
                 model_dir, device, dtype="float32", max_model_len=256, captured=captured, **extra
             )
-            backend = type(llm.engine.runner.model.layers[0].self_attn.attn).__name__
+            backend = llm.engine.attention_backend
             got = tokenmill_ids(llm, prompts, 32)
             equal = sum(g == e for g, e in zip(got, expected))
             emit(
@@ -268,7 +268,7 @@ def main() -> None:
     free()
     captured = args.device.startswith("cuda")  # compiling on a CPU takes minutes per size
     llm = engine(bench_dir, args.device, captured=captured, max_model_len=sizes["long"] + 256)
-    attention = type(llm.engine.runner.model.layers[0].self_attn.attn).__name__
+    attention = llm.engine.attention_backend
     emit("engine", attention=attention, captured=captured)
     batch1(llm, model, args.device, sizes)
     throughput(llm, model, args.device, sizes)

@@ -67,19 +67,11 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.tokenizer or model_dir)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1.
         self.executor = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
-        model = load_model(
-            model_dir,
-            self.hf_config,
-            self.architecture,
-            self.dtype,
-            self.device,
-            config.linear_backend_for(self.device),
-            config.attention_backend,
-            tp=self.executor.tp if self.executor else SINGLE,
-        )
+        model = self._load_target()
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
@@ -111,18 +103,7 @@ class LLMEngine:
         )
         if config.captures_decode(self.device):
             self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
-            preemption_mode=config.preemption_mode,
-            spec_policy=self._speculation_policy(),
-            spec_lookahead=draft_spec is not None,
-            prefill_limits=self._prefill_limits(num_blocks),
-        )
+        self.scheduler = self._scheduler(num_blocks, spec_lookahead=draft_spec is not None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -131,22 +112,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.step_seconds = 0.0  # wall time inside step() since start
         self.step_records = new_step_ring()  # the last steps, for the dashboard
-        logger.info(
-            "loaded %s (%s, %s on %s, attention %s); KV cache (%s): %d blocks of %d tokens = "
-            "%d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
-            model_dir,
-            self.architecture,
-            self.dtype,
-            self.device,
-            resolve_attention_backend(config.attention_backend, self.device),
-            kv_spec.dtype,
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
-            num_blocks * kv_spec.bytes_per_block / 1024**3,
-            self.max_model_len,
-            num_blocks * config.block_size / self.max_model_len,
-        )
+        self._log_start(kv_spec, num_blocks)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -317,6 +283,53 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (also done at garbage collection and exit)."""
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _load_target(self) -> LlamaForCausalLM:
+        """The target model; under tensor parallelism this rank's shard of it."""
+        return load_model(
+            self.model_dir,
+            self.hf_config,
+            self.architecture,
+            self.dtype,
+            self.device,
+            self.config.linear_backend_for(self.device),
+            self.attention_backend,
+            tp=self.executor.tp if self.executor else SINGLE,
+        )
+
+    def _scheduler(self, num_blocks: int, spec_lookahead: bool) -> Scheduler:
+        config = self.config
+        return Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
+            spec_policy=self._speculation_policy(),
+            spec_lookahead=spec_lookahead,
+            prefill_limits=self._prefill_limits(num_blocks),
+        )
+
+    def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:
+        block_size = self.config.block_size
+        logger.info(
+            "loaded %s (%s, %s on %s, attention %s); KV cache (%s): %d blocks of %d tokens = "
+            "%d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
+            self.model_dir,
+            self.architecture,
+            self.dtype,
+            self.device,
+            self.attention_backend,
+            kv_spec.dtype,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            num_blocks * kv_spec.bytes_per_block / 1024**3,
+            self.max_model_len,
+            num_blocks * block_size / self.max_model_len,
+        )
 
     def _kv_spec(self, model: LlamaForCausalLM | EagleDraft) -> KVCacheSpec:
         """Per rank: a tensor-parallel rank caches only its own KV heads."""
