@@ -37,6 +37,39 @@ class _Progress:
     num_finished: int = 0  # samples that have finished
 
 
+@dataclass(frozen=True)
+class _Families:
+    """Makes metric families in `registry`, each with a `model_name` label, and returns their
+    children for this model (as vLLM labels every metric)."""
+
+    registry: CollectorRegistry
+    model_name: str
+
+    def histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
+        family = Histogram(
+            PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+        )
+        return family.labels(model_name=self.model_name)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        family = Counter(PREFIX + name, doc, ["model_name"], registry=self.registry)
+        return family.labels(model_name=self.model_name)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        family = Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry)
+        return family.labels(model_name=self.model_name)
+
+    def labelled_counter(self, name: str, doc: str, label: str) -> Counter:
+        """A counter family with one label besides `model_name` (children made by caller)."""
+        return Counter(PREFIX + name, doc, ["model_name", label], registry=self.registry)
+
+    def counters_by(
+        self, name: str, doc: str, label: str, values: tuple[str, ...]
+    ) -> dict[str, Counter]:
+        family = self.labelled_counter(name, doc, label)
+        return {v: family.labels(model_name=self.model_name, **{label: v}) for v in values}
+
+
 class EngineMetrics:
     """Owns the metrics and turns engine outputs and stats into observations.
 
@@ -49,23 +82,43 @@ class EngineMetrics:
         """`spec_decode`: the engine speculates, so export the `spec_decode_*` families
         (a server without speculation has none, as in vLLM)."""
         self.registry = registry
-        labels = {"model_name": model_name}
         self._progress: dict[str, _Progress] = {}
         self._last_stats: EngineStats | None = None
         self.recent = RecentLatencies()  # the same observations, timed, for the dashboard
+        families = _Families(registry, model_name)
+        self._add_latency_histograms(families)
+        self._add_token_counters(families)
+        self.preemptions = families.counters_by(
+            "num_preemptions",
+            "Cumulative number of preemptions, by mode (recompute or swap).",
+            "mode",
+            ("recompute", "swap"),
+        )
+        self.spec_decode = _SpecDecodeMetrics(families) if spec_decode else None
+        self.prefix_cache_queries = families.counter(
+            "prefix_cache_queries", "Prefix cache lookups, in prompt tokens looked up."
+        )
+        self.prefix_cache_hits = families.counter(
+            "prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."
+        )
+        self.request_success = families.counters_by(
+            "request_success",
+            "Count of finished requests, by finish reason.",
+            "finished_reason",
+            FINISHED_REASONS,
+        )
+        self.num_running = families.gauge(
+            "num_requests_running", "Number of requests in the batch."
+        )
+        self.num_waiting = families.gauge("num_requests_waiting", "Number of requests waiting.")
+        self.kv_cache_usage = families.gauge(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.itl_target = ItlTargetCollector(PREFIX, model_name)
+        registry.register(self.itl_target)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            metric = Histogram(
-                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=registry
-            )
-            return metric.labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=registry).labels(**labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ["model_name"], registry=registry).labels(**labels)
-
+    def _add_latency_histograms(self, families: _Families) -> None:
+        histogram = families.histogram
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
         )
@@ -95,51 +148,21 @@ class EngineMetrics:
             "Time from the first token to the last token.",
             _REQUEST_BUCKETS,
         )
-        self.prompt_tokens = counter(
+
+    def _add_token_counters(self, families: _Families) -> None:
+        self.prompt_tokens = families.counter(
             "prompt_tokens", "Number of prefill tokens processed (whole prompts, as vLLM)."
         )
-        self.prompt_tokens_cached = counter(
+        self.prompt_tokens_cached = families.counter(
             "prompt_tokens_cached", "Number of prompt tokens found in the prefix cache."
         )
-        self.prompt_tokens_computed = counter(
+        self.prompt_tokens_computed = families.counter(
             "prompt_tokens_computed",
             "Number of prompt tokens run through the model (again after a preemption).",
         )
-        self.generation_tokens = counter(
+        self.generation_tokens = families.counter(
             "generation_tokens", "Number of generation tokens processed."
         )
-        preemptions = Counter(
-            PREFIX + "num_preemptions",
-            "Cumulative number of preemptions, by mode (recompute or swap).",
-            ["model_name", "mode"],
-            registry=registry,
-        )
-        self.preemptions = {
-            mode: preemptions.labels(mode=mode, **labels) for mode in ("recompute", "swap")
-        }
-        self.spec_decode = _SpecDecodeMetrics(registry, labels) if spec_decode else None
-        self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prefix cache lookups, in prompt tokens looked up."
-        )
-        self.prefix_cache_hits = counter(
-            "prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."
-        )
-        success = Counter(
-            PREFIX + "request_success",
-            "Count of finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=registry,
-        )
-        self.request_success = {
-            reason: success.labels(finished_reason=reason, **labels) for reason in FINISHED_REASONS
-        }
-        self.num_running = gauge("num_requests_running", "Number of requests in the batch.")
-        self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting.")
-        self.kv_cache_usage = gauge(
-            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        )
-        self.itl_target = ItlTargetCollector(PREFIX, model_name)
-        registry.register(self.itl_target)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -233,22 +256,22 @@ class EngineMetrics:
 class _SpecDecodeMetrics:
     """The speculative-decoding counters, registered only when the engine speculates."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=registry).labels(**labels)
-
-        self.drafts = counter(
+    def __init__(self, families: _Families) -> None:
+        self.drafts = families.counter(
             "spec_decode_num_drafts", "Verification steps with drafts, one per request and step."
         )
-        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._per_position = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position within the drafts of a step (0 = first).",
-            ["model_name", "position"],
-            registry=registry,
+        self.draft_tokens = families.counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed."
         )
-        self._labels = labels
+        self.accepted_tokens = families.counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._per_position = families.labelled_counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position within the drafts of a step (0 = first).",
+            "position",
+        )
+        self._model_name = families.model_name
 
     def record(self, now: SpecDecodeStats, before: SpecDecodeStats) -> None:
         _advance(self.drafts, now.num_drafts - before.num_drafts)
@@ -257,7 +280,7 @@ class _SpecDecodeMetrics:
         for position, count in enumerate(now.num_accepted_tokens_per_pos):
             previous = before.num_accepted_tokens_per_pos
             old = previous[position] if position < len(previous) else 0
-            counter = self._per_position.labels(position=str(position), **self._labels)
+            counter = self._per_position.labels(model_name=self._model_name, position=str(position))
             _advance(counter, count - old)
 
 
