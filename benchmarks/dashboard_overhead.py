@@ -28,9 +28,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.step_records import StepRecord, new_step_ring
 from tokenmill.entrypoints.dashboard.feed import UPDATES_PER_SECOND, DashboardFeed
+from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.recent import RecentLatencies
 from tokenmill.sampling_params import SamplingParams
@@ -58,7 +60,7 @@ def set_dashboard(engine: LLMEngine, metrics: EngineMetrics, on: bool) -> None:
 
 
 def run_batch(
-    engine: LLMEngine, metrics: EngineMetrics, server: SimpleNamespace, batch: int, tokens: int
+    engine: LLMEngine, metrics: EngineMetrics, server: AsyncEngine, batch: int, tokens: int
 ) -> tuple[float, float]:
     """Mean seconds per step of one batch, from admission to the last token: wall time, and
     the CPU time of this (the engine's) thread, which other processes on a shared machine
@@ -91,9 +93,11 @@ def reader(feed: DashboardFeed, stop: threading.Event, costs: list[float]) -> No
 
 
 def side_by_side(args: argparse.Namespace) -> None:
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.batch))
+    config = EngineConfig(model=args.model, max_num_seqs=args.batch)
+    engine = LLMEngine(with_default_models(config))
     metrics = EngineMetrics(CollectorRegistry(), "bench")
-    server = SimpleNamespace(engine=engine, metrics=metrics, last_stats=engine.get_stats())
+    # Not started: this thread steps the engine as the server's engine thread would.
+    server = AsyncEngine(engine, metrics, log_stats_interval=None)
     run_batch(engine, metrics, server, args.batch, 8)  # warm up
     results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     update_costs: list[float] = []
@@ -104,7 +108,7 @@ def side_by_side(args: argparse.Namespace) -> None:
             stop = threading.Event()
             thread = None
             if on:
-                feed = DashboardFeed(server, "bench", {})  # type: ignore[arg-type]
+                feed = DashboardFeed(server, "bench", {})
                 thread = threading.Thread(target=reader, args=(feed, stop, update_costs))
                 thread.start()
             results[on].append(run_batch(engine, metrics, server, args.batch, args.tokens))

@@ -101,7 +101,7 @@ def run_once(model: Path, engine_kwargs: dict[str, Any], args: argparse.Namespac
         admission.append(seconds)
         if any(o.request_id == "long" for o in outputs):
             ttft = time.perf_counter() - arrival
-    streams = [r for r in engine.scheduler.running if r.request_id.startswith("stream-")]
+    streams = [r for r in engine.running_request_ids() if r.startswith("stream-")]
     assert len(streams) == args.streams, "a stream stopped decoding during the run"
     after = engine.get_stats()
     tokens = (after.num_prompt_tokens - before.num_prompt_tokens) + (

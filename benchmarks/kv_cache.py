@@ -116,7 +116,7 @@ def main() -> None:
         ),
     }
     for label, llm in kv.items():
-        print(f"  {label}: {llm.engine.kv_cache_manager.num_blocks} blocks in {budget >> 20} MiB")
+        print(f"  {label}: {llm.get_stats().scheduler.num_kv_blocks} blocks in {budget >> 20} MiB")
     fp8 = compare(
         f"equal KV memory ({budget >> 20} MiB), 64 requests of 256 prompt + 128 output tokens",
         kv,

@@ -19,9 +19,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.step_records import StepRecord
 from tokenmill.metrics.prometheus import EngineMetrics
-from tokenmill.metrics.stats import EngineStats
+from tokenmill.metrics.ring import Ring
+from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -152,6 +155,20 @@ class AsyncEngine:
         abort them in the engine: for a shutdown that cannot wait for them any longer."""
         self._fail_streams(error)
         self._submit(lambda: self._abort(sorted(self._num_samples), "abort"))
+
+    # ---- what the dashboard reads (any thread) -------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def step_records(self) -> Ring[StepRecord]:
+        """The last steps (one writer, the engine thread; lock-free readers)."""
+        return self.engine.step_records
+
+    def kv_block_states(self, max_cells: int) -> KVBlockStates:
+        return self.engine.get_kv_block_states(max_cells)
 
     @property
     def is_healthy(self) -> bool:

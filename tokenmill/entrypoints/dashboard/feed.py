@@ -27,8 +27,7 @@ class DashboardFeed:
     """One page's view: where it is in each ring."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, slos: dict[str, float]) -> None:
-        self._async_engine = engine
-        self._engine = engine.engine
+        self._engine = engine
         self._model_name = model_name
         self._slos = slos
         recent = engine.metrics.recent if engine.metrics is not None else None
@@ -59,9 +58,9 @@ class DashboardFeed:
     def update(self) -> dict[str, Any]:
         now = time.time()
         update: dict[str, Any] = {"now": now, **self._new_records(now)}
-        stats = self._async_engine.last_stats
+        stats = self._engine.last_stats
         s = stats.scheduler
-        kv = self._engine.get_kv_block_states(MAX_MAP_CELLS)
+        kv = self._engine.kv_block_states(MAX_MAP_CELLS)
         update["totals"] = {
             "num_steps": stats.num_steps,
             "prompt_tokens": stats.num_prompt_tokens,  # whole prompts, as /metrics counts

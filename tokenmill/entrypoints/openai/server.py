@@ -57,7 +57,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         slos=slos,
     )
     app = build_app(ctx, registry, args.api_key, args.max_request_body_bytes)
-    kv = engine.kv_cache_manager
+    num_kv_blocks, block_size = engine.get_stats().scheduler.num_kv_blocks, engine.config.block_size
     logger.info(
         "serving model %s (%s) on http://%s:%d; max_model_len %d; KV cache %d blocks x %d "
         "tokens = %d tokens%s",
@@ -66,9 +66,9 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         args.host,
         args.port,
         engine.max_model_len,
-        kv.num_blocks,
-        kv.block_size,
-        kv.num_blocks * kv.block_size,
+        num_kv_blocks,
+        block_size,
+        num_kv_blocks * block_size,
         "; API key required on /v1" if args.api_key else "",
     )
     config = uvicorn.Config(
