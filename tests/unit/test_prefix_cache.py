@@ -291,7 +291,7 @@ def test_priority_policy_preempts_the_lowest_priority_running_request() -> None:
     second = scheduler.schedule()
     assert second.preempted_req_ids == {"low"}
     assert "low" not in second.num_scheduled_tokens
-    assert scheduler.waiting.peek().request_id == "low"
+    assert scheduler.waiting[0].request_id == "low"
 
 
 def test_swap_preemption_keeps_progress_and_swaps_back_in() -> None:

@@ -36,9 +36,6 @@ class RequestQueue:
         else:
             self._queue.append(request)
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
 
