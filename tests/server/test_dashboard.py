@@ -175,10 +175,17 @@ def test_the_dashboard_in_a_real_browser(
         try:
             page = context.new_page()
             page.on("pageerror", lambda error: errors.append(str(error)))
-            loader.start()
             page.goto(f"{dashboard_server.url}/dashboard")
             page.select_option("#window", "300")  # every request of this module so far
             page.wait_for_selector("#connection[data-state=live]", timeout=30_000)
+            # No traffic yet (the tests above send none): empty states, not errors.
+            page.wait_for_function(
+                "document.getElementById('total-finished').dataset.value === '0'", timeout=10_000
+            )
+            for empty in ("#steps-empty", "#latency-empty"):
+                assert page.is_visible(empty), empty
+            assert errors == []
+            loader.start()
             page.wait_for_selector("#steps-empty[hidden]", state="attached", timeout=30_000)
             page.wait_for_function(
                 "Number(document.getElementById('total-finished').dataset.value) >= 8",
