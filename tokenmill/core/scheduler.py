@@ -27,13 +27,9 @@ from tokenmill.core.scheduler_output import (
     SchedulerOutput,
 )
 from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
 from tokenmill.core.stop_check import advance_grammar, check_stop
-from tokenmill.metrics.stats import (
-    ItlTargetStats,
-    PrefixCacheStats,
-    SchedulerStats,
-    SpecDecodeStats,
-)
+from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
 
@@ -43,15 +39,6 @@ CACHE_AWARE_WINDOW = 8
 # ...but the request at the head is passed over at most this many times, so the oldest request
 # waits for no more than this many extra admissions (a few steps) and never starves.
 MAX_HEAD_SKIPS = 4
-
-
-@dataclass
-class _MeasuredStep:
-    """What the speculation policy learns from a step once its time is known."""
-
-    decode_ids: set[str]  # requests decoding (one known token, plus drafts to verify)
-    k: int  # drafts per request verified
-    num_prefill_tokens: int  # the step's other tokens: prompt chunks
 
 
 @dataclass
@@ -111,15 +98,11 @@ class Scheduler:
         self.spec_policy = spec_policy
         self.spec_lookahead = spec_lookahead
         self.spec_stats = SpecDecodeStats() if spec_policy else None
-        self._last_step: _MeasuredStep | None = None
-        self._last_propose_seconds = 0.0  # what the last step spent proposing drafts
-        self._last_num_to_propose = 0  # the drafts per request the last step asked for
+        self.spec_feedback = SpeculationFeedback()
         # Prefill limits (ITL target, per-request threshold, partial prefills); with a target,
         # the last step's shape waits for its measured time to feed the cost model.
         self.prefill_limits = prefill_limits or PrefillLimits()
-        target = self.prefill_limits.itl_target
-        self.itl_stats = None if target is None else ItlTargetStats(target)
-        self._last_shape: StepShape | None = None
+        self.itl_feedback = ItlFeedback.for_limits(self.prefill_limits)
 
     @property
     def num_preemptions(self) -> int:
@@ -198,12 +181,9 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         if self.spec_policy is not None:
-            self._last_step = self._measured_step(plan, total, self._last_num_to_propose)
-            self._last_num_to_propose = plan.num_to_propose
-        if self.itl_stats is not None and total:
-            self._last_shape = self._step_shape(plan)
-            if plan.prefill is not None and plan.prefill.wanted:
-                self.itl_stats.record_budget(plan.prefill.num_granted)
+            self.spec_feedback.planned(output, set(plan.cached_reqs))
+        if self.itl_feedback is not None and total:
+            self.itl_feedback.planned(self._step_shape(plan), plan.prefill)
         return output
 
     def _num_decode_tokens_running(self) -> int:
@@ -230,54 +210,16 @@ class Scheduler:
 
     def observe_step_cost(self, seconds: float) -> None:
         """The whole last step took `seconds` (what every decoding request waited for its
-        token): the cost model learns from it, and a step over the ITL target is counted."""
-        shape, self._last_shape = self._last_shape, None
-        if shape is None or self.itl_stats is None:
-            return
-        model = self.prefill_limits.cost_model
-        assert model is not None
-        if shape.num_prefill_tokens:  # how far the chunks' added time ran over its prediction
-            decodes = model.predict(StepShape(num_decode_tokens=shape.num_decode_tokens))
-            self.prefill_limits.prediction_error.observe(
-                model.predict(shape) - decodes, seconds - decodes
-            )
-        model.observe(shape, seconds)
-        if seconds > self.itl_stats.itl_target:
-            self.itl_stats.num_steps_over_target += 1
-
-    @staticmethod
-    def _measured_step(plan: _StepPlan, total: int, num_asked: int) -> _MeasuredStep:
-        # Decoding requests: one known token (plus drafts) each; the rest is prefill.
-        decode_ids = {
-            r
-            for r, n in plan.num_scheduled.items()
-            if r in plan.cached_reqs and n - len(plan.spec_tokens.get(r, ())) == 1
-        }
-        num_decode_tokens = sum(plan.num_scheduled[r] for r in decode_ids)
-        # The k measured is the drafts this step really verifies (the previous step's choice,
-        # or fewer where the proposer found fewer). Where it found none (every request still
-        # catching up, no n-gram match) the k asked for is billed: its proposing cost that k.
-        k = max((len(d) for d in plan.spec_tokens.values()), default=0) or num_asked
-        return _MeasuredStep(decode_ids, k, total - num_decode_tokens)
+        token): the ITL target's cost model learns from it."""
+        if self.itl_feedback is not None:
+            self.itl_feedback.observe(seconds)
 
     def observe_step_time(self, seconds: float, output: ModelRunnerOutput) -> None:
-        """Feed the speculation policy what the last step's decodes cost and yielded: verifying
-        its drafts (the step, less the proposing it did for the next step) plus proposing them
-        (in the step before). Charging a step its own proposing instead would bill the drafts
-        of the next step's k to this step's k, and make switching to k = 0 look slow."""
-        if self.spec_policy is None or self._last_step is None:
-            return
-        cost = seconds - output.propose_seconds + self._last_propose_seconds
-        self._last_propose_seconds = output.propose_seconds
-        step = self._last_step
-        num_generated = sum(
-            len(tokens)
-            for req_id, tokens in zip(output.req_ids, output.sampled_token_ids)
-            if req_id in step.decode_ids
-        )
-        self.spec_policy.observe(
-            len(step.decode_ids), step.k, num_generated, cost, step.num_prefill_tokens
-        )
+        """Feed the speculation policy what the last step's decodes cost and yielded."""
+        if self.spec_policy is not None:
+            sample = self.spec_feedback.measure(seconds, output)
+            if sample is not None:
+                self.spec_policy.observe(*sample)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -525,7 +467,9 @@ class Scheduler:
                 manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits
             ),
             spec_decode=None if self.spec_stats is None else copy.deepcopy(self.spec_stats),
-            itl_target=None if self.itl_stats is None else copy.deepcopy(self.itl_stats),
+            itl_target=None
+            if self.itl_feedback is None
+            else copy.deepcopy(self.itl_feedback.stats),
         )
 
     # ---- internals ---------------------------------------------------------------------------
