@@ -2,7 +2,8 @@
 
 With an API key set, every route that costs the engine or the tokenizer work or changes state
 needs it: `/v1/*`, `/dashboard*`, `/tokenize`, `/detokenize`, `/reset_prefix_cache`. `/health`,
-`/metrics` and `/version` stay open for probes and scrapers. Every body is capped in size.
+`/metrics` and `/version` stay open for probes and scrapers, `/openapi.json`, `/docs` and
+`/redoc` for readers. Every body is capped in size.
 """
 
 from __future__ import annotations
@@ -112,7 +113,14 @@ def build_app(
         ctx.engine.shutdown()
         ctx.close()
 
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
+    # No Swagger UI OAuth2 redirect page: no route takes OAuth2, and every open route is one
+    # docs/server.md lists.
+    app = FastAPI(
+        title="tokenmill",
+        version=__version__,
+        lifespan=lifespan,
+        swagger_ui_oauth2_redirect_url=None,
+    )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.include_router(_v1_router(ctx, api_key))
