@@ -4,6 +4,7 @@ dead loop is reported, an abort frees KV within a step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -239,12 +240,16 @@ def test_prompt_tokens_details_are_reported_only_when_enabled(
 
 
 def test_tokenizing_runs_off_the_event_loop(make_engine: Callable[[], LLMEngine]) -> None:
+    """A /tokenize call whose tokenizing takes 3 s: /health, asked while it runs, answers at
+    once (before the fix it waited for the tokenizer, which held the event loop)."""
     engine = make_engine()
     async_engine, app = in_process_app(engine)
     tokenizer = engine.tokenizer
     real_encode = tokenizer.encode
+    encoding = threading.Event()
 
     def slow_encode(*args: Any, **kwargs: Any) -> list[int]:
+        encoding.set()
         time.sleep(3)  # a long prompt
         return real_encode(*args, **kwargs)
 
@@ -252,11 +257,13 @@ def test_tokenizing_runs_off_the_event_loop(make_engine: Callable[[], LLMEngine]
         async_engine.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            start = time.perf_counter()
             tokenizing = asyncio.ensure_future(client.post("/tokenize", json={"prompt": "x"}))
             await asyncio.sleep(0.3)
-            start = time.perf_counter()
+            assert encoding.is_set(), "the tokenizer was never called"
             assert (await client.get("/health")).status_code == 200
-            health_seconds = time.perf_counter() - start
+            health_seconds = time.perf_counter() - start  # from the start: a blocked loop
+            assert not tokenizing.done()  # could not even begin the health check
             assert (await tokenizing).status_code == 200
         async_engine.shutdown()
         return health_seconds
