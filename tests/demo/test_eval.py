@@ -7,6 +7,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -83,10 +84,18 @@ def test_models_command_lists_the_builtin_models(capsys) -> None:
     assert "tokenmill-demo-target" in out and "tokenmill-demo-draft" in out
 
 
+# The README's offline `llm.chat` example, whose reply it shows in a comment.
+README_CHAT_EXAMPLE = ("Reverse this list: cat dog fox", "fox dog cat")
+
+
 def test_every_example_of_tokenmill_models_gets_the_reply_it_shows() -> None:
-    """`tokenmill models` (and the README) suggest these prompts: the demo target must answer
+    """`tokenmill models` and the README suggest these prompts: the demo target must answer
     each as shown, or a newcomer's first try fails."""
+    readme_prompt, readme_reply = README_CHAT_EXAMPLE
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f'"content": "{readme_prompt}"' in readme and f"# {readme_reply} " in readme
     checkable = {prompt: reply for prompt, reply in EXAMPLES.items() if reply is not None}
+    checkable[readme_prompt] = readme_reply
     llm = LLM(model=str(demo_model_path("target")), dtype="float32")
     conversations = [[{"role": "user", "content": prompt}] for prompt in checkable]
     outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=64))
