@@ -23,9 +23,11 @@ def eager_capture(run: Replay) -> Replay:
 
 
 def compile_forward(
-    forward: Callable[..., torch.Tensor], max_keys: int
+    forward: Callable[..., torch.Tensor], max_keys: int, backend: str = "inductor"
 ) -> Callable[..., torch.Tensor]:
-    """`forward` compiled with static shapes: each key's first call compiles its own graph."""
+    """`forward` compiled with static shapes: each key's first call compiles its own graph.
+    `backend="aot_eager"` traces the same graph without generating code (tests: seconds, where
+    inductor takes tens)."""
     import torch._dynamo
 
     # One graph per key; past dynamo's limit (8 by default) it would fall back to eager
@@ -34,6 +36,8 @@ def compile_forward(
     config.recompile_limit = max(config.recompile_limit, max_keys)
     # Freezing folds the weights into the graph as constants (inductor may then pick a
     # oneDNN layout for them; on an AVX2-only CPU it kept aten::mm: docs/benchmarks.md).
+    if backend != "inductor":
+        return torch.compile(forward, dynamic=False, backend=backend)
     return torch.compile(forward, dynamic=False, options={"freezing": True})
 
 

@@ -230,16 +230,18 @@ def build_decode_step(
     scratch_block: int,
     sliding_window: int | None,
     capture: Capture | None = None,
+    compile_backend: str = "inductor",
 ) -> CapturedDecodeStep:
-    """CUDA graphs on a GPU; elsewhere the forward compiled by `torch.compile`; or the given
-    `capture` of the uncompiled forward (tests)."""
+    """CUDA graphs on a GPU; elsewhere the forward compiled by `torch.compile` (with
+    `compile_backend`); or the given `capture` of the uncompiled forward (tests)."""
     sizes = capture_sizes(max_num_seqs)
     label = "capturing"
     if capture is None and device.type == "cuda":
         capture, label = cuda_graph_capture_factory(device), "capturing CUDA graph of"
     elif capture is None:
         max_keys = len(sizes) * max_blocks.bit_length()
-        forward, capture = compile_forward(forward, max_keys), first_call_capture
+        forward = compile_forward(forward, max_keys, compile_backend)
+        capture = first_call_capture
         label = "compiling"
     return CapturedDecodeStep(
         forward,

@@ -113,7 +113,11 @@ class ModelRunner:
         return output
 
     def use_captured_decode(
-        self, max_num_seqs: int, max_model_len: int, capture: Capture | None = None
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: Capture | None = None,
+        compile_backend: str = "inductor",
     ) -> None:
         """Run decode-only steps through captured steps: CUDA graphs on a GPU, a compiled
         forward on the CPU, or `capture` (`worker/captured_step.py`)."""
@@ -126,6 +130,7 @@ class ModelRunner:
             self.scratch_block,
             self.sliding_window,
             capture,
+            compile_backend,
         )
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
