@@ -1,13 +1,15 @@
 """Eager vs compiled decode steps of the SmolLM2-135M-shaped model, side by side.
 
-    OMP_NUM_THREADS=1 python benchmarks/compiled_decode.py --batches 1,16,64 --reps 7
+    OMP_NUM_THREADS=1 python benchmarks/compiled_decode.py --batches 1,16,64 --reps 7 [--regional]
 
 Loads the model twice (oneDNN-reordered linears, as eager steps run by default, and plain
 `nn.Linear`, which the compiled step needs), compiles the plain one's forward with static
 shapes and freezing (what `--no-enforce-eager` does on the CPU), then times one decode step
 (forward + logits; contexts of 200 tokens) of each, interleaved, and prints one JSON line per
 batch size: compile time (wall and process CPU) and median wall and CPU ms per step. CPU time
-is the figure a shared machine's load disturbs least.
+is the figure a shared machine's load disturbs least. `--regional` adds a fourth: one decoder
+layer compiled (static shapes, no freezing) and called by all of them (dynamo reuses its graph
+across the layers' modules: regional compilation, seconds instead of minutes).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from make_smollm_shaped_model import model_dir
 from transformers import AutoConfig
 
+from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.loader import load_model
 from tokenmill.worker.capture_backends import compile_forward
@@ -31,10 +35,30 @@ CONTEXT = 200
 BLOCK = 16
 
 
+def regional_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The model's forward with each decoder layer through one compiled function."""
+    layer_step = torch.compile(lambda layer, *args: layer(*args), dynamic=False)
+
+    def forward(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = model.embed_tokens(input_ids)
+        rope = model.rotary.cos_sin(positions)
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+            hidden = layer_step(layer, rope, hidden, kv_cache, metadata)
+        return model.norm(hidden)
+
+    return forward
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--regional", action="store_true", help="also one compiled layer")
     args = parser.parse_args()
     path = model_dir()
     config = AutoConfig.from_pretrained(path)
@@ -52,6 +76,8 @@ def main() -> None:
     plain = models["eager_plain"]
     compiled = compile_forward(lambda *a: plain(*a), max_keys=len(batches))
     forwards = {name: m.forward for name, m in models.items()} | {"compiled": compiled}
+    if args.regional:
+        forwards["regional"] = regional_forward(plain)
     for batch in batches:
         block_ids = [
             list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)
@@ -65,6 +91,10 @@ def main() -> None:
             wall, cpu_time = time.perf_counter(), time.process_time()
             compiled(*step)
             compile_s = (time.perf_counter() - wall, time.process_time() - cpu_time)
+            if args.regional:
+                wall, cpu_time = time.perf_counter(), time.process_time()
+                forwards["regional"](*step)
+                regional_s = (time.perf_counter() - wall, time.process_time() - cpu_time)
             times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in forwards}
             for _ in range(args.reps):
                 for name, forward in forwards.items():
@@ -85,6 +115,9 @@ def main() -> None:
                     "batch": batch,
                     "compile_wall_s": round(compile_s[0], 1),
                     "compile_cpu_s": round(compile_s[1], 1),
+                    **(
+                        {"regional_compile_cpu_s": round(regional_s[1], 1)} if args.regional else {}
+                    ),
                     **result,
                 }
             ),

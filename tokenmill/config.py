@@ -152,7 +152,8 @@ class EngineConfig:
         "run every step eagerly (vLLM's flag); the default until the captured path has run on "
         "a GPU. --no-enforce-eager: decode-only steps run captured at padded batch sizes, as "
         "CUDA graphs on a GPU (not yet run on one) and compiled by torch.compile on the CPU "
-        "(minutes per batch size; faster at batch 1 only: docs/benchmarks.md)",
+        "(about a minute of CPU per batch size and context length bucket, on a restart too; "
+        "faster at batch 1 only: docs/benchmarks.md)",
     )
     generation_config: str = config_field(
         "auto",

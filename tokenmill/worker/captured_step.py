@@ -243,6 +243,11 @@ def build_decode_step(
         forward = compile_forward(forward, max_keys, compile_backend)
         capture = first_call_capture
         label = "compiling"
+        logger.info(
+            "decode steps compile on the first use of each (batch size, context blocks) key: "
+            "about a minute of CPU time each for a 30-layer model, on a restart too "
+            "(docs/benchmarks.md); --enforce-eager runs them eagerly"
+        )
     return CapturedDecodeStep(
         forward,
         capture,
