@@ -34,10 +34,10 @@ def compile_forward(
     # silently.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, max_keys)
-    # Freezing folds the weights into the graph as constants (inductor may then pick a
-    # oneDNN layout for them; on an AVX2-only CPU it kept aten::mm: docs/benchmarks.md).
     if backend != "inductor":
         return torch.compile(forward, dynamic=False, backend=backend)
+    # Freezing folds the weights into the graph as constants (inductor may then pick a
+    # oneDNN layout for them; on an AVX2-only CPU it kept aten::mm: docs/benchmarks.md).
     return torch.compile(forward, dynamic=False, options={"freezing": True})
 
 
