@@ -157,6 +157,77 @@ def test_eagle_catch_up_is_bounded_per_step(demo_prompts, reference, monkeypatch
     assert stats is not None and stats.num_draft_tokens > 0
 
 
+def _eagle_reference(target, weights: dict, token_ids: list[int], k: int) -> list[int]:
+    """Greedy EAGLE drafts after `token_ids`, recomputed from scratch in plain torch: the
+    layer over the whole sequence (causal attention, no cache) on the target's features,
+    each draft's token and predicted feature appended for the next."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    config = target.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    w = {name.removeprefix("layers.0."): tensor for name, tensor in weights.items()}
+    with torch.no_grad():
+        features = target.model(torch.tensor([token_ids])).last_hidden_state[0, :-1]
+        ids, drafts = list(token_ids), []
+        for _ in range(k):
+            n = features.shape[0]
+            embeds = target.model.embed_tokens(torch.tensor(ids[1 : n + 1]))
+            x = torch.cat([embeds, features], -1) @ w["fc.weight"].T
+            cos, sin = LlamaRotaryEmbedding(config)(x[None], torch.arange(n)[None])
+            q, key, value = (
+                (x @ w[f"self_attn.{name}_proj.weight"].T).view(1, n, h, dim).transpose(1, 2)
+                for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+            )
+            q, key = apply_rotary_pos_emb(q, key, cos, sin)
+            out = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)
+            x = x + out.transpose(1, 2).reshape(n, -1) @ w["self_attn.o_proj.weight"].T
+            normed = F.rms_norm(x, (x.shape[-1],), w["post_attention_layernorm.weight"], 1e-6)
+            gate, up = normed @ w["mlp.gate_proj.weight"].T, normed @ w["mlp.up_proj.weight"].T
+            x = x + (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+            drafts.append(int(target.lm_head(x[-1]).argmax()))
+            ids.append(drafts[-1])
+            features = torch.cat([features, x[-1:]])
+    return drafts
+
+
+def test_eagle_drafts_are_the_layers_greedy_chain(demo_prompts, monkeypatch) -> None:
+    """The proposer's k drafts (catch-up through the paged cache, then the chain on its own
+    keys) equal the layer's greedy chain recomputed from scratch, for requests of different
+    lengths drafting in one batch."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    seen: list[tuple[list[int], list[int]]] = []  # (token ids when proposing, drafts)
+    propose = eagle.EagleProposer.propose
+
+    def recording_propose(self, states, num_tokens):
+        proposals = propose(self, states, num_tokens)
+        seen.extend(
+            (list(s.token_ids), proposals[s.req_id]) for s in states if s.req_id in proposals
+        )
+        return proposals
+
+    monkeypatch.setattr(eagle.EagleProposer, "propose", recording_propose)
+    k = 4
+    llm = demo_llm({"method": "eagle", "num_speculative_tokens": k, "adaptive": False})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(demo_prompts[:3], params, use_tqdm=False)
+    heads = demo_model_path("eagle")
+    target = LlamaForCausalLM.from_pretrained(demo_model_path("target"), dtype=torch.float32)
+    weights = load_file(str(heads / "model.safetensors"))
+    checked = seen[:: max(1, len(seen) // 8)]
+    assert len(checked) >= 4 and any(len(drafts) == k for _, drafts in checked)
+    for token_ids, drafts in checked:
+        assert drafts == _eagle_reference(target, weights, token_ids, k)[: len(drafts)]
+
+
 @pytest.fixture(scope="module")
 def small_vocab_model(tiny_checkpoint) -> str:
     return str(tiny_checkpoint("llama", vocab_size=VOCAB, seed=5))

@@ -107,11 +107,12 @@ class HeadsSpec:
     """The speculative heads on the frozen demo target (`python -m tokenmill.demo.train_heads`):
     an EAGLE layer and Medusa heads, trained together on the same batches of target features."""
 
-    num_steps: int = 100
-    batch_size: int = 2
+    num_rows: int = 256  # packed corpus rows whose target features are computed once, cached
+    num_steps: int = 800
+    batch_size: int = 1
     seq_len: int = 1024  # the longest documents (lookups) need it
     lr: float = 3e-3
-    warmup_steps: int = 10
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     seed: int = SEED + 3  # the corpus stream (another than the target's) and the init
@@ -120,7 +121,7 @@ class HeadsSpec:
     eagle_steps: tuple[float, ...] = (1.0, 0.8, 0.6)
     feature_weight: float = 0.5  # smooth-L1 on the predicted hidden state, next to the KL
     medusa_heads: int = 4
-    log_every: int = 10
+    log_every: int = 20
 
 
 HEADS = HeadsSpec()

@@ -1,19 +1,23 @@
 """Train the demo target's speculative heads: `python -m tokenmill.demo.train_heads`.
 
-Both heads learn from the frozen target (`weights/target`) on the demo corpus, on the same
-batches: one target forward gives the post-norm hidden states h_p and the
-next-token distributions, then
+Both heads learn from the frozen target (`weights/target`) on the demo corpus. The target
+runs once over `HeadsSpec.num_rows` packed rows and its post-norm hidden states h_p are
+cached (`--work-dir`, reused by later runs with the same target and rows); every training
+step then costs the heads alone: the target's next-token distributions are its LM head over
+the cached h_p, where the next token is learned. Then
 
 - EAGLE: one decoder layer (no input norm, as EAGLE) over fc(embed(t[p+1]), h_p) predicts
   h[p+1]; its logits use the target's LM head. Trained with EAGLE-3's training-time test: step
   j of the chain takes the features the layer predicted at step j - 1 and attends to the true
   features' keys up to the chain's start plus its own earlier steps, as it will when drafting.
+  The layer runs only within reach of a trained position (`eagle_layer.py`): about a third
+  of a row, most of which is prompt.
 - Medusa: head i (a residual SiLU block and its own LM head, a frozen copy of the target's)
   predicts from h_p the token at p + 2 + i.
 
 Losses are distillation (KL to the target's distribution, where the target's reply tokens are
-learned) plus, for EAGLE, a smooth-L1 on the features. Reproducible: seeded corpus and init,
-one thread. Writes `weights/eagle` and `weights/medusa` in the formats vLLM loads; the log
+learned) plus, for EAGLE, a smooth-L1 on the features. Reproducible: seeded corpus, init and
+order of rows, one thread. Writes `weights/eagle` and `weights/medusa` in the formats vLLM loads; the log
 (and `history.json`) go to `--work-dir`.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -30,79 +35,17 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tokenmill.demo import WEIGHTS_DIR
 from tokenmill.demo.config import HEADS, HeadsSpec
 from tokenmill.demo.corpus import iter_corpus, training_exclusions
 from tokenmill.demo.data import IGNORE_INDEX, PackedRows
+from tokenmill.demo.eagle_layer import EagleLayer
 from tokenmill.demo.train import lr_factor, pack_rows
 from tokenmill.spec_decode.head_checkpoint import save_eagle, save_medusa
 
 logger = logging.getLogger("tokenmill.demo.train_heads")
-
-
-class EagleLayer(nn.Module):
-    """The trainable part of the EAGLE draft, with the checkpoint's parameter names."""
-
-    def __init__(self, config: transformers.LlamaConfig) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = h // self.num_heads
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        attn = nn.Module()
-        attn.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        attn.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        attn.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        attn.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        mlp = nn.Module()
-        mlp.gate_proj = nn.Linear(h, i, bias=False)
-        mlp.up_proj = nn.Linear(h, i, bias=False)
-        mlp.down_proj = nn.Linear(i, h, bias=False)
-        layer = nn.Module()
-        layer.self_attn, layer.mlp = attn, mlp
-        layer.post_attention_layernorm = nn.RMSNorm(h, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList([layer])
-
-    def chain(
-        self,
-        next_embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        doc: torch.Tensor,
-        num_steps: int,
-    ) -> list[torch.Tensor]:
-        """The predicted features of each chain step, `[B, L, H]` each: step j at position p
-        continues a chain begun at p - j on true features."""
-        layer = self.layers[0]
-        attn = layer.self_attn
-        b, length, _ = hidden.shape
-        pos = torch.arange(length)
-        same_doc = doc[:, :, None] == doc[:, None, :]  # [B, L(query), L(key)]
-        keys, values, outputs = [], [], []
-        features = hidden
-        for j in range(num_steps):
-            x = self.fc(torch.cat([next_embeds, features], dim=-1))
-            q = attn.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, *rope)
-            keys.append(k)
-            values.append(v)
-            blocks = [pos[None, :] <= pos[:, None] - j]  # true features up to the chain's start
-            blocks += [pos[None, :] == pos[:, None] - j + i for i in range(1, j + 1)]
-            mask = torch.cat([same_doc & block for block in blocks], dim=-1).unsqueeze(1)
-            out = F.scaled_dot_product_attention(
-                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
-            )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, length, -1))
-            mlp = layer.mlp
-            normed = layer.post_attention_layernorm(x)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed))
-            outputs.append(x)
-            features = torch.cat([hidden[:, :1], x[:, :-1]], dim=1)  # h[p] predicted at p - 1
-        return outputs
 
 
 class MedusaHeads(nn.Module):
@@ -132,17 +75,58 @@ def _distill(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     return -(target_probs * F.log_softmax(logits, dim=-1)).sum()
 
 
-def _learned(rows: PackedRows, batch: slice, offset: int) -> torch.Tensor:
-    """[B, L] float: position p is trained where token p + offset is a learned reply token of
-    the same document as p (offset tokens ahead)."""
-    labels, pos = rows.labels[batch], rows.position_ids[batch]
-    length = labels.shape[1]
-    mask = torch.zeros(labels.shape)
+def _learned(labels: torch.Tensor, pos: torch.Tensor, offset: int) -> torch.Tensor:
+    """`[L]` bool for one row: position p is trained where token p + offset is a learned reply
+    token of the same document as p (offset tokens ahead)."""
+    length = labels.shape[0]
+    mask = torch.zeros(length, dtype=torch.bool)
     if offset < length:
-        ahead_ok = labels[:, offset:] != IGNORE_INDEX
-        same_doc = pos[:, offset:] >= offset  # no document start within the next `offset`
-        mask[:, : length - offset] = (ahead_ok & same_doc).float()
+        ahead_ok = labels[offset:] != IGNORE_INDEX
+        same_doc = pos[offset:] >= offset  # no document start within the next `offset`
+        mask[: length - offset] = ahead_ok & same_doc
     return mask
+
+
+@dataclasses.dataclass
+class Features:
+    """The frozen target's post-norm hidden states over packed corpus rows, computed once."""
+
+    rows: PackedRows
+    hidden: torch.Tensor  # [rows, seq_len, hidden_size], float16 (half the memory and disk)
+
+
+def cached_features(
+    target: transformers.LlamaForCausalLM,
+    tokenizer: transformers.PreTrainedTokenizerFast,
+    spec: HeadsSpec,
+    work_dir: Path,
+) -> Features:
+    """The target's features over `spec.num_rows` rows of the corpus stream `spec.seed`, from
+    `work_dir` when a run with the same target and rows left them there."""
+    digest = hashlib.sha256((WEIGHTS_DIR / "target" / "model.safetensors").read_bytes())
+    key = f"{digest.hexdigest()[:16]}-seed{spec.seed}-{spec.num_rows}x{spec.seq_len}"
+    path = work_dir / f"features-{key}.pt"
+    if path.exists():
+        logger.info("target features from %s", path)
+        saved = torch.load(path)
+        return Features(PackedRows(*saved["rows"]), saved["hidden"])
+    start = time.time()
+    stream = iter_corpus(spec.seed, training_exclusions())
+    rows = pack_rows(tokenizer, stream, spec.num_rows, spec.seq_len)
+    hidden = torch.empty(spec.num_rows, spec.seq_len, target.config.hidden_size, dtype=torch.half)
+    with torch.no_grad():  # float32: bf16 autocast is 4x slower without AVX-512 BF16
+        for first in range(0, spec.num_rows, 4):
+            batch = slice(first, first + 4)
+            out = target.model(
+                input_ids=rows.input_ids[batch], position_ids=rows.position_ids[batch]
+            )
+            hidden[batch] = out.last_hidden_state.half()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"rows": list(rows.tensors()), "hidden": hidden}, path)
+    logger.info(
+        "target features: %d rows in %.0f s, saved to %s", spec.num_rows, time.time() - start, path
+    )
+    return Features(rows, hidden)
 
 
 def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int | None) -> None:
@@ -153,9 +137,7 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
     config = target.config
     spec = dataclasses.replace(spec, num_steps=num_steps or spec.num_steps)
-    num_steps = spec.num_steps
-    stream = iter_corpus(spec.seed, training_exclusions())
-    rows = pack_rows(tokenizer, stream, num_steps * spec.batch_size, spec.seq_len)
+    features = cached_features(target, tokenizer, spec, work_dir)
     torch.manual_seed(spec.seed)
     eagle = EagleLayer(config)
     lm_head = target.lm_head.weight.detach()
@@ -166,44 +148,41 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
     rotary = LlamaRotaryEmbedding(config)
     sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (eagle, medusa)]
     logger.info(
-        "heads: %d steps x %d rows x %d tokens; eagle %.2fM, medusa %.2fM parameters",
-        num_steps, spec.batch_size, spec.seq_len, *sizes,
+        "heads: %d steps x %d rows (of %d cached) x %d tokens; eagle %.2fM, medusa %.2fM "
+        "parameters", spec.num_steps, spec.batch_size, spec.num_rows, spec.seq_len, *sizes,
     )  # fmt: skip
+    order = _row_order(spec)
     history: list[dict] = []
     window: list[dict[str, float]] = []
-    for step in range(num_steps):
-        batch = slice(step * spec.batch_size, (step + 1) * spec.batch_size)
-        ids, pos = rows.input_ids[batch], rows.position_ids[batch]
-        with torch.no_grad():  # float32: bf16 autocast is 4x slower without AVX-512 BF16
-            hidden = target.model(input_ids=ids, position_ids=pos).last_hidden_state
-        with torch.no_grad():
-            target_logp = F.log_softmax(target.lm_head(hidden), dim=-1)
-            target_probs = target_logp.exp()
-            next_embeds = target.model.embed_tokens(torch.roll(ids, -1, dims=1))
-        metrics = _losses(
-            eagle, medusa, spec, rows, batch, hidden, target_probs, next_embeds, rotary, lm_head
-        )
-        loss = metrics.pop("loss")
+    for step in range(spec.num_steps):
+        batch = order[step * spec.batch_size : (step + 1) * spec.batch_size]
+        totals: dict[str, torch.Tensor] = {}
+        for r in batch.tolist():
+            with torch.no_grad():
+                row = _row(target, rotary, features, r)
+            for name, value in _losses(eagle, medusa, spec, row, lm_head).items():
+                totals[name] = totals.get(name, 0) + value
+        loss = sum(totals.pop(f"loss{k}") / totals[f"count{k}"].clamp(min=1) for k in ("e", "m"))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        window.append(metrics)
-        if (step + 1) % spec.log_every == 0 or step + 1 == num_steps:
+        window.append(_agreement(totals))
+        if (step + 1) % spec.log_every == 0 or step + 1 == spec.num_steps:
             mean = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
             history.append({"step": step + 1, "seconds": round(time.time() - start), **mean})
             logger.info(
                 "step %d/%d %.0fs %s",
                 step + 1,
-                num_steps,
+                spec.num_steps,
                 time.time() - start,
                 " ".join(f"{k}={v:.3f}" for k, v in mean.items()),
             )
             window = []
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "heads_history.json").write_text(json.dumps(history) + "\n")
-    summary = {"train_steps": num_steps, "train_seconds": round(time.time() - start)}
+    summary = {"train_steps": spec.num_steps, "train_seconds": round(time.time() - start)}
     _save(eagle, medusa, config, out_dir, {**summary, "final": history[-1]})
 
 
@@ -218,47 +197,92 @@ def _save(
     logger.info("heads saved to %s after %d s", out_dir, summary["train_seconds"])
 
 
+def _row_order(spec: HeadsSpec) -> torch.Tensor:
+    """The cached rows each step trains on: seeded shuffles, one per pass over them."""
+    generator = torch.Generator().manual_seed(spec.seed)
+    needed = spec.num_steps * spec.batch_size
+    passes = -(-needed // spec.num_rows)
+    return torch.cat([torch.randperm(spec.num_rows, generator=generator) for _ in range(passes)])
+
+
+@dataclasses.dataclass
+class Row:
+    """One cached row, ready for the losses."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    pos: torch.Tensor
+    hidden: torch.Tensor  # [L, H] float32
+    embeds: torch.Tensor  # [L, H]: the embedding of token p + 1 at p
+    rope: tuple[torch.Tensor, torch.Tensor]  # [L, D] each
+    probs: torch.Tensor  # [L, V]: the target's next-token distribution where token p + 1 is learned
+
+
+def _row(
+    target: transformers.LlamaForCausalLM, rotary: LlamaRotaryEmbedding, features: Features, r: int
+) -> Row:
+    rows = features.rows
+    ids, labels, pos = rows.input_ids[r], rows.labels[r], rows.position_ids[r]
+    hidden = features.hidden[r].float()
+    cos, sin = rotary(hidden[None], pos[None])
+    # The target's distributions are used only where the next token is learned: the LM head
+    # runs there alone (it is most of a step's cost on a CPU).
+    probs = torch.zeros(hidden.shape[0], target.config.vocab_size)
+    used = torch.zeros(hidden.shape[0], dtype=torch.bool)
+    used[:-1] = labels[1:] != IGNORE_INDEX
+    probs[used] = F.softmax(target.lm_head(hidden[used]), dim=-1)
+    embeds = target.model.embed_tokens(torch.roll(ids, -1))
+    return Row(ids, labels, pos, hidden, embeds, (cos[0], sin[0]), probs)
+
+
 def _losses(
-    eagle: EagleLayer,
-    medusa: MedusaHeads,
-    spec: HeadsSpec,
-    rows: PackedRows,
-    batch: slice,
-    hidden: torch.Tensor,
-    target_probs: torch.Tensor,
-    next_embeds: torch.Tensor,
-    rotary: LlamaRotaryEmbedding,
-    lm_head: torch.Tensor,
-) -> dict:
-    """The batch's loss and, per EAGLE step and Medusa head, the top-1 agreement with the
-    target over trained positions (an estimate of the acceptance rate of that draft). LM
-    heads run only on trained positions (most of the cost on a CPU)."""
-    pos = rows.position_ids[batch]
-    doc = torch.cumsum(pos == 0, dim=1)
-    rope = rotary(hidden, pos)
-    metrics: dict = {}
-    total = hidden.new_zeros(())
-    predicted = eagle.chain(next_embeds, hidden, rope, doc, len(spec.eagle_steps))
-    for j, (features, weight) in enumerate(zip(predicted, spec.eagle_steps)):
-        # Step j at p predicts h[p + 1] (the target's token p + 2); its chain began at p - j.
-        keep = (_learned(rows, batch, 2) * (pos >= j).float())[:, :-1].bool()
-        chosen, want = features[:, :-1][keep], target_probs[:, 1:][keep]
-        logits = F.linear(chosen, lm_head)
-        n = max(1, chosen.shape[0])
-        kl = _distill(logits, want) / n
-        feat = F.smooth_l1_loss(chosen, hidden[:, 1:][keep], reduction="sum") / n / chosen.shape[1]
-        total = total + weight * (kl + spec.feature_weight * feat)
-        metrics[f"eagle{j}"] = float((logits.argmax(-1) == want.argmax(-1)).float().mean())
+    eagle: EagleLayer, medusa: MedusaHeads, spec: HeadsSpec, row: Row, lm_head: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """One row's summed losses and counts (`losse`, `counte` for EAGLE, `lossm`, `countm` for
+    Medusa) and, per EAGLE step and Medusa head, the number of trained positions where its top-1
+    token is the target's (`hits*`, over `n*`: its acceptance rate under teacher forcing)."""
+    out: dict[str, torch.Tensor] = {}
+    num_steps = len(spec.eagle_steps)
+    length = row.hidden.shape[0]
+    # EAGLE step j at p predicts h[p + 1] (the target's token p + 2); its chain began at p - j.
+    trained = _learned(row.labels, row.pos, 2)
+    trained[-1] = False
+    ahead = F.pad(trained.float(), (0, num_steps - 1))
+    needed = ahead.unfold(0, num_steps, 1).amax(-1).bool()  # a trained position within reach
+    needed = torch.nonzero(needed).squeeze(1)
+    if needed.numel():
+        index = torch.arange(length)
+        doc_start = torch.where(row.pos == 0, index, 0).cummax(0).values
+        predicted = eagle.chain(row.embeds, row.hidden, row.rope, doc_start, needed, num_steps)
+        for j, (features, weight) in enumerate(zip(predicted, spec.eagle_steps)):
+            keep = trained[needed] & (row.pos[needed] >= j)
+            at = needed[keep]
+            chosen, want = features[keep], row.probs[at + 1]
+            logits = F.linear(chosen, lm_head)
+            feat = F.smooth_l1_loss(chosen, row.hidden[at + 1], reduction="sum") / chosen.shape[1]
+            loss = weight * (_distill(logits, want) + spec.feature_weight * feat)
+            out["losse"] = out.get("losse", 0) + loss
+            out[f"hitseagle{j}"] = (logits.argmax(-1) == want.argmax(-1)).sum()
+            out[f"neagle{j}"] = torch.tensor(float(at.numel()))
+        out["counte"] = torch.tensor(float(trained.sum()))
     for i, (block, head) in enumerate(zip(medusa.blocks, medusa.lm_heads)):
         # Head i at p predicts the target's token p + 2 + i, i.e. its distribution at p + 1 + i.
-        shift = 1 + i
-        keep = _learned(rows, batch, 1 + shift)[:, :-shift].bool()
-        x, want = hidden[:, :-shift][keep], target_probs[:, shift:][keep]
+        at = torch.nonzero(_learned(row.labels, row.pos, 2 + i)).squeeze(1)
+        x, want = row.hidden[at], row.probs[at + 1 + i]
         logits = head(x + F.silu(block.layers[0](x)))
-        total = total + _distill(logits, want) / max(1, x.shape[0])
-        metrics[f"medusa{i}"] = float((logits.argmax(-1) == want.argmax(-1)).float().mean())
-    metrics["loss"] = total
-    return metrics
+        out["lossm"] = out.get("lossm", 0) + _distill(logits, want)
+        out[f"hitsmedusa{i}"] = (logits.argmax(-1) == want.argmax(-1)).sum()
+        out[f"nmedusa{i}"] = torch.tensor(float(at.numel()))
+    out["countm"] = torch.tensor(float(_learned(row.labels, row.pos, 2).sum()))
+    out.setdefault("losse", torch.zeros(()))
+    out.setdefault("counte", torch.zeros(()))
+    return out
+
+
+def _agreement(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Top-1 agreement with the target per EAGLE step and Medusa head over the step's rows."""
+    names = [k[len("hits") :] for k in totals if k.startswith("hits")]
+    return {n: float(totals[f"hits{n}"]) / max(1.0, float(totals[f"n{n}"])) for n in names}
 
 
 def _info(kind: str, module: nn.Module, summary: dict) -> dict:

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import AttentionMetadata, build_attention_group
-from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.kv_cache import KVCacheSpec, read_kv
 from tokenmill.layers.parallel import SINGLE
+from tokenmill.layers.rotary import apply_rotary_
 from tokenmill.models.llama import (
     ArchitectureTraits,
     LlamaDecoderLayer,
@@ -125,52 +126,80 @@ class EagleProposer:
             index = torch.tensor(done, device=self.device)
             active, features = [active[i] for i in done], features[index]
         tokens = self.draft.compute_logits(features).argmax(dim=-1)
-        drafted = [tokens]
-        # Decode steps: one block table for all of them, positions advancing by one.
+        if num_tokens == 1:
+            return {s.req_id: [t] for s, t in zip(active, tokens.tolist())}
+        # Drafts 2..k: each request's own tokens only, from the position after its last.
         positions = [len(s.token_ids) - 1 for s in active]
-        table = self._block_table(active, [p + num_tokens for p in positions])
-        for _ in range(1, num_tokens):
-            keep = [i for i, p in enumerate(positions) if self._has_slot(active[i], p)]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                active, positions = [active[i] for i in keep], [positions[i] for i in keep]
-                features, tokens, table = features[index], tokens[index], table[index]
-                drafted = [d[index] for d in drafted]
-            features = self._decode(tokens, features, positions, table)
-            tokens = self.draft.compute_logits(features).argmax(dim=-1)
+        steps = [
+            min(num_tokens - 1, sum(1 for j in range(num_tokens - 1) if self._has_slot(s, p + j)))
+            for s, p in zip(active, positions)
+        ]
+        if not max(steps):
+            return {s.req_id: [t] for s, t in zip(active, tokens.tolist())}
+        drafted = self._draft_chain(active, positions, tokens, features, max(steps))
+        return {s.req_id: row[: n + 1] for s, row, n in zip(active, drafted.tolist(), steps)}
+
+    def _draft_chain(
+        self,
+        states: list[CachedRequestState],
+        positions: list[int],
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        num_steps: int,
+    ) -> torch.Tensor:
+        """`[requests, 1 + num_steps]` greedy drafts: `tokens` then `num_steps` more, each
+        step feeding back the token and feature it predicted at the next position.
+
+        The steps' keys never reach the paged cache (the next catch-up overwrites those
+        positions with the target's features anyway): the context's keys are gathered once,
+        into a buffer with room for the steps' own, so a step is the layer's few matmuls and
+        one attention over that buffer, with no metadata, cache write or gather of its own."""
+        draft, layer = self.draft, self.draft.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        rows = len(states)
+        context = torch.tensor(positions, device=self.device)  # positions 0 .. p - 1 are known
+        table = self._block_table(states, positions)
+        keys, values = read_kv(self.kv_caches[0], table, features.dtype)
+        width = int(context.max())
+        keys = torch.cat([keys[:, :, :width], keys.new_zeros(rows, kv_heads, num_steps, dim)], 2)
+        values = torch.cat(
+            [values[:, :, :width], values.new_zeros(rows, kv_heads, num_steps, dim)], 2
+        )
+        columns = torch.arange(width + num_steps, device=self.device)
+        mask = (columns[None, :] < context[:, None])[:, None, None, :].clone()
+        drafted = [tokens]
+        target = draft._target[0]
+        for step in range(num_steps):
+            x = draft.fc(torch.cat([target.embed_tokens(tokens), features], dim=-1))
+            qkv = attn.qkv_proj(x)
+            cos, sin = target.rotary.cos_sin(context + step)
+            apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            end = width + step + 1
+            keys[:, :, end - 1] = k.view(rows, kv_heads, dim)
+            values[:, :, end - 1] = v.view(rows, kv_heads, dim)
+            mask[..., end - 1] = True
+            out = F.scaled_dot_product_attention(
+                q.view(rows, heads, 1, dim),
+                keys[:, :, :end],
+                values[:, :, :end],
+                attn_mask=mask[..., :end],
+                scale=attn.attn.scale,
+                enable_gqa=heads != kv_heads,
+            )
+            x = x + attn.o_proj(out.reshape(rows, heads * dim))
+            x = x + mlp(layer.post_attention_layernorm(x))
+            features = x
+            tokens = draft.compute_logits(features).argmax(dim=-1)
             drafted.append(tokens)
-            positions = [p + 1 for p in positions]
-        rows = torch.stack(drafted, dim=1).tolist()
-        return {s.req_id: row for s, row in zip(active, rows)}
+        return torch.stack(drafted, dim=1)
 
     def _block_table(self, states: list[CachedRequestState], ends: list[int]) -> torch.Tensor:
         """`[requests, blocks]`: each request's blocks up to position `end` (or its last)."""
         lens = np.minimum(np.array(ends), [len(s.block_ids) * self.block_size for s in states])
         table = block_table_array([s.block_ids for s in states], lens, self.block_size)
         return torch.from_numpy(table).to(self.device)
-
-    def _decode(
-        self, tokens: torch.Tensor, features: torch.Tensor, positions: list[int], table
-    ) -> torch.Tensor:
-        """One token per request at `positions`: metadata built from tensors directly (the
-        per-step layout costs as much as the layer itself on a CPU)."""
-        pos = torch.tensor(positions, device=self.device)
-        blocks = table.gather(1, (pos // self.block_size)[:, None]).squeeze(1)
-        group = build_attention_group(
-            token_start=0,
-            query_lens=torch.ones(len(positions), dtype=torch.long),
-            seq_lens=torch.tensor(positions) + 1,
-            block_tables=table,
-            block_size=self.block_size,
-            sliding_window=None,
-        )
-        if group.mask is not None:
-            group.mask = group.mask.to(self.device)
-        slots = blocks * self.block_size + pos % self.block_size
-        metadata = AttentionMetadata(slot_mapping=slots, groups=[group])
-        return self.draft(tokens, features, pos, self.kv_caches, metadata)
 
     def _has_slot(self, state: CachedRequestState, position: int) -> bool:
         return position < len(state.block_ids) * self.block_size and position < self.max_position
