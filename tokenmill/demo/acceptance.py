@@ -6,6 +6,11 @@ acceptance can be measured without a speculative engine: take the target's greed
 held-out prompts, run both models over prompt + reply (teacher forcing), and compare their
 argmax at each reply position. From the match pattern we also replay greedy speculation with
 k proposals per step to get the tokens produced per target forward pass.
+
+Heads on the target (`--method eagle` or `medusa`) draft from the target's hidden states, so
+they are measured in the engine instead: greedy speculative decoding at a fixed k over the
+same prompts, task by task, from its counters (drafts accepted, tokens per verification
+step, acceptance by draft position).
 """
 
 from __future__ import annotations
@@ -82,6 +87,63 @@ def measure(num_per_task: int, max_tokens: int = 160) -> dict[str, dict[str, flo
     return {task: _summarise(matches) for task, matches in per_task.items()}
 
 
+def engine_acceptance(
+    method: str, num_per_task: int, k: int = 4, max_tokens: int = 160
+) -> dict[str, dict[str, float]]:
+    """Per task: the share of drafts accepted, tokens per verification step (the mean
+    acceptance length) and the acceptance rate at each draft position, with `method`'s
+    default heads for the demo target at a fixed `k`."""
+    import copy
+
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+    llm = LLM(dtype="float32", max_num_seqs=16, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    by_task: dict[str, list[str]] = {}
+    for e in heldout_examples(num_per_task):
+        by_task.setdefault(e.task, []).append(chat_prompt(e.prompt or ""))
+    by_task["story"] = list(STORY_PROMPTS)
+    results = {}
+    for task, prompts in by_task.items():
+        before = copy.deepcopy(llm.get_stats().scheduler.spec_decode)
+        llm.generate(prompts, params, use_tqdm=False, add_special_tokens=task == "story")
+        after = llm.get_stats().scheduler.spec_decode
+        assert before is not None and after is not None
+        drafts = after.num_draft_tokens - before.num_draft_tokens
+        steps = after.num_drafts - before.num_drafts
+        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        per_pos = [
+            a - b
+            for a, b in zip(
+                after.num_accepted_tokens_per_pos,
+                before.num_accepted_tokens_per_pos + [0] * k,
+            )
+        ]
+        results[task] = {
+            "num_draft_tokens": drafts,
+            "acceptance": accepted / max(1, drafts),
+            "mean_acceptance_length": 1 + accepted / max(1, steps),
+            **{f"accept_pos{i + 1}": n / max(1, steps) for i, n in enumerate(per_pos[:k])},
+        }
+    return results
+
+
+def format_engine_table(results: dict[str, dict[str, float]], k: int) -> str:
+    header = f"{'task':<10} {'drafts':>7} {'accept':>7} {'tok/step':>9} " + " ".join(
+        f"{'pos ' + str(i + 1):>6}" for i in range(k)
+    )
+    lines = [header]
+    for task, r in results.items():
+        positions = " ".join(f"{r.get(f'accept_pos{i + 1}', 0.0):>6.2f}" for i in range(k))
+        lines.append(
+            f"{task:<10} {r['num_draft_tokens']:>7} {r['acceptance']:>7.3f} "
+            f"{r['mean_acceptance_length']:>9.2f} {positions}"
+        )
+    return "\n".join(lines)
+
+
 def _summarise(replies: list[list[bool]]) -> dict[str, float]:
     flat = [m for reply in replies for m in reply]
     summary = {"num_tokens": len(flat), "acceptance": sum(flat) / len(flat)}
@@ -109,11 +171,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-per-task", type=int, default=30)
     parser.add_argument("--output-json", type=Path, default=None)
+    parser.add_argument(
+        "--method",
+        default="draft",
+        choices=("draft", "eagle", "medusa"),
+        help="draft: the draft model, by teacher forcing; eagle, medusa: the demo heads, "
+        "in the engine at a fixed k",
+    )
+    parser.add_argument("--k", type=int, default=4, help="drafts per step (eagle, medusa)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    results = measure(args.num_per_task)
     print(f"checkable tasks: {', '.join(CHECKABLE_TASKS)}; story: plain-text continuations")
-    print(format_table(results))
+    if args.method == "draft":
+        results = measure(args.num_per_task)
+        print(format_table(results))
+    else:
+        results = engine_acceptance(args.method, args.num_per_task, args.k)
+        print(format_engine_table(results, args.k))
     if args.output_json:
         args.output_json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
