@@ -81,8 +81,11 @@ def test_greedy_output_is_identical_with_heads(demo_prompts, reference, method, 
     assert generate(llm, demo_prompts, greedy()) == reference
     stats = llm.get_stats().scheduler
     assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
-    # The trained heads draft from the right features: random ones are accepted ~never.
-    assert stats.spec_decode.num_accepted_tokens > 0.05 * stats.spec_decode.num_draft_tokens
+    # The shipped heads draft from the right features (random ones are accepted ~never): on
+    # these chats EAGLE's drafts are accepted at 0.40, Medusa's at 0.20 (heads of 800 steps;
+    # the 100-step heads before them would not pass).
+    bar = {"eagle": 0.3, "medusa": 0.15}[method]
+    assert stats.spec_decode.num_accepted_tokens > bar * stats.spec_decode.num_draft_tokens
     assert stats.prefix_cache.hits > 0
     if variant == "preempting":
         assert stats.num_preemptions > 0
