@@ -17,8 +17,8 @@ the cached h_p, where the next token is learned. Then
 
 Losses are distillation (KL to the target's distribution, where the target's reply tokens are
 learned) plus, for EAGLE, a smooth-L1 on the features. Reproducible: seeded corpus, init and
-order of rows, one thread. Writes `weights/eagle` and `weights/medusa` in the formats vLLM loads; the log
-(and `history.json`) go to `--work-dir`.
+order of rows, one thread. Writes `weights/eagle` and `weights/medusa` in the formats vLLM
+loads; the log (and `heads_history.json`) and the cached features go to `--work-dir`.
 """
 
 from __future__ import annotations
