@@ -246,8 +246,8 @@ def test_observed_step_times_reach_the_cost_model_and_count_steps_over_target() 
 
 
 def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
-    """Prompt chunks that keep adding 1.5x their predicted time make the scheduler size
-    chunks for the slack / 1.5, so that most steps, not half, land within the target."""
+    """Steps with prompt tokens that keep taking 1.5x their prediction make the scheduler size
+    chunks for target / 1.5, so that most steps, not half, land within the target."""
     cost = LinearCost(fixed=0.004, per_decode=0.001, per_prefill=0.0001)
     scheduler = make_scheduler(cost, 0.040, max_num_batched_tokens=4096, max_model_len=8192)
     scheduler.add_request(make_request("long", 8000, max_tokens=1))
@@ -257,12 +257,10 @@ def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
         predicted = cost.predict(view(scheduler, out).shape)
         predictions.append(predicted)
         scheduler.update_from_output(out, fake_run(scheduler, out))
-        scheduler.observe_step_cost(cost.fixed + 1.5 * (predicted - cost.fixed))
+        scheduler.observe_step_cost(1.5 * predicted)
     assert 0.0398 <= predictions[0] <= 0.040  # sized to the target while nothing is known
-    assert abs(scheduler.prefill_limits.prediction_error.factor - 1.5) < 1e-9
-    # The slack past the decodes (here the fixed cost) shrinks, not the whole target.
-    expected = cost.fixed + (0.040 - cost.fixed) / 1.5
-    assert expected - 0.0002 <= predictions[-1] <= expected
+    assert scheduler.prefill_limits.prediction_error.factor == 1.5
+    assert 0.040 / 1.5 - 0.0002 <= predictions[-1] <= 0.040 / 1.5
 
 
 def test_prediction_error_is_an_upper_quantile_between_one_and_its_cap() -> None:

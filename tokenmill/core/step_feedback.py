@@ -102,9 +102,8 @@ class ItlFeedback:
         if shape is None:
             return
         model = self.model
-        if shape.num_prefill_tokens:  # how far the chunks' added time ran over its prediction
-            decodes = model.predict(StepShape(num_decode_tokens=shape.num_decode_tokens))
-            self.limits.prediction_error.observe(model.predict(shape) - decodes, seconds - decodes)
+        if shape.num_prefill_tokens:
+            self.limits.prediction_error.observe(model.predict(shape), seconds)
         model.observe(shape, seconds)
         if seconds > self.stats.itl_target:
             self.stats.num_steps_over_target += 1
