@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton attention kernel's tests run it on CPU tensors under Triton's interpreter,
+    # which must be on before triton is first imported: by whichever module imports it first
+    # when the whole suite is collected, not only by those tests' own modules.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokenmill.testing.random_checkpoint import save_random_checkpoint, train_tokenizer
 

@@ -4,13 +4,8 @@ step, and a sliding window. Without CUDA the kernel runs under Triton's interpre
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.attention_triton import TritonPagedAttention

@@ -6,16 +6,9 @@ elsewhere (slow: the shapes here are tiny). `pytest -m cuda` runs the larger CUD
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Must precede the kernel module's import: triton.jit reads it when decorating.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
+import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.attention import TorchPagedAttention
