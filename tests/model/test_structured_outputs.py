@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.manager import _fill
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE, RequestGrammar
 from tokenmill.testing import random_checkpoint as rc
 from tokenmill.worker.capture_backends import eager_capture
@@ -220,6 +222,30 @@ def test_a_draft_into_a_dead_end_ends_the_request_only_if_accepted(words_checkpo
     plain = run()
     assert {reason for _, reason, _ in plain} == {"stop", "error"}  # both paths are taken
     assert run(speculative_config=spec) == plain
+
+
+def test_drafts_ending_the_grammar_with_its_stop_token_get_masks(words_checkpoint) -> None:
+    """Drafts "ab" then EOS complete the regex "ab": the rows before and at each draft are
+    the grammar's, and the row after the stop token (never sampled from: the request ends
+    there) allows every token instead of asking a terminated matcher for a mask (which
+    raised, and failed the whole step)."""
+    llm = LLM(model=words_checkpoint, dtype="float32", max_model_len=64)
+    manager = llm.engine.structured_output
+    grammar = manager.request_grammar(constrained(regex="ab"))
+    while not grammar.is_ready():
+        time.sleep(0.01)
+    eos = WORDS.index(rc.EOS_TOKEN)
+    drafts = grammar.valid_prefix([WORDS.index("ab"), eos, WORDS.index("c")])
+    assert drafts == [WORDS.index("ab"), eos]  # nothing after the grammar's end
+    bitmask = manager._rows(len(drafts) + 1)
+    assert _fill(grammar, drafts, bitmask, 0) == 3
+    allowed = [
+        {t for t in range(len(WORDS)) if bitmask[row, t // 32] >> (t % 32) & 1} for row in range(3)
+    ]
+    assert WORDS.index("ab") in allowed[0] and WORDS.index("c") not in allowed[0]
+    assert allowed[1] == {eos}
+    assert allowed[2] == set(range(len(WORDS)))
+    assert not grammar.is_terminated  # the matcher is back where it was
 
 
 CONFIGS = {

@@ -149,13 +149,20 @@ class StructuredOutputManager:
 
 
 def _fill(grammar: RequestGrammar, drafts: list[int], bitmask: torch.Tensor, row: int) -> int:
-    """Fill rows for the next token and after each draft; leave the matcher where it was."""
+    """Fill rows for the next token and after each draft; leave the matcher where it was.
+
+    A drafted stop token that ends the grammar ends the request if verified: the row after
+    it is never sampled from, and a terminated matcher has no mask to give, so it allows
+    every token."""
     matcher = grammar.matcher
     assert matcher is not None
     for j, token_id in enumerate(drafts):
         matcher.fill_next_token_bitmask(bitmask, row + j)
         matcher.accept_token(token_id)
-    matcher.fill_next_token_bitmask(bitmask, row + len(drafts))
+    if matcher.is_terminated():
+        bitmask[row + len(drafts)] = -1
+    else:
+        matcher.fill_next_token_bitmask(bitmask, row + len(drafts))
     if drafts:
         matcher.rollback(len(drafts))
     return len(drafts) + 1
