@@ -181,7 +181,7 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         if self.spec_policy is not None:
-            self.spec_feedback.planned(output, set(plan.cached_reqs))
+            self.spec_feedback.planned(output, plan.cached_reqs.keys())
         if self.itl_feedback is not None and total:
             self.itl_feedback.planned(self._step_shape(plan), plan.prefill)
         return output

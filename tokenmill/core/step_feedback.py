@@ -8,6 +8,7 @@ scheduler's output and the measured seconds.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
@@ -40,7 +41,7 @@ class SpeculationFeedback:
         self._last_propose_seconds = 0.0  # what the last step spent proposing drafts
         self._last_num_to_propose = 0  # the drafts per request the last step asked for
 
-    def planned(self, output: SchedulerOutput, running_ids: set[str]) -> None:
+    def planned(self, output: SchedulerOutput, running_ids: Collection[str]) -> None:
         """`schedule()` produced `output`; `running_ids` were scheduled as running requests."""
         spec_tokens = output.scheduled_spec_tokens
         # Decoding requests: one known token (plus drafts) each; the rest is prefill.
