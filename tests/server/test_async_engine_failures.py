@@ -273,3 +273,40 @@ def test_tokenizing_runs_off_the_event_loop(make_engine: Callable[[], LLMEngine]
         assert asyncio.run(main()) < 2.0  # the tokenizer holds its thread for 3 s
     finally:
         tokenizer.encode = real_encode
+
+
+def test_a_new_schema_is_checked_on_the_tokenizer_thread_not_the_engine_thread(
+    make_engine: Callable[[], LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checking a large schema takes tens of milliseconds: on the engine thread every running
+    request would wait for it. The server checks it on its tokenizer thread, once; the engine's
+    own check of the same constraint is a lookup. A bad schema is still a 400 naming it."""
+    from tokenmill.structured_output import backend
+
+    threads: list[str] = []
+    real_check = backend._check
+
+    def recording_check(params: Any) -> None:
+        threads.append(threading.current_thread().name)
+        real_check(params)
+
+    monkeypatch.setattr(backend, "_check", recording_check)
+    schema = {"type": "object", "properties": {"unique_to_this_test": {"type": "integer"}}}
+    engine = make_engine()
+    async_engine, app = in_process_app(engine)
+
+    async def main() -> tuple[int, int]:
+        async_engine.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"prompt": "Hi", "max_tokens": 3, "guided_json": schema}
+            good = await client.post("/v1/completions", json=body)
+            bad_schema = {"type": "object", "properties": {"x": {"minimum": "low"}}}
+            bad = await client.post("/v1/completions", json={**body, "guided_json": bad_schema})
+            assert bad.json()["error"]["param"] == "guided_json"
+        async_engine.shutdown()
+        return good.status_code, bad.status_code
+
+    assert asyncio.run(main()) == (200, 400)
+    assert len(threads) == 2, threads  # each schema checked once, the good one not again
+    assert all(name.startswith("tokenmill-tokenizer") for name in threads), threads

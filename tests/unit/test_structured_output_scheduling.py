@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 from test_scheduler import make_request, make_scheduler
 
 from tokenmill.request import RequestStatus
+from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.request_grammar import RequestGrammar
 
 
@@ -55,3 +57,18 @@ def test_grammar_that_fails_to_compile_finishes_the_request_with_the_reason() ->
     assert output.req_id == "bad"
     assert output.finish_reason == "error" and "too deep" in str(output.stop_reason)
     assert list(scheduler.requests) == ["free"]
+
+
+def test_validated_constraints_are_remembered_within_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenmill.structured_output import backend
+
+    checked: list[str] = []
+    monkeypatch.setattr(backend, "_check", lambda params: checked.append(params.regex))
+    monkeypatch.setattr(backend, "MAX_VALIDATED_KEYS", 3)
+    monkeypatch.setattr(backend, "_validated", type(backend._validated)())
+    for regex in ["a", "b", "c", "a", "d", "a", "b"]:
+        backend.validate(StructuredOutputsParams(regex=regex, param="regex"))
+    # "a" asked again is a lookup that keeps it; "d" pushes out the oldest, "b", checked anew.
+    assert checked == ["a", "b", "c", "d", "b"]

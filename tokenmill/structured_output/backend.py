@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +31,31 @@ _WHAT = {
     "grammar": "EBNF grammar",
     "choice": "choice",
 }
+# Constraints that passed `validate` (by cache key), most recent last. The server validates
+# on its tokenizer thread, so the engine thread's own check of the same request is a lookup
+# (a large schema takes tens of milliseconds to check, a step every request waits on).
+MAX_VALIDATED_KEYS = 1024
+_validated: OrderedDict[tuple, None] = OrderedDict()
+_validated_lock = threading.Lock()
 
 
 def validate(params: StructuredOutputsParams) -> None:
     """Raise `InvalidRequestError` naming the request field if the schema, regex or grammar
-    cannot be turned into a grammar. Cheap (no tokenizer involved): run before any work."""
+    cannot be turned into a grammar. Cheap (no tokenizer involved): run before any work;
+    a constraint that passed before is not checked again."""
+    key = params.cache_key()
+    with _validated_lock:
+        if key in _validated:
+            _validated.move_to_end(key)
+            return
+    _check(params)
+    with _validated_lock:
+        _validated[key] = None
+        if len(_validated) > MAX_VALIDATED_KEYS:
+            _validated.popitem(last=False)
+
+
+def _check(params: StructuredOutputsParams) -> None:
     import xgrammar as xgr
 
     if params.kind == "json":

@@ -42,10 +42,9 @@ class StructuredOutputManager:
         self._bitmask: torch.Tensor | None = None  # reused step to step, grown when needed
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Raise `InvalidRequestError` for an invalid schema, regex or grammar. A schema seen
-        before (its compile is cached) passed already: validating one costs milliseconds."""
-        if params.cache_key() not in self._compiled:
-            backend.validate(params)
+        """Raise `InvalidRequestError` for an invalid schema, regex or grammar. One seen
+        before (compiled, or validated by the server) is not checked again."""
+        backend.validate(params)
 
     def request_grammar(self, params: SamplingParams) -> RequestGrammar:
         """A new matcher-to-be for one request; the compile is shared with equal schemas."""

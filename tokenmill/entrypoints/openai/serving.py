@@ -43,6 +43,7 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import StructuredOutputsParams, backend
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class GenerationRun(ABC, Generic[RequestT]):
             )
             for i, state in enumerate(self.prompts)
         ]
+        constraint = engine_requests[0].params.structured_outputs  # the request's, every prompt's
+        if isinstance(constraint, StructuredOutputsParams):
+            await self.ctx.off_loop(backend.validate, constraint)  # not on the engine thread
         stream = await self.ctx.engine.add_requests(engine_requests, arrival_time)
         if self.request.stream:
             return EventStreamResponse(self.events(stream))
