@@ -236,10 +236,9 @@ class ModelRunner:
         known_ends: list[int],
     ) -> StepInputs:
         """A captured decode step's inputs go to its key's static buffers, not to tensors."""
-        token_ids = torch.from_numpy(decode.token_ids)
         return StepInputs(
-            input_ids=token_ids,
-            positions=token_ids,
+            input_ids=torch.from_numpy(decode.token_ids),
+            positions=torch.from_numpy(decode.seq_lens - 1),
             metadata=None,
             logits_indices=torch.arange(len(states), device=self.device),
             sampling_states=states,
