@@ -184,7 +184,8 @@ def _ban_stop_tokens(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tenso
     request ends when its matcher accepts the stop token. No host sync."""
     kept = logits[mask]
     logits.index_put_(mask, torch.tensor(_NEG_INF, device=logits.device))
-    emptied = torch.isneginf(logits).all(dim=-1)[mask[0]]
+    rows, row_of_entry = torch.unique(mask[0], return_inverse=True)  # only the banned rows
+    emptied = torch.isneginf(logits[rows]).all(dim=-1)[row_of_entry]
     logits.index_put_(mask, torch.where(emptied, kept, _NEG_INF))
 
 
