@@ -62,6 +62,10 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model's (draft_model) or the heads' directory
     # Pick k per step (down to 0) from measured throughput; False: always num_speculative_tokens.
     adaptive: bool = True
+    # EAGLE's layer and LM head for drafting: "int8" weights (a quarter of the bytes a draft
+    # streams), "full" (the model's dtype), "auto" (int8 on the CPU in float32 where torch has
+    # the kernel). Drafts only: verification is the target's, in its own dtype.
+    draft_weights: str = "auto"
 
     @classmethod
     def parse(
@@ -94,6 +98,7 @@ class SpeculativeConfig:
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _check_choice("speculative draft_weights", self.draft_weights, ("auto", "int8", "full"))
 
 
 def config_field(

@@ -353,7 +353,7 @@ class LLMEngine:
                 "built-in demo target has a default draft and heads)"
             )
         if spec.method == "eagle":
-            return load_eagle(draft_dir, target, self.dtype, self.device)
+            return load_eagle(draft_dir, target, self.dtype, self.device, spec.draft_weights)
         if spec.method == "medusa":
             return load_medusa(draft_dir, target, self.dtype, self.device)
         hf_config, architecture = load_hf_config(draft_dir)

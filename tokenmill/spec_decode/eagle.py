@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.kv_cache import KVCacheSpec, read_kv
+from tokenmill.layers.kv_cache import KVCacheSpec, read_kv, write_kv
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.layers.rotary import apply_rotary_
 from tokenmill.models.llama import (
@@ -38,13 +38,11 @@ from tokenmill.models.llama import (
     ModelShape,
 )
 from tokenmill.spec_decode.catch_up import catch_up_allowances
-from tokenmill.worker.step_layout import block_table_array, layout_step, query_length_class
+from tokenmill.worker.step_layout import block_table_array
 
 if TYPE_CHECKING:
     from tokenmill.worker.request_state import CachedRequestState
 
-# Tokens per catch-up forward: bounds the padded attention batch when many requests catch up.
-CATCH_UP_TOKENS_PER_FORWARD = 2048
 # Catch-up tokens per step beyond the steady state's (see catch_up.py).
 CATCH_UP_EXTRA_TOKENS = 256
 # Positions of features a request keeps while it does not draft; older ones are dropped.
@@ -67,6 +65,8 @@ class EagleDraft(nn.Module):
         layer.input_layernorm = nn.Identity()  # EAGLE: the features are already normalised
         self.layers = nn.ModuleList([layer])
         self._target = (target,)  # a tuple: not a submodule (not saved, not converted twice)
+        # The LM head drafts use; None: the target's (an int8 copy: see head_checkpoint.py).
+        self.draft_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -81,6 +81,8 @@ class EagleDraft(nn.Module):
         return self.layers[0](target.rotary.cos_sin(positions), x, kv_caches[0], metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.draft_lm_head is not None:
+            return self.draft_lm_head(hidden)
         return self._target[0].compute_logits(hidden)
 
 
@@ -115,40 +117,64 @@ class EagleProposer:
         pieces = [self._take(s, first, a) for (s, first), a in zip(behind, allowances) if a]
         if not pieces:
             return {}
-        active, features = self._catch_up(pieces)
         # Requests brought part of the way draft once caught up.
-        done = [
-            i for i, s in enumerate(active) if s.num_draft_computed_tokens == len(s.token_ids) - 1
-        ]
-        if not done:
+        active, x, q = self._catch_up(pieces)
+        if not active:
             return {}
-        if len(done) < len(active):
-            index = torch.tensor(done, device=self.device)
-            active, features = [active[i] for i in done], features[index]
-        tokens = self.draft.compute_logits(features).argmax(dim=-1)
-        if num_tokens == 1:
-            return {s.req_id: [t] for s, t in zip(active, tokens.tolist())}
-        # Drafts 2..k: each request's own tokens only, from the position after its last.
-        positions = [len(s.token_ids) - 1 for s in active]
+        ends = [len(s.token_ids) - 1 for s in active]  # positions 0 .. end - 1 are in the cache
         steps = [
-            min(num_tokens - 1, sum(1 for j in range(num_tokens - 1) if self._has_slot(s, p + j)))
-            for s, p in zip(active, positions)
+            min(num_tokens - 1, sum(1 for j in range(num_tokens - 1) if self._has_slot(s, e + j)))
+            for s, e in zip(active, ends)
         ]
-        if not max(steps):
-            return {s.req_id: [t] for s, t in zip(active, tokens.tolist())}
-        drafted = self._draft_chain(active, positions, tokens, features, max(steps))
+        drafted = self._draft_chain(active, ends, x, q, max(steps))
         return {s.req_id: row[: n + 1] for s, row, n in zip(active, drafted.tolist(), steps)}
+
+    def _catch_up(self, pieces: list[tuple]) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Write the layer's keys and values at every piece's positions into its paged cache.
+        Only keys and values are needed there (fc and the QKV projection, no attention or
+        MLP): of the layer's outputs, drafting reads only each request's last one, which
+        `_draft_chain` computes. Returns the requests whose pieces reach their last token,
+        with the layer's input and rotated query at that last position, `[requests, ...]`."""
+        draft, attn = self.draft, self.draft.layers[0].self_attn
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        target = draft._target[0]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for state, first, features in pieces:
+            end = first + features.shape[0]
+            ids.extend(state.token_ids[first + 1 : end + 1])
+            positions.extend(range(first, end))
+            blocks = state.block_ids
+            slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size
+                         for p in range(first, end))  # fmt: skip
+        features = torch.cat([p[2] for p in pieces]) if len(pieces) > 1 else pieces[0][2]
+        ids_t = torch.tensor(ids, device=self.device)
+        x = draft.fc(torch.cat([target.embed_tokens(ids_t), features], dim=-1))
+        qkv = attn.qkv_proj(x)
+        rows = x.shape[0]
+        cos, sin = target.rotary.cos_sin(torch.tensor(positions, device=self.device))
+        apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
+        kv = qkv[:, heads * dim :].view(rows, 2, kv_heads, dim)
+        write_kv(self.kv_caches[0], torch.tensor(slots, device=self.device), kv)
+        lasts = np.cumsum([p[2].shape[0] for p in pieces]) - 1
+        done = [i for i, (s, _, _) in enumerate(pieces) if _caught_up(s)]
+        if not done:
+            return [], x[:0], qkv[:0]
+        index = torch.from_numpy(lasts[done]).to(self.device)
+        return [pieces[i][0] for i in done], x[index], qkv[index, : heads * dim]
 
     def _draft_chain(
         self,
         states: list[CachedRequestState],
-        positions: list[int],
-        tokens: torch.Tensor,
-        features: torch.Tensor,
+        ends: list[int],
+        x: torch.Tensor,
+        q: torch.Tensor,
         num_steps: int,
     ) -> torch.Tensor:
-        """`[requests, 1 + num_steps]` greedy drafts: `tokens` then `num_steps` more, each
-        step feeding back the token and feature it predicted at the next position.
+        """`[requests, 1 + num_steps]` greedy drafts: the first from the layer's input `x` and
+        query `q` at each request's last cached position (end - 1), then `num_steps` more,
+        each step feeding back the token and feature it predicted at the next position.
 
         The steps' keys never reach the paged cache (the next catch-up overwrites those
         positions with the target's features anyway): the context's keys are gathered once,
@@ -158,30 +184,21 @@ class EagleProposer:
         attn, mlp = layer.self_attn, layer.mlp
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         rows = len(states)
-        context = torch.tensor(positions, device=self.device)  # positions 0 .. p - 1 are known
-        table = self._block_table(states, positions)
-        keys, values = read_kv(self.kv_caches[0], table, features.dtype)
-        width = int(context.max())
+        context = torch.tensor(ends, device=self.device)  # positions 0 .. end - 1 are known
+        table = self._block_table(states, ends)
+        keys, values = read_kv(self.kv_caches[0], table, x.dtype)
+        width = max(ends)
         keys = torch.cat([keys[:, :, :width], keys.new_zeros(rows, kv_heads, num_steps, dim)], 2)
         values = torch.cat(
             [values[:, :, :width], values.new_zeros(rows, kv_heads, num_steps, dim)], 2
         )
         columns = torch.arange(width + num_steps, device=self.device)
         mask = (columns[None, :] < context[:, None])[:, None, None, :].clone()
-        drafted = [tokens]
         target = draft._target[0]
-        for step in range(num_steps):
-            x = draft.fc(torch.cat([target.embed_tokens(tokens), features], dim=-1))
-            qkv = attn.qkv_proj(x)
-            cos, sin = target.rotary.cos_sin(context + step)
-            apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
-            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            end = width + step + 1
-            keys[:, :, end - 1] = k.view(rows, kv_heads, dim)
-            values[:, :, end - 1] = v.view(rows, kv_heads, dim)
-            mask[..., end - 1] = True
+
+        def layer_output(x: torch.Tensor, q: torch.Tensor, end: int) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
-                q.view(rows, heads, 1, dim),
+                q.reshape(rows, heads, 1, dim),
                 keys[:, :, :end],
                 values[:, :, :end],
                 attn_mask=mask[..., :end],
@@ -189,8 +206,22 @@ class EagleProposer:
                 enable_gqa=heads != kv_heads,
             )
             x = x + attn.o_proj(out.reshape(rows, heads * dim))
-            x = x + mlp(layer.post_attention_layernorm(x))
-            features = x
+            return x + mlp(layer.post_attention_layernorm(x))
+
+        features = layer_output(x, q, width)
+        tokens = draft.compute_logits(features).argmax(dim=-1)
+        drafted = [tokens]
+        for step in range(num_steps):
+            x = draft.fc(torch.cat([target.embed_tokens(tokens), features], dim=-1))
+            qkv = attn.qkv_proj(x)
+            cos, sin = target.rotary.cos_sin(context + step)
+            apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            column = width + step
+            keys[:, :, column] = k.view(rows, kv_heads, dim)
+            values[:, :, column] = v.view(rows, kv_heads, dim)
+            mask[..., column] = True
+            features = layer_output(x, q, column + 1)
             tokens = draft.compute_logits(features).argmax(dim=-1)
             drafted.append(tokens)
         return torch.stack(drafted, dim=1)
@@ -232,41 +263,9 @@ class EagleProposer:
         state.num_draft_computed_tokens = end
         return state, first, features
 
-    def _catch_up(self, pieces: list[tuple]) -> tuple[list, torch.Tensor]:
-        """Run the layer over each request's pending positions (in forwards of at most
-        CATCH_UP_TOKENS_PER_FORWARD tokens); returns the requests and each one's last output
-        feature."""
-        pieces = sorted(pieces, key=lambda p: query_length_class(p[2].shape[0]))
-        outputs: list[torch.Tensor] = []
-        batch: list[tuple] = []
-        size = 0
-        for piece in pieces:
-            if batch and size + piece[2].shape[0] > CATCH_UP_TOKENS_PER_FORWARD:
-                outputs.append(self._forward_pieces(batch))
-                batch, size = [], 0
-            batch.append(piece)
-            size += piece[2].shape[0]
-        outputs.append(self._forward_pieces(batch))
-        features = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        return [p[0] for p in pieces], features
 
-    def _forward_pieces(self, pieces: list[tuple]) -> torch.Tensor:
-        """One forward over whole pieces; the output feature at each piece's last row."""
-        query_lens = np.array([p[2].shape[0] for p in pieces], dtype=np.int64)
-        seq_lens = np.array([p[1] for p in pieces], dtype=np.int64) + query_lens
-        input_ids = torch.tensor(
-            [t for s, first, f in pieces for t in s.token_ids[first + 1 : first + 1 + len(f)]],
-            device=self.device,
-        )
-        features = torch.cat([p[2] for p in pieces]) if len(pieces) > 1 else pieces[0][2]
-        blocks = [p[0].block_ids for p in pieces]
-        positions, metadata = layout_step(
-            blocks, query_lens, seq_lens, self.block_size, None, self.device
-        )  # fmt: skip
-        positions_t = torch.from_numpy(positions).to(self.device)
-        hidden = self.draft(input_ids, features, positions_t, self.kv_caches, metadata)
-        last_rows = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
-        return hidden[last_rows]
+def _caught_up(state: CachedRequestState) -> bool:
+    return state.num_draft_computed_tokens == len(state.token_ids) - 1
 
 
 def _rows(chunks: list[tuple[int, torch.Tensor]], first: int, end: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import ConfigError
+from tokenmill.layers.int8_linear import Int8Linear, int8_linear_available
 from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
 from tokenmill.models.llama import LlamaForCausalLM, ModelShape
 from tokenmill.spec_decode.eagle import EagleDraft
@@ -120,7 +121,11 @@ def _speed_up(module: torch.nn.Module, dtype: torch.dtype, device: torch.device)
 
 
 def load_eagle(
-    head_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    head_dir: str | Path,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft_weights: str = "full",
 ) -> EagleDraft:
     config, tensors = _read(head_dir)
     _check_target("EAGLE", head_dir, config, target)
@@ -145,8 +150,45 @@ def load_eagle(
         draft = EagleDraft(shape, target, fc_bias="fc.bias" in state)
     _load_state(draft, {k: v.to(dtype) for k, v in state.items()}, head_dir)
     draft.to(device=device, dtype=dtype)
+    if _int8_drafts(draft_weights, dtype, device):
+        _quantize(draft, target)
     _speed_up(draft, dtype, device)
     return draft
+
+
+def _int8_drafts(draft_weights: str, dtype: torch.dtype, device: torch.device) -> bool:
+    if draft_weights == "full":
+        return False
+    usable = device.type == "cpu" and dtype == torch.float32 and int8_linear_available()
+    if draft_weights == "int8" and not usable:
+        raise ConfigError(
+            "speculative draft_weights 'int8' needs float32 on the CPU and torch's "
+            "_weight_int8pack_mm kernel"
+        )
+    return usable
+
+
+def _quantize(draft: EagleDraft, target: LlamaForCausalLM) -> None:
+    """The draft layer's linears and a copy of the target's LM head as weight-only int8: a
+    draft at batch 1 streams every weight once per token (`layers/int8_linear.py`)."""
+    for parent in list(draft.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Int8Linear.from_linear(child))
+    weight = _lm_head_weight(target)
+    if weight is not None and target.tp.size == 1:  # a sharded LM head stays the target's
+        draft.draft_lm_head = Int8Linear(weight[: target.shape.vocab_size])
+
+
+def _lm_head_weight(target: LlamaForCausalLM) -> torch.Tensor | None:
+    """The target's LM head weight, where it is still held in torch's layout (oneDNN's
+    packed layout keeps it only for small weights) or tied to the embedding."""
+    weight = getattr(target.lm_head, "weight", None)
+    if weight is None:
+        weight = getattr(target.lm_head, "small_weight", None)
+    if weight is None and target.shape.tie_word_embeddings:
+        weight = target.embed_tokens.weight
+    return weight
 
 
 def load_medusa(
