@@ -181,7 +181,10 @@ def _eagle_reference(target, weights: dict, token_ids: list[int], k: int) -> lis
         for _ in range(k):
             n = features.shape[0]
             embeds = target.model.embed_tokens(torch.tensor(ids[1 : n + 1]))
-            x = torch.cat([embeds, features], -1) @ w["fc.weight"].T
+            inputs = [embeds, features]
+            if w["fc.weight"].shape[1] == 3 * config.hidden_size:  # fc reads token p too
+                inputs.append(target.model.embed_tokens(torch.tensor(ids[:n])))
+            x = torch.cat(inputs, -1) @ w["fc.weight"].T
             cos, sin = LlamaRotaryEmbedding(config)(x[None], torch.arange(n)[None])
             q, key, value = (
                 (x @ w[f"self_attn.{name}_proj.weight"].T).view(1, n, h, dim).transpose(1, 2)

@@ -54,13 +54,19 @@ MAX_FEATURE_CHUNKS = 32
 
 class EagleDraft(nn.Module):
     """fc + one Llama decoder layer without its input norm; the target's embedding, rotary
-    table and LM head are borrowed, not copied."""
+    table and LM head are borrowed, not copied. With `current_token` (a tokenmill extension of
+    the format, told by fc's width: 3 x hidden) fc also reads the embedding of token p at p,
+    which lets one layer find where in the prompt the token it continues stands."""
 
-    def __init__(self, shape: ModelShape, target: LlamaForCausalLM, fc_bias: bool) -> None:
+    def __init__(
+        self, shape: ModelShape, target: LlamaForCausalLM, fc_bias: bool, current_token: bool
+    ) -> None:
         super().__init__()
         self.shape = shape
         self.num_local_kv_heads = shape.num_kv_heads  # the layer is never sharded
-        self.fc = nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=fc_bias)
+        self.current_token = current_token
+        width = (3 if current_token else 2) * shape.hidden_size
+        self.fc = nn.Linear(width, shape.hidden_size, bias=fc_bias)
         layer = LlamaDecoderLayer(shape, ArchitectureTraits(), SINGLE)
         layer.input_layernorm = nn.Identity()  # EAGLE: the features are already normalised
         self.layers = nn.ModuleList([layer])
@@ -68,17 +74,16 @@ class EagleDraft(nn.Module):
         # The LM head drafts use; None: the target's (an int8 copy: see head_checkpoint.py).
         self.draft_lm_head: nn.Module | None = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata,
+    def layer_input(
+        self, next_ids: torch.Tensor, features: torch.Tensor, current_ids: torch.Tensor
     ) -> torch.Tensor:
-        target = self._target[0]
-        x = self.fc(torch.cat([target.embed_tokens(input_ids), features], dim=-1))
-        return self.layers[0](target.rotary.cos_sin(positions), x, kv_caches[0], metadata)
+        """fc's output at positions p: next_ids = token p + 1, features = h[p] (the
+        target's or predicted), current_ids = token p."""
+        embed = self._target[0].embed_tokens
+        parts = [embed(next_ids), features]
+        if self.current_token:
+            parts.append(embed(current_ids))
+        return self.fc(torch.cat(parts, dim=-1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_lm_head is not None:
@@ -139,18 +144,23 @@ class EagleProposer:
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         target = draft._target[0]
         ids: list[int] = []
+        current: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         for state, first, features in pieces:
             end = first + features.shape[0]
             ids.extend(state.token_ids[first + 1 : end + 1])
+            current.extend(state.token_ids[first:end])
             positions.extend(range(first, end))
             blocks = state.block_ids
             slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(first, end))  # fmt: skip
         features = torch.cat([p[2] for p in pieces]) if len(pieces) > 1 else pieces[0][2]
-        ids_t = torch.tensor(ids, device=self.device)
-        x = draft.fc(torch.cat([target.embed_tokens(ids_t), features], dim=-1))
+        x = draft.layer_input(
+            torch.tensor(ids, device=self.device),
+            features,
+            torch.tensor(current, device=self.device),
+        )
         qkv = attn.qkv_proj(x)
         rows = x.shape[0]
         cos, sin = target.rotary.cos_sin(torch.tensor(positions, device=self.device))
@@ -211,8 +221,10 @@ class EagleProposer:
         features = layer_output(x, q, width)
         tokens = draft.compute_logits(features).argmax(dim=-1)
         drafted = [tokens]
+        previous = torch.tensor([s.token_ids[-1] for s in states], device=self.device)
         for step in range(num_steps):
-            x = draft.fc(torch.cat([target.embed_tokens(tokens), features], dim=-1))
+            x = draft.layer_input(tokens, features, previous)
+            previous = tokens
             qkv = attn.qkv_proj(x)
             cos, sin = target.rotary.cos_sin(context + step)
             apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)

@@ -147,7 +147,9 @@ def load_eagle(
     for fused, pieces in parts.items():
         state[fused] = torch.cat([pieces[k] for k in _FUSE_ORDER if k in pieces])
     with torch.device(device):
-        draft = EagleDraft(shape, target, fc_bias="fc.bias" in state)
+        fc_width = state["fc.weight"].shape[1] if "fc.weight" in state else 0
+        current_token = fc_width == 3 * shape.hidden_size  # see EagleDraft
+        draft = EagleDraft(shape, target, "fc.bias" in state, current_token)
     _load_state(draft, {k: v.to(dtype) for k, v in state.items()}, head_dir)
     draft.to(device=device, dtype=dtype)
     if _int8_drafts(draft_weights, dtype, device):
