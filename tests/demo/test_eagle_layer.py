@@ -4,6 +4,7 @@ computes: the chain begun j positions back on the target's features, recomputed 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
@@ -12,7 +13,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from tokenmill.demo.eagle_layer import EagleLayer
 
 
-def _drafted(layer: EagleLayer, embeds, hidden, rope, start: int, chain_start: int, j: int):
+def _drafted(
+    layer: EagleLayer, embeds, hidden, rope, start: int, chain_start: int, j: int, current=None
+):
     """The layer's output at chain_start + j of a chain begun at chain_start (true features up
     to there, then its own predictions), over the document beginning at `start`."""
     block = layer.layers[0]
@@ -21,7 +24,10 @@ def _drafted(layer: EagleLayer, embeds, hidden, rope, start: int, chain_start: i
     features = hidden[start : chain_start + 1]
     for _ in range(j + 1):
         n = features.shape[0]
-        x = layer.fc(torch.cat([embeds[start : start + n], features], -1))
+        inputs = [embeds[start : start + n], features]
+        if current is not None:
+            inputs.append(current[start : start + n])
+        x = layer.fc(torch.cat(inputs, -1))
         cos, sin = (t[start : start + n][None] for t in rope)
         q, k, v = (
             proj(x).view(1, n, h, dim).transpose(1, 2)
@@ -36,23 +42,25 @@ def _drafted(layer: EagleLayer, embeds, hidden, rope, start: int, chain_start: i
     return x[-1]
 
 
-def test_training_chain_is_the_drafting_chain() -> None:
+@pytest.mark.parametrize("current_token", [False, True])
+def test_training_chain_is_the_drafting_chain(current_token: bool) -> None:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2
     )
-    layer = EagleLayer(config)
+    layer = EagleLayer(config, current_token)
     pos = torch.cat([torch.arange(12), torch.arange(20)])  # two documents in one row
     length = pos.shape[0]
     doc_start = torch.where(pos == 0, torch.arange(length), 0).cummax(0).values
     hidden, embeds = torch.randn(length, 32), torch.randn(length, 32)
+    current = torch.randn(length, 32) if current_token else None
     cos, sin = LlamaRotaryEmbedding(config)(hidden[None], pos[None])
     rope = (cos[0], sin[0])
     # Runs of needed positions, as the trainer makes them (each reaching 2 before a trained
     # position), one across the documents' boundary.
     needed = torch.tensor([2, 3, 4, 5, 9, 10, 11, 12, 13, 14, 22, 23, 24, 25, 26])
     with torch.no_grad():
-        outputs = layer.chain(embeds, hidden, rope, doc_start, needed, 3)
+        outputs = layer.chain(embeds, hidden, rope, doc_start, needed, 3, current)
         checked = 0
         for row, p in enumerate(needed.tolist()):
             for j, out in enumerate(outputs):
@@ -60,7 +68,7 @@ def test_training_chain_is_the_drafting_chain() -> None:
                 if begun < doc_start[p] or any(q not in needed for q in range(begun, p + 1)):
                     continue  # not a chain the trainer takes a loss on
                 start = int(doc_start[p])
-                want = _drafted(layer, embeds, hidden, rope, start, begun, j)
+                want = _drafted(layer, embeds, hidden, rope, start, begun, j, current)
                 torch.testing.assert_close(out[row], want, rtol=1e-4, atol=1e-4)
                 checked += 1
     assert checked > 20

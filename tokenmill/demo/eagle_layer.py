@@ -15,12 +15,13 @@ from torch import nn
 class EagleLayer(nn.Module):
     """The trainable part of the EAGLE draft, with the checkpoint's parameter names."""
 
-    def __init__(self, config: transformers.LlamaConfig) -> None:
+    def __init__(self, config: transformers.LlamaConfig, current_token: bool = False) -> None:
+        """current_token: fc also reads the embedding of token p at p (see `chain`)."""
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = h // self.num_heads
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = nn.Linear((3 if current_token else 2) * h, h, bias=False)
         attn = nn.Module()
         attn.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
         attn.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
@@ -43,6 +44,7 @@ class EagleLayer(nn.Module):
         doc_start: torch.Tensor,
         needed: torch.Tensor,
         num_steps: int,
+        current: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """One row: the features each chain step predicts at the `needed` positions `[N]` (a
         union of runs, each ending at a trained position and reaching num_steps - 1 before it),
@@ -53,13 +55,16 @@ class EagleLayer(nn.Module):
 
         embeds: `[L, H]` the embedding of token p + 1 at p; hidden: `[L, H]` the target's
         features; rope: (cos, sin) `[L, D]`; doc_start: `[L]` the row index of p's document
-        start."""
+        start; current: `[L, H]` the embedding of token p at p, for a layer built with
+        current_token (one layer cannot copy without it: the key at a prompt position j must
+        say which token is at j, and the target's final features say it only in part)."""
         layer = self.layers[0]
+        extra = [] if current is None else [current]
         attn, mlp = layer.self_attn, layer.mlp
         length, n = hidden.shape[0], needed.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = rope
-        x_all = self.fc(torch.cat([embeds, hidden], dim=-1))
+        x_all = self.fc(torch.cat([embeds, hidden, *extra], dim=-1))
         k_true = _rotate(attn.k_proj(x_all).view(length, kv_heads, dim), cos, sin)
         v_true = attn.v_proj(x_all).view(length, kv_heads, dim)
         k_true, v_true = _per_head(k_true, heads), _per_head(v_true, heads)  # [heads, L, D]
@@ -71,7 +76,7 @@ class EagleLayer(nn.Module):
         for j in range(num_steps):
             if j:
                 previous = torch.cat([hidden[needed[:1]], outputs[-1][:-1]])  # h[p] from p - 1
-                x = self.fc(torch.cat([embeds[needed], previous], dim=-1))
+                x = self.fc(torch.cat([embeds[needed], previous, *(e[needed] for e in extra)], -1))
             q = _rotate(attn.q_proj(x).view(n, heads, dim), cos_n, sin_n).transpose(0, 1)
             if j:
                 k = _rotate(attn.k_proj(x).view(n, kv_heads, dim), cos_n, sin_n)

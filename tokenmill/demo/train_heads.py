@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import load_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -129,7 +130,11 @@ def cached_features(
     return Features(rows, hidden)
 
 
-def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int | None) -> None:
+def train_heads(
+    out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int | None, stage1: Path | None
+) -> None:
+    """Stage 1 (both heads, `spec.num_steps`; or its output read from `stage1`), then stage 2
+    (the EAGLE layer alone, `spec.eagle_more_steps`)."""
     start = time.time()
     target_dir = WEIGHTS_DIR / "target"
     target = transformers.LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -142,18 +147,78 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
     eagle = EagleLayer(config)
     lm_head = target.lm_head.weight.detach()
     medusa = MedusaHeads(config.hidden_size, lm_head, spec.medusa_heads)
-    params = [p for p in (*eagle.parameters(), *medusa.parameters()) if p.requires_grad]
+    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (eagle, medusa)]
+    logger.info("heads: eagle %.2fM, medusa %.2fM parameters", *sizes)
+    if stage1 is None:
+        history = _train(target, features, eagle, medusa, spec, start)
+        summary = {"train_steps": spec.num_steps, "train_seconds": round(time.time() - start)}
+        summary["final"] = history[-1]
+        stage1 = work_dir / "stage1"
+        _save(eagle, medusa, config, stage1, summary)
+    else:
+        history = []
+        logger.info("stage 1: the heads in %s", stage1)
+    eagle.load_state_dict(load_file(str(stage1 / "eagle" / "model.safetensors")))
+    medusa.load_state_dict(load_file(str(stage1 / "medusa" / "model.safetensors")))
+    info = json.loads((stage1 / "eagle" / "tokenmill_demo.json").read_text())
+    summary = {k: info[k] for k in ("train_steps", "train_seconds", "final")}
+    if spec.eagle_more_steps:
+        more = dataclasses.replace(
+            spec, num_steps=spec.eagle_more_steps, lr=spec.eagle_more_lr, seed=spec.seed + 1
+        )
+        if spec.eagle_current_token:
+            eagle = _with_current_token(eagle, config)
+        stage2_start = time.time()
+        more_history = _train(target, features, eagle, None, more, stage2_start)
+        history += [{**h, "stage": 2} for h in more_history]
+        summary = {
+            "train_steps": summary["train_steps"],
+            "eagle_more_steps": more.num_steps,
+            "train_seconds": summary["train_seconds"] + round(time.time() - stage2_start),
+            "stage1_final": summary["final"],
+            "final": more_history[-1],
+        }
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "heads_history.json").write_text(json.dumps(history) + "\n")
+    _save(eagle, medusa, config, out_dir, summary)
+
+
+def _with_current_token(eagle: EagleLayer, config: transformers.LlamaConfig) -> EagleLayer:
+    """The same layer with fc also reading the current token's embedding, its weights for it
+    zero (the function is unchanged until they are trained)."""
+    wide = EagleLayer(config, current_token=True)
+    state = eagle.state_dict()
+    fc = state["fc.weight"]
+    state["fc.weight"] = torch.cat([fc, fc.new_zeros(fc.shape[0], config.hidden_size)], dim=1)
+    wide.load_state_dict(state)
+    return wide
+
+
+def _train(
+    target: transformers.LlamaForCausalLM,
+    features: Features,
+    eagle: EagleLayer,
+    medusa: MedusaHeads | None,
+    spec: HeadsSpec,
+    start: float,
+) -> list[dict]:
+    """`spec.num_steps` steps on the EAGLE layer and, if given, the Medusa heads; the logged
+    agreement every `spec.log_every` steps."""
+    modules = [m for m in (eagle, medusa) if m is not None]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, spec))
-    rotary = LlamaRotaryEmbedding(config)
-    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (eagle, medusa)]
+    rotary = LlamaRotaryEmbedding(target.config)
+    lm_head = target.lm_head.weight.detach()
     logger.info(
-        "heads: %d steps x %d rows (of %d cached) x %d tokens; eagle %.2fM, medusa %.2fM "
-        "parameters", spec.num_steps, spec.batch_size, spec.num_rows, spec.seq_len, *sizes,
+        "training %s: %d steps x %d rows (of %d cached) x %d tokens, lr %g",
+        "eagle + medusa" if medusa is not None else "eagle", spec.num_steps, spec.batch_size,
+        spec.num_rows, spec.seq_len, spec.lr,
     )  # fmt: skip
     order = _row_order(spec)
     history: list[dict] = []
     window: list[dict[str, float]] = []
+    kinds = ("e", "m") if medusa is not None else ("e",)
     for step in range(spec.num_steps):
         batch = order[step * spec.batch_size : (step + 1) * spec.batch_size]
         totals: dict[str, torch.Tensor] = {}
@@ -162,7 +227,7 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
                 row = _row(target, rotary, features, r)
             for name, value in _losses(eagle, medusa, spec, row, lm_head).items():
                 totals[name] = totals.get(name, 0) + value
-        loss = sum(totals.pop(f"loss{k}") / totals[f"count{k}"].clamp(min=1) for k in ("e", "m"))
+        loss = sum(totals.pop(f"loss{k}") / totals[f"count{k}"].clamp(min=1) for k in kinds)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -180,10 +245,7 @@ def train_heads(out_dir: Path, work_dir: Path, spec: HeadsSpec, num_steps: int |
                 " ".join(f"{k}={v:.3f}" for k, v in mean.items()),
             )
             window = []
-    work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / "heads_history.json").write_text(json.dumps(history) + "\n")
-    summary = {"train_steps": spec.num_steps, "train_seconds": round(time.time() - start)}
-    _save(eagle, medusa, config, out_dir, {**summary, "final": history[-1]})
+    return history
 
 
 def _save(
@@ -214,6 +276,7 @@ class Row:
     pos: torch.Tensor
     hidden: torch.Tensor  # [L, H] float32
     embeds: torch.Tensor  # [L, H]: the embedding of token p + 1 at p
+    current: torch.Tensor  # [L, H]: the embedding of token p at p
     rope: tuple[torch.Tensor, torch.Tensor]  # [L, D] each
     probs: torch.Tensor  # [L, V]: the target's next-token distribution where token p + 1 is learned
 
@@ -232,11 +295,16 @@ def _row(
     used[:-1] = labels[1:] != IGNORE_INDEX
     probs[used] = F.softmax(target.lm_head(hidden[used]), dim=-1)
     embeds = target.model.embed_tokens(torch.roll(ids, -1))
-    return Row(ids, labels, pos, hidden, embeds, (cos[0], sin[0]), probs)
+    current = target.model.embed_tokens(ids)
+    return Row(ids, labels, pos, hidden, embeds, current, (cos[0], sin[0]), probs)
 
 
 def _losses(
-    eagle: EagleLayer, medusa: MedusaHeads, spec: HeadsSpec, row: Row, lm_head: torch.Tensor
+    eagle: EagleLayer,
+    medusa: MedusaHeads | None,
+    spec: HeadsSpec,
+    row: Row,
+    lm_head: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """One row's summed losses and counts (`losse`, `counte` for EAGLE, `lossm`, `countm` for
     Medusa) and, per EAGLE step and Medusa head, the number of trained positions where its top-1
@@ -253,7 +321,10 @@ def _losses(
     if needed.numel():
         index = torch.arange(length)
         doc_start = torch.where(row.pos == 0, index, 0).cummax(0).values
-        predicted = eagle.chain(row.embeds, row.hidden, row.rope, doc_start, needed, num_steps)
+        current = row.current if eagle.fc.in_features == 3 * row.hidden.shape[1] else None
+        predicted = eagle.chain(
+            row.embeds, row.hidden, row.rope, doc_start, needed, num_steps, current
+        )
         for j, (features, weight) in enumerate(zip(predicted, spec.eagle_steps)):
             keep = trained[needed] & (row.pos[needed] >= j)
             at = needed[keep]
@@ -265,7 +336,7 @@ def _losses(
             out[f"hitseagle{j}"] = (logits.argmax(-1) == want.argmax(-1)).sum()
             out[f"neagle{j}"] = torch.tensor(float(at.numel()))
         out["counte"] = torch.tensor(float(trained.sum()))
-    for i, (block, head) in enumerate(zip(medusa.blocks, medusa.lm_heads)):
+    for i, (block, head) in enumerate(zip(medusa.blocks, medusa.lm_heads) if medusa else ()):
         # Head i at p predicts the target's token p + 2 + i, i.e. its distribution at p + 1 + i.
         at = torch.nonzero(_learned(row.labels, row.pos, 2 + i)).squeeze(1)
         x, want = row.hidden[at], row.probs[at + 1 + i]
@@ -301,11 +372,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=WEIGHTS_DIR, help="OUT/eagle, OUT/medusa")
     parser.add_argument("--work-dir", type=Path, default=Path("demo_runs/heads"))
     parser.add_argument("--num-steps", type=int, default=None, help="smoke-test override")
+    parser.add_argument("--more-steps", type=int, default=None, help="override stage 2's steps")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--stage1",
+        type=Path,
+        default=None,
+        help="a directory with stage 1's eagle/ and medusa/ (a previous run's WORK_DIR/stage1):"
+        " skip stage 1",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    train_heads(args.out, args.work_dir, HEADS, args.num_steps)
+    spec = HEADS
+    if args.more_steps is not None:
+        spec = dataclasses.replace(spec, eagle_more_steps=args.more_steps)
+    train_heads(args.out, args.work_dir, spec, args.num_steps, args.stage1)
     return 0
 
 
