@@ -88,17 +88,17 @@ def measure(num_per_task: int, max_tokens: int = 160) -> dict[str, dict[str, flo
 
 
 def engine_acceptance(
-    method: str, num_per_task: int, k: int = 4, max_tokens: int = 160
+    method: str, num_per_task: int, k: int = 4, max_tokens: int = 160, heads: str | None = None
 ) -> dict[str, dict[str, float]]:
     """Per task: the share of drafts accepted, tokens per verification step (the mean
     acceptance length) and the acceptance rate at each draft position, with `method`'s
-    default heads for the demo target at a fixed `k`."""
+    heads (default: the demo target's) at a fixed `k`."""
     import copy
 
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
-    spec = {"method": method, "num_speculative_tokens": k, "adaptive": False}
+    spec = {"method": method, "num_speculative_tokens": k, "adaptive": False, "model": heads}
     llm = LLM(dtype="float32", max_num_seqs=16, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     by_task: dict[str, list[str]] = {}
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "in the engine at a fixed k",
     )
     parser.add_argument("--k", type=int, default=4, help="drafts per step (eagle, medusa)")
+    parser.add_argument("--heads", default=None, help="eagle, medusa: the heads' directory")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"checkable tasks: {', '.join(CHECKABLE_TASKS)}; story: plain-text continuations")
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(args.num_per_task)
         print(format_table(results))
     else:
-        results = engine_acceptance(args.method, args.num_per_task, args.k)
+        results = engine_acceptance(args.method, args.num_per_task, args.k, heads=args.heads)
         print(format_engine_table(results, args.k))
     if args.output_json:
         args.output_json.write_text(json.dumps(results, indent=2) + "\n")

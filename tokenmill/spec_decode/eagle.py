@@ -198,20 +198,22 @@ class EagleProposer:
         table = self._block_table(states, ends)
         keys, values = read_kv(self.kv_caches[0], table, x.dtype)
         width = max(ends)
-        keys = torch.cat([keys[:, :, :width], keys.new_zeros(rows, kv_heads, num_steps, dim)], 2)
-        values = torch.cat(
-            [values[:, :, :width], values.new_zeros(rows, kv_heads, num_steps, dim)], 2
-        )
-        columns = torch.arange(width + num_steps, device=self.device)
-        mask = (columns[None, :] < context[:, None])[:, None, None, :].clone()
+        kv = x.new_zeros(2, rows, kv_heads, width + num_steps, dim)  # the steps' own after width
+        kv[0, :, :, :width] = keys[:, :, :width]
+        kv[1, :, :, :width] = values[:, :, :width]
+        mask = None  # every step sees the steps before it, and its context
+        if min(ends) < width:
+            columns = torch.arange(width + num_steps, device=self.device)
+            visible = (columns[None, :] < context[:, None]) | (columns[None, :] >= width)
+            mask = visible[:, None, None, :]
         target = draft._target[0]
 
         def layer_output(x: torch.Tensor, q: torch.Tensor, end: int) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
                 q.reshape(rows, heads, 1, dim),
-                keys[:, :, :end],
-                values[:, :, :end],
-                attn_mask=mask[..., :end],
+                kv[0, :, :, :end],
+                kv[1, :, :, :end],
+                attn_mask=None if mask is None else mask[..., :end],
                 scale=attn.attn.scale,
                 enable_gqa=heads != kv_heads,
             )
@@ -228,12 +230,9 @@ class EagleProposer:
             qkv = attn.qkv_proj(x)
             cos, sin = target.rotary.cos_sin(context + step)
             apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
-            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             column = width + step
-            keys[:, :, column] = k.view(rows, kv_heads, dim)
-            values[:, :, column] = v.view(rows, kv_heads, dim)
-            mask[..., column] = True
-            features = layer_output(x, q, column + 1)
+            kv[:, :, :, column] = qkv[:, heads * dim :].view(rows, 2, kv_heads, dim).transpose(0, 1)
+            features = layer_output(x, qkv[:, : heads * dim], column + 1)
             tokens = draft.compute_logits(features).argmax(dim=-1)
             drafted.append(tokens)
         return torch.stack(drafted, dim=1)
