@@ -21,6 +21,7 @@ import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.demo.acceptance import STORY_PROMPTS
 from tokenmill.demo.eval import heldout
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats
@@ -41,11 +42,18 @@ def chat_prompts(llm: LLM, tasks: list[str], count: int) -> list[str]:
     ]
 
 
+def task_prompts(llm: LLM, task: str, count: int) -> list[str]:
+    """Held-out chat prompts of one demo task; "story": the plain-text story openings."""
+    return list(STORY_PROMPTS) if task == "story" else chat_prompts(llm, [task], count)
+
+
 def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int]:
-    """Replies end where the model ends them (after the copy), as a client would see."""
+    """Replies end where the model ends them (after the copy), as a client would see. Chat
+    prompts carry their special tokens in the template; plain text (stories) gets BOS."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    plain = prompts[0] in STORY_PROMPTS
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=plain)
     seconds = time.perf_counter() - start
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
@@ -87,6 +95,11 @@ def main() -> None:
     parser.add_argument("--medusa-model", default=None, help="default: the demo target's")
     parser.add_argument("--methods", default="ngram,draft,eagle,medusa")
     parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument(
+        "--tasks",
+        default=None,
+        help="batch 1 per demo task instead of echo / all tasks, e.g. copy,story,lookup",
+    )
     args = parser.parse_args()
     methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
     # name -> (method, model); a None model is the demo target's default.
@@ -109,13 +122,19 @@ def main() -> None:
     for name, spec in methods.items():
         batch1[f"{name} fixed k={args.k}"] = engine(1, {**spec, "adaptive": False})
         batch1[f"{name} adaptive"] = engine(1, spec)
-    for label, tasks in (("echo (copy) prompts", echo), ("all demo tasks", mix)):
+    groups = [("echo (copy) prompts", echo), ("all demo tasks", mix)]
+    if args.tasks:
+        groups = [(f"task {t}", [t]) for t in args.tasks.split(",")]
+    for label, tasks in groups:
         print(f"## batch 1, {label}: tokens/s")
         before = {name: llm.get_stats().scheduler.spec_decode for name, llm in batch1.items()}
-        rates = median_tokens_per_s(
-            batch1, lambda llm, t=tasks: chat_prompts(llm, t, max(8, 2 * len(t))), args.max_tokens,
-            args.repeats,
-        )  # fmt: skip
+
+        def prompts_for(llm: LLM, t: list[str] = tasks) -> list[str]:
+            if len(t) == 1:
+                return task_prompts(llm, t[0], 8)
+            return chat_prompts(llm, t, max(8, 2 * len(t)))
+
+        rates = median_tokens_per_s(batch1, prompts_for, args.max_tokens, args.repeats)
         base = rates["off"]
         for name, rate in rates.items():
             accepted = acceptance(batch1[name], before[name])
