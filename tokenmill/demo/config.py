@@ -106,11 +106,13 @@ DEMO_MODELS: dict[str, DemoModelSpec] = {
 class HeadsSpec:
     """The speculative heads on the frozen demo target (`python -m tokenmill.demo.train_heads`):
     an EAGLE layer and Medusa heads, trained together on the same batches of target features
-    (stage 1), then the EAGLE layer alone for `eagle_more_steps` (stage 2, a new warmup and
-    cosine from `eagle_more_lr`: without the Medusa heads a step costs about half)."""
+    (stage 1), then, if `eagle_more_steps`, the EAGLE layer alone (stage 2, a new warmup and
+    cosine from `eagle_more_lr`: without the Medusa heads a step costs about half). The
+    shipped heads are stage 1 alone; stage 2 (`--num-steps 2000 --more-steps 2400`) was
+    measured and not shipped (docs/demo_models.md)."""
 
     num_rows: int = 256  # packed corpus rows whose target features are computed once, cached
-    num_steps: int = 2000
+    num_steps: int = 800
     batch_size: int = 1
     seq_len: int = 1024  # the longest documents (lookups) need it
     lr: float = 3e-3
@@ -124,7 +126,7 @@ class HeadsSpec:
     feature_weight: float = 0.5  # smooth-L1 on the predicted hidden state, next to the KL
     medusa_heads: int = 4
     log_every: int = 20
-    eagle_more_steps: int = 1200
+    eagle_more_steps: int = 0
     eagle_more_lr: float = 1e-3
     # Stage 2 widens fc to read the embedding of token p at p too (`EagleLayer.chain`).
     eagle_current_token: bool = True
