@@ -1,5 +1,6 @@
 """Weight-only int8 linears compute nn.Linear's product up to the quantization of their weight
-(each row to 127 steps of its largest entry) and of their input (bfloat16)."""
+(each row to 127 steps of its largest entry) and of their input (bfloat16), for a few rows;
+more rows are the float layer's product itself."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.layers.int8_linear import Int8Linear, int8_linear_available
+from tokenmill.layers.int8_linear import MAX_INT8_ROWS, Int8Linear, int8_linear_available
 
 pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="no int8 kernel in this torch")
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("rows", [1, MAX_INT8_ROWS])
 def test_matches_nn_linear_up_to_quantization(bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(256, 160, bias=bias)
@@ -27,3 +28,12 @@ def test_matches_nn_linear_up_to_quantization(bias: bool, rows: int) -> None:
     bound = 0.5 * x.abs() @ step[None].expand(256, -1) + 0.01 * expected.abs() + 1e-3
     assert ((got - expected).abs() <= bound).all()
     assert not torch.equal(got, expected)  # it is quantized, not a float32 product
+
+
+@pytest.mark.parametrize("rows", [MAX_INT8_ROWS + 1, 300])
+def test_many_rows_take_the_float_layer(rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(256, 160)
+    x = torch.randn(rows, 256)
+    with torch.inference_mode():
+        assert torch.equal(Int8Linear.from_linear(linear)(x), linear(x))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.int8_linear import MAX_INT8_ROWS
 from tokenmill.layers.kv_cache import KVCacheSpec, read_kv, write_kv
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.layers.rotary import apply_rotary_
@@ -86,7 +87,7 @@ class EagleDraft(nn.Module):
         return self.fc(torch.cat(parts, dim=-1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.draft_lm_head is not None:
+        if self.draft_lm_head is not None and hidden.shape[0] <= MAX_INT8_ROWS:
             return self.draft_lm_head(hidden)
         return self._target[0].compute_logits(hidden)
 
