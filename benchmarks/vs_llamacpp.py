@@ -30,26 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from llamacpp import GGUF_TYPES, gguf_file
+
 from tokenmill import LLM, SamplingParams
-from tokenmill.testing.random_checkpoint import cache_dir
-
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
-
-# convert_hf_to_gguf.py refuses a BPE tokenizer whose pre-tokenizer it does not know (the
-# random model's own small one) and tries sentencepiece first (not installed, and there is no
-# tokenizer.model); llama-batched-bench feeds random token ids, so the GGUF only needs some
-# valid tokenizer entry: the BPE vocabulary with GPT-2's pre-tokenizer declared.
-_CONVERT = """
-import runpy, sys
-source = sys.argv.pop(1)
-sys.path[:0] = [source, source + "/gguf-py"]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-def no_sentencepiece(self):
-    raise FileNotFoundError("tokenizer.model")
-base.TextModel._create_vocab_sentencepiece = no_sentencepiece
-runpy.run_path(source + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
 
 
 def tokenmill_rate(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int) -> float:
@@ -62,21 +45,6 @@ def tokenmill_rate(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: in
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
-
-
-def gguf_file(model: Path, llamacpp: Path, dtype: str) -> Path:
-    """The model converted to GGUF in `dtype` (once; cached by model directory name)."""
-    out = cache_dir() / "gguf" / f"{model.name}-{GGUF_TYPES[dtype]}.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_suffix(".partial")
-        command = [sys.executable, "-c", _CONVERT, str(llamacpp), str(model)]
-        command += ["--outtype", GGUF_TYPES[dtype], "--outfile", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-4000:]}")
-        partial.rename(out)
-    return out
 
 
 def llamacpp_rate(

@@ -34,6 +34,8 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(["--model", path]) as server: ... server.base_url ...`"""
 
+    name = "tokenmill serve"  # in errors; a subclass for another server overrides `command`
+
     def __init__(
         self,
         server_args: list[str],
@@ -74,7 +76,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerStartError(
-                    f"`tokenmill serve` exited with code {self.process.returncode}: "
+                    f"`{self.name}` exited with code {self.process.returncode}: "
                     f"{self.log_tail()}"
                 )
             try:
