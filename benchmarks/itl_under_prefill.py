@@ -1,6 +1,7 @@
-"""Inter-token latency of decoding streams while a long prompt arrives (issue 19), offline.
+"""Inter-token latency of decoding streams while a long prompt arrives (issue 19).
 
-    python benchmarks/itl_under_prefill.py [--model PATH] [--repeats 1]
+    python benchmarks/itl_under_prefill.py [--model PATH] [--repeats 1]          # offline
+    python benchmarks/itl_under_prefill.py --server [--llama-cpp-bin DIR]        # over HTTP
 
 32 streams decode (64-token prompts); once every stream decodes and 16 steady steps are
 timed, one 4,000-token prompt arrives. Every engine step emits one token per stream, so the
@@ -13,28 +14,45 @@ step time is the inter-token latency every stream sees. Per configuration:
 - throughput: tokens computed (prompt + generated) from its arrival to its first token, over
   that time (a target stretches the window, and the streams decode through it).
 
-Configurations: the issue's fixed budgets (2048, 512, 256 chunked; 8192 unchunked), then
-`--itl-target-ms` at 1.5x and 2x the steady step measured in the first configuration. With no
-model, a random-weight model shaped like SmolLM2-135M (context 8192) is built once.
+Offline (`LLMEngine`, steps timed in-process): the issue's fixed budgets (2048, 512, 256
+chunked; 8192 unchunked), then `--itl-target-ms` at 1.5x and 2x the steady step measured in the
+first configuration.
+
+`--server`: the same scenario streamed over HTTP (`/v1/completions`, token-id prompts) and
+timed from chunk arrivals (itl_serving.py): `tokenmill serve` with its default budget, then
+with `--itl-target-ms` at 2x its steady ITL; with `--llama-cpp-bin DIR` (a llama.cpp build's
+binaries, e.g. llama.cpp/build/bin, inside its source tree), `llama-server` on the same weights
+as f32 GGUF (converted once), one slot per request, as many threads as tokenmill uses:
+its defaults, `--ubatch-size` small, and `--batch-size` small too (llama-server samples once
+per `--batch-size` tokens, so a small ubatch alone still computes a whole 2048-token batch
+between two tokens of a stream). Each server is started for its row and stopped after.
+
+With no model, a random-weight model shaped like SmolLM2-135M (context 8192) is built once.
 Greedy, fp32. Run several repeats on a shared machine (configurations interleaved; medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from itl_serving import Scenario, llama_server, served_run, tokenmill_server
+from itl_stats import TABLE_HEADER, Run, report
+from llamacpp import gguf_file, source_tree
 from make_bench_model import cached_random_model
 from make_smollm_shaped_model import SHAPE as SMOLLM2_SHAPE
 
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.openmp import forget_openmp_wait_policy
 
 MODEL_NAME = "bench-smollm2-135m-shaped-8k-v1"  # bump the version when changing the recipe
 FIXED_BUDGETS: dict[str, dict[str, Any]] = {
@@ -44,30 +62,13 @@ FIXED_BUDGETS: dict[str, dict[str, Any]] = {
     "8192 unchunked": {"max_num_batched_tokens": 8192, "enable_chunked_prefill": False},
 }
 TARGET_FACTORS = (1.5, 2.0)
+SERVED_TARGET_FACTORS = (2.0,)
 
 
 def smollm2_shaped_model() -> Path:
     """SmolLM2-135M's shape (make_smollm_shaped_model.py) with an 8192-token context, built
     once into the cache directory (the benchmark feeds token ids)."""
     return cached_random_model(MODEL_NAME, **{**SMOLLM2_SHAPE, "max_position_embeddings": 8192})
-
-
-@dataclass
-class Run:
-    steady: float  # seconds: median step before the long prompt arrives
-    admission_steps: list[float]  # step times from its arrival to its first token
-    ttft: float
-    throughput: float  # tokens computed per second after its arrival
-    steps_over_target: int | None
-
-    @property
-    def p99(self) -> float:
-        return percentile(self.admission_steps, 0.99)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run_once(model: Path, engine_kwargs: dict[str, Any], args: argparse.Namespace) -> Run:
@@ -110,10 +111,11 @@ def run_once(model: Path, engine_kwargs: dict[str, Any], args: argparse.Namespac
     itl = after.scheduler.itl_target
     return Run(
         steady=statistics.median(steady),
-        admission_steps=admission,
+        admission_itls=admission,
         ttft=ttft,
         throughput=tokens / ttft,
         steps_over_target=None if itl is None else itl.num_steps_over_target,
+        num_steps=len(admission),
     )
 
 
@@ -123,21 +125,92 @@ def timed_step(engine: LLMEngine) -> tuple[float, list]:
     return time.perf_counter() - start, outputs
 
 
-def report(label: str, runs: list[Run]) -> str:
-    def median(values) -> float:
-        return statistics.median(list(values))
+def measure(
+    first_label: str,
+    first: Callable[[], Run],
+    rest: Callable[[Run], dict[str, Callable[[], Run]]],
+    repeats: int,
+) -> dict[str, list[Run]]:
+    """Run `first`, then the configurations `rest` derives from its result (the targets follow
+    its steady ITL), `repeats` times, interleaved; the runs of each configuration."""
+    baseline = first()
+    print(f"repeat 0: {report(first_label, [baseline])}", flush=True)
+    configs = {first_label: first, **rest(baseline)}
+    runs: dict[str, list[Run]] = {label: [] for label in configs}
+    runs[first_label].append(baseline)
+    for repeat in range(repeats):
+        for label, run in configs.items():
+            if repeat == 0 and label == first_label:
+                continue
+            runs[label].append(run())
+            print(f"repeat {repeat}: {report(label, runs[label][-1:])}", flush=True)
+    return runs
 
-    steady = median(r.steady for r in runs)
-    p99 = median(r.p99 for r in runs)
-    worst = median(max(r.admission_steps) for r in runs)
-    over = [r.steps_over_target for r in runs if r.steps_over_target is not None]
-    steps = median(len(r.admission_steps) for r in runs)
-    return (
-        f"| {label} | {1000 * steady:.0f} ms | {1000 * p99:,.0f} ms | {1000 * worst:,.0f} ms "
-        f"| {p99 / steady:.1f}x | {median(r.ttft for r in runs):.1f} s | {steps:.0f} "
-        f"| {median(r.throughput for r in runs):,.0f} tok/s "
-        f"| {median(over) if over else '-'} |"
+
+def offline_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
+    def configuration(kwargs: dict[str, Any]) -> Callable[[], Run]:
+        return lambda: run_once(model, kwargs, args)
+
+    def rest(baseline: Run) -> dict[str, Callable[[], Run]]:
+        configs = {label: configuration(kwargs) for label, kwargs in FIXED_BUDGETS.items()}
+        del configs["2048 chunked"]
+        for factor in TARGET_FACTORS:
+            target_ms = factor * 1000 * baseline.steady
+            label = f"itl target {factor}x = {target_ms:.0f} ms"
+            configs[label] = configuration({"itl_target_ms": target_ms})
+        return configs
+
+    return measure("2048 chunked", configuration(FIXED_BUDGETS["2048 chunked"]), rest, args.repeats)
+
+
+def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
+    forget_openmp_wait_policy()  # llama-server inherits this process's environment
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    scenario = Scenario(
+        streams=args.streams,
+        stream_prompt=args.stream_prompt,
+        stream_max_tokens=args.stream_max_tokens,
+        long_prompt=args.long_prompt,
+        steady_steps=args.steady_steps,
+        vocab_size=vocab_size,
     )
+    logs = Path(tempfile.mkdtemp(prefix="itl-serving-"))
+    print(f"server logs: {logs}", flush=True)
+    import torch  # here: loaded before tokenmill, it would miss tokenmill's OpenMP policy
+
+    threads = torch.get_num_threads()  # what `tokenmill serve` uses; llama-server gets as many
+
+    def tokenmill(label: str, flags: list[str]) -> Callable[[], Run]:
+        log = logs / (label.replace(" ", "_").replace("/", "") + ".log")
+        return lambda: served_run(tokenmill_server(model, args.max_model_len, flags, log), scenario)
+
+    llama_rows: dict[str, Callable[[], Run]] = {}
+    if args.llama_cpp_bin is None:
+        print("llama-server rows skipped: no --llama-cpp-bin DIR given", flush=True)
+    else:
+        gguf = gguf_file(model, source_tree(args.llama_cpp_bin), "float32")
+        small = str(args.llama_small_batch)
+        for name, flags in {
+            "default": [],
+            f"-ub {small}": ["--ubatch-size", small],
+            f"-b {small} -ub {small}": ["--batch-size", small, "--ubatch-size", small],
+        }.items():
+            label = f"llama-server {name}, {threads} threads"
+            log = logs / (f"llama-server {name}".replace(" ", "_") + ".log")
+            llama_rows[label] = lambda flags=flags, log=log: served_run(
+                llama_server(args.llama_cpp_bin, gguf, scenario, threads, flags, log), scenario
+            )
+
+    def rest(baseline: Run) -> dict[str, Callable[[], Run]]:
+        configs = {}
+        for factor in SERVED_TARGET_FACTORS:
+            target_ms = factor * 1000 * baseline.steady
+            label = f"tokenmill serve, itl target {factor}x = {target_ms:.0f} ms"
+            configs[label] = tokenmill(label, ["--itl-target-ms", f"{target_ms:.1f}"])
+        return {**configs, **llama_rows}
+
+    first = "tokenmill serve, default budget (2048)"
+    return measure(first, tokenmill(first, []), rest, args.repeats)
 
 
 def main() -> None:
@@ -149,30 +222,14 @@ def main() -> None:
     parser.add_argument("--steady-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--server", action="store_true", help="over HTTP, against servers")
+    parser.add_argument("--llama-cpp-bin", type=Path, default=None, help="with llama-server")
+    parser.add_argument("--llama-small-batch", type=int, default=64, help="-ub / -b rows")
+    parser.add_argument("--stream-max-tokens", type=int, default=2048, help="--server streams")
     args = parser.parse_args()
     model = args.model or smollm2_shaped_model()
-
-    configs = dict(FIXED_BUDGETS)
-    runs: dict[str, list[Run]] = {label: [] for label in configs}
-    baseline = run_once(model, configs["2048 chunked"], args)  # the targets follow its steady
-    for factor in TARGET_FACTORS:
-        target_ms = factor * 1000 * baseline.steady
-        configs[f"itl target {factor}x = {target_ms:.0f} ms"] = {"itl_target_ms": target_ms}
-        runs[list(configs)[-1]] = []
-    runs["2048 chunked"].append(baseline)
-    print(f"repeat 0: {report('2048 chunked', [baseline])}", flush=True)
-    for repeat in range(args.repeats):
-        for label, kwargs in configs.items():
-            if repeat == 0 and label == "2048 chunked":
-                continue
-            runs[label].append(run_once(model, kwargs, args))
-            print(f"repeat {repeat}: {report(label, runs[label][-1:])}", flush=True)
-    print(
-        "\n| configuration | steady step | p99 step while admitted | worst step | p99 / steady "
-        "| TTFT long prompt | steps to its first token | throughput while admitted "
-        "| steps over target |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    runs = served_runs(model, args) if args.server else offline_runs(model, args)
+    print("\n" + TABLE_HEADER)
     for label, label_runs in runs.items():
         print(report(label, label_runs))
 

@@ -52,7 +52,7 @@ SYSTEM_PROMPT = (
 
 @dataclass(frozen=True)
 class SampleRequest:
-    prompt: str
+    prompt: str | list[int]  # token ids only for /v1/completions (benchmarks/itl_serving.py)
     prompt_len: int  # tokens, counted as a completions prompt (special tokens included)
     expected_output_len: int
     category: str = "default"  # e.g. long-doc-mix's "short" / "long"

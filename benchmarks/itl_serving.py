@@ -1,0 +1,246 @@
+"""The ITL-under-prefill scenario over HTTP: streams against a server, timed chunk by chunk.
+
+The same scenario as itl_under_prefill.py's offline engine, against any server that streams
+OpenAI `/v1/completions` with token-id prompts and `ignore_eos` (tokenmill serve,
+llama-server): `streams` greedy requests with random `stream_prompt`-token prompts stream;
+once each has streamed its first token and then `steady_steps` more, one `long_prompt`-token
+request (max_tokens 1) arrives; once each stream has a token from after the long prompt's
+first token, the streams are cancelled (the server aborts them).
+
+From the client's clock (chunk arrival times, one chunk per token):
+- steady ITL: the median gap between a stream's chunks, over every stream, between the
+  moment all stream and the long prompt's arrival;
+- while admitted: each stream's gaps from the long prompt's arrival through its first chunk at
+  or after the long prompt's first token (the step that computed its last chunk included);
+  "steps" is the median count of those gaps per stream;
+- TTFT of the long prompt, and throughput: its prompt tokens plus the tokens generated in that
+  window, over the TTFT;
+- steps over target: the server's `tokenmill:itl_steps_over_target_total` counter over the
+  window (tokenmill with `--itl-target-ms` only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from pathlib import Path
+
+import httpx
+from itl_stats import Run
+from llamacpp import LlamaServerProcess
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.bench.client import (
+    BenchError,
+    EndpointConfig,
+    get_served_models,
+    new_http_client,
+    send_request,
+)
+from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.metrics import RequestRecord
+from tokenmill.bench.server_process import ServerProcess
+
+OVER_TARGET = "tokenmill:itl_steps_over_target_total"
+POLL_S = 0.01  # how often the driver looks at the streams (the chunks are timed as they come)
+TIMEOUT_S = 3600.0
+
+
+@dataclass
+class Scenario:
+    streams: int = 32
+    stream_prompt: int = 64
+    stream_max_tokens: int = 2048  # enough to stream through the run; it is cancelled after
+    long_prompt: int = 4000
+    steady_steps: int = 16
+    vocab_size: int = 2048  # prompt ids are drawn from [3, vocab_size)
+
+
+def chunk_times(record: RequestRecord) -> list[float]:
+    """When each token chunk of a (possibly still streaming) request arrived, on the
+    benchmark's clock: its first token, then one inter-token gap per later chunk."""
+    if record.ttft == 0.0:
+        return []
+    return list(accumulate(record.itl, initial=record.start_time + record.ttft))
+
+
+def scenario_run(
+    stream_times: list[list[float]],
+    all_streaming: float,
+    arrival: float,
+    first_token: float,
+    long_prompt: int,
+    steps_over_target: int | None = None,
+) -> Run:
+    """The row's statistics from each stream's chunk times and the three moments (see the
+    module docstring)."""
+    steady: list[float] = []
+    admitted: list[list[float]] = []
+    for times in stream_times:
+        gaps = list(pairwise(times))
+        steady += [end - start for start, end in gaps if all_streaming <= start and end <= arrival]
+        window = []
+        for start, end in gaps:
+            if end > arrival:
+                window.append(end - start)
+                if end >= first_token:
+                    break
+        else:
+            raise ValueError("a stream has no chunk at or after the long prompt's first token")
+        admitted.append(window)
+    if not steady:
+        raise ValueError("no steady inter-token gap before the long prompt arrived")
+    ttft = first_token - arrival
+    generated = 1 + sum(len(window) for window in admitted)
+    return Run(
+        steady=statistics.median(steady),
+        admission_itls=[gap for window in admitted for gap in window],
+        ttft=ttft,
+        throughput=(long_prompt + generated) / ttft,
+        steps_over_target=steps_over_target,
+        num_steps=round(statistics.median(len(window) for window in admitted)),
+    )
+
+
+def completion_request(prompt: list[int], max_tokens: int) -> SampleRequest:
+    return SampleRequest(prompt=prompt, prompt_len=len(prompt), expected_output_len=max_tokens)
+
+
+def endpoint(base_url: str, model: str) -> EndpointConfig:
+    """Streamed greedy `/v1/completions` with `ignore_eos` (a field tokenmill and llama-server
+    both read)."""
+    return EndpointConfig(base_url, model, request_timeout=TIMEOUT_S)
+
+
+async def steps_over_target(client: httpx.AsyncClient, base_url: str) -> int | None:
+    """tokenmill's count of steps over the ITL target; None from a server without it."""
+    try:
+        response = await client.get(base_url + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == OVER_TARGET
+    ]
+    return round(sum(values)) if values else None
+
+
+class _Streams:
+    """The running stream requests: their records, and a wait that fails when one ends."""
+
+    def __init__(self, tasks: list[asyncio.Task], records: list[RequestRecord]) -> None:
+        self.tasks = tasks
+        self.records = records
+
+    async def wait_until(self, condition: Callable[[], bool], *others: asyncio.Task) -> None:
+        while not condition():
+            for task, record in zip(self.tasks, self.records):
+                if task.done():
+                    raise BenchError(
+                        f"stream {record.index} ended during the run "
+                        f"({record.error or 'finished: raise stream_max_tokens'})"
+                    )
+            if any(task.done() for task in others) and not condition():
+                raise BenchError("the long prompt's request ended without a token")
+            await asyncio.sleep(POLL_S)
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+async def run_scenario(base_url: str, scenario: Scenario, seed: int = 0) -> Run:
+    """Drive the scenario against the server at `base_url` (one served model)."""
+    rng = random.Random(seed)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(3, scenario.vocab_size) for _ in range(length)]
+
+    async with new_http_client(TIMEOUT_S, None) as client:
+        models = await get_served_models(client, base_url)
+        config = endpoint(base_url, models[0]["id"])
+        clock_zero = time.perf_counter()
+
+        def now() -> float:
+            return time.perf_counter() - clock_zero
+
+        records = [
+            RequestRecord(i, scenario.stream_prompt, scenario.stream_max_tokens)
+            for i in range(scenario.streams)
+        ]
+        requests = [
+            completion_request(prompt(scenario.stream_prompt), scenario.stream_max_tokens)
+            for _ in records
+        ]
+        tasks = [
+            asyncio.create_task(send_request(client, config, request, record, clock_zero))
+            for request, record in zip(requests, records)
+        ]
+        streams = _Streams(tasks, records)
+        try:
+            await streams.wait_until(lambda: all(r.ttft > 0.0 for r in records))
+            all_streaming = now()
+            await streams.wait_until(
+                lambda: all(
+                    sum(t > all_streaming for t in chunk_times(r)) >= scenario.steady_steps
+                    for r in records
+                )
+            )
+            over_before = await steps_over_target(client, base_url)
+            long_record = RequestRecord(scenario.streams, scenario.long_prompt, 1)
+            long_request = completion_request(prompt(scenario.long_prompt), 1)
+            long_task = asyncio.create_task(
+                send_request(client, config, long_request, long_record, clock_zero)
+            )
+            await streams.wait_until(lambda: long_record.ttft > 0.0, long_task)
+            arrival = long_record.start_time
+            first_token = arrival + long_record.ttft
+            await streams.wait_until(
+                lambda: all(chunk_times(r)[-1] >= first_token for r in records)
+            )
+            over_after = await steps_over_target(client, base_url)
+            await long_task
+        finally:
+            streams.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    over = None if over_before is None or over_after is None else over_after - over_before
+    return scenario_run(
+        [chunk_times(r) for r in records],
+        all_streaming,
+        arrival,
+        first_token,
+        scenario.long_prompt,
+        over,
+    )
+
+
+def served_run(server: ServerProcess, scenario: Scenario, seed: int = 0) -> Run:
+    """Start `server`, run the scenario against it, stop it."""
+    with server:
+        return asyncio.run(run_scenario(server.base_url, scenario, seed))
+
+
+def tokenmill_server(model: Path, max_model_len: int, flags: list[str], log: Path) -> ServerProcess:
+    args = ["--model", str(model), "--dtype", "float32", "--max-model-len", str(max_model_len)]
+    return ServerProcess([*args, *flags], log)
+
+
+def llama_server(
+    bin_dir: Path, gguf: Path, scenario: Scenario, threads: int, flags: list[str], log: Path
+) -> LlamaServerProcess:
+    """llama-server with one slot per request and one KV pool shared by the slots (so the long
+    prompt's slot can hold it), sized for what the scenario can store."""
+    context = scenario.streams * (scenario.stream_prompt + scenario.stream_max_tokens)
+    context += scenario.long_prompt + 16
+    args = ["-m", str(gguf), "-t", str(threads), "--parallel", str(scenario.streams + 1)]
+    args += ["--kv-unified", "-c", str(context), "--no-webui"]
+    return LlamaServerProcess(bin_dir, [*args, *flags], log)

@@ -1,0 +1,51 @@
+"""One configuration's result in the ITL-under-prefill benchmark, and its table row
+(itl_under_prefill.py offline, itl_serving.py over HTTP)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+TABLE_HEADER = (
+    "| configuration | steady ITL | p99 ITL while admitted | worst ITL | p99 / steady "
+    "| TTFT long prompt | steps to its first token | throughput while admitted "
+    "| steps over target |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+@dataclass
+class Run:
+    steady: float  # seconds: median inter-token latency before the long prompt arrives
+    admission_itls: list[float]  # inter-token latencies from its arrival to its first token
+    ttft: float
+    throughput: float  # tokens computed per second after its arrival
+    steps_over_target: int | None
+    num_steps: int  # engine steps (offline) or a stream's tokens (served) until its first token
+
+    @property
+    def p99(self) -> float:
+        return percentile(self.admission_itls, 0.99)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def report(label: str, runs: list[Run]) -> str:
+    """The table row of `runs` (repeats of one configuration): medians over the repeats."""
+
+    def median(values) -> float:
+        return statistics.median(list(values))
+
+    steady = median(r.steady for r in runs)
+    p99 = median(r.p99 for r in runs)
+    worst = median(max(r.admission_itls) for r in runs)
+    over = [r.steps_over_target for r in runs if r.steps_over_target is not None]
+    return (
+        f"| {label} | {1000 * steady:.0f} ms | {1000 * p99:,.0f} ms | {1000 * worst:,.0f} ms "
+        f"| {p99 / steady:.1f}x | {median(r.ttft for r in runs):.1f} s "
+        f"| {median(r.num_steps for r in runs):.0f} "
+        f"| {median(r.throughput for r in runs):,.0f} tok/s "
+        f"| {median(over) if over else '-'} |"
+    )

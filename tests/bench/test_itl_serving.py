@@ -1,0 +1,137 @@
+"""The served ITL-under-prefill benchmark (benchmarks/itl_serving.py, itl_stats.py,
+llamacpp.py): its statistics from chunk arrival times, its request bodies and server command
+lines, its table row, and one small run against a real `tokenmill serve` (no timed assertion)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+
+from itl_serving import (
+    Scenario,
+    chunk_times,
+    completion_request,
+    endpoint,
+    llama_server,
+    run_scenario,
+    scenario_run,
+    tokenmill_server,
+)
+from itl_stats import Run, percentile, report
+from llamacpp import source_tree
+
+from tokenmill.bench.metrics import RequestRecord
+
+
+def test_chunk_times_rebuild_each_arrival_from_the_first_token_and_the_gaps() -> None:
+    record = RequestRecord(0, prompt_len=4, expected_output_len=8)
+    assert chunk_times(record) == []  # nothing streamed yet
+    record.start_time, record.ttft, record.itl = 1.0, 0.5, [0.25, 0.5]
+    assert chunk_times(record) == [1.5, 1.75, 2.25]
+
+
+def steady_then_stall(start: float, gap: float, arrival: float, stall: float) -> list[float]:
+    """A stream's chunk times: `gap` apart until past `arrival`, then one `stall`, then `gap`
+    apart again."""
+    times = [start]
+    while times[-1] <= arrival:
+        times.append(times[-1] + gap)
+    times.append(times[-1] + stall)
+    times += [times[-1] + gap * i for i in (1, 2)]
+    return times
+
+
+def test_scenario_run_splits_steady_gaps_from_the_window_of_the_long_prompt() -> None:
+    # Two streams at 0.1 s per token; the long prompt arrives at 1.05 s; its first token comes
+    # with the stall step, so each stream's window is: the gap spanning the arrival, the stall.
+    streams = [steady_then_stall(0.0, 0.1, 1.05, 2.0), steady_then_stall(0.02, 0.1, 1.05, 2.0)]
+    first_token = streams[0][-3]  # the chunk that ended the stall (stream 0's is the earlier)
+    run = scenario_run(streams, all_streaming=0.02, arrival=1.05, first_token=first_token,
+                       long_prompt=100, steps_over_target=3)  # fmt: skip
+    assert run.steady == pytest.approx(0.1)
+    assert sorted(run.admission_itls) == pytest.approx([0.1, 0.1, 2.0, 2.0])
+    assert run.p99 == pytest.approx(2.0)
+    assert run.num_steps == 2
+    assert run.ttft == pytest.approx(first_token - 1.05)
+    assert run.throughput == pytest.approx((100 + 1 + 4) / run.ttft)
+    assert run.steps_over_target == 3
+
+
+def test_scenario_run_refuses_a_stream_cut_before_the_long_prompts_first_token() -> None:
+    streams = [[0.0, 0.1, 0.2, 0.3]]
+    with pytest.raises(ValueError, match="at or after the long prompt's first token"):
+        scenario_run(streams, all_streaming=0.0, arrival=0.15, first_token=0.5, long_prompt=10)
+    with pytest.raises(ValueError, match="no steady"):
+        scenario_run(streams, all_streaming=0.0, arrival=0.05, first_token=0.3, long_prompt=10)
+
+
+def test_the_request_body_is_a_streamed_greedy_token_id_completion() -> None:
+    body = endpoint("http://127.0.0.1:9/", "m").payload(completion_request([5, 6, 7], 9), 9)
+    assert body == {
+        "model": "m",
+        "prompt": [5, 6, 7],
+        "max_tokens": 9,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+
+
+def test_the_servers_get_the_scenarios_slots_and_context(tmp_path: Path) -> None:
+    scenario = Scenario(streams=4, stream_prompt=8, stream_max_tokens=100, long_prompt=300)
+    llama = llama_server(tmp_path, Path("m.gguf"), scenario, 3, ["-ub", "64"], tmp_path / "l")
+    command = llama.command
+    assert command[0] == str(tmp_path / "llama-server")
+
+    def value(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    assert value("-m") == "m.gguf" and value("-t") == "3" and value("--parallel") == "5"
+    assert value("-c") == str(4 * (8 + 100) + 300 + 16)  # one pool (--kv-unified) holds all
+    assert "--kv-unified" in command and command[-2:] == ["-ub", "64"]
+    served = tokenmill_server(Path("/m"), 8192, ["--itl-target-ms", "50.0"], tmp_path / "t")
+    assert served.server_args == ["--model", "/m", "--dtype", "float32", "--max-model-len",
+                                  "8192", "--itl-target-ms", "50.0"]  # fmt: skip
+
+
+def test_source_tree_is_found_above_a_build_directory(tmp_path: Path) -> None:
+    (tmp_path / "convert_hf_to_gguf.py").touch()
+    bin_dir = tmp_path / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    assert source_tree(bin_dir) == tmp_path.resolve()
+    with pytest.raises(FileNotFoundError):
+        source_tree(Path("/"))
+
+
+def test_report_formats_the_row_from_the_medians_of_repeats() -> None:
+    def run(steady: float, worst: float) -> Run:
+        return Run(steady, [steady, worst], ttft=2.0, throughput=1234.0, steps_over_target=None,
+                   num_steps=2)  # fmt: skip
+
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    row = report("cfg", [run(0.1, 1.5), run(0.3, 2.5), run(0.2, 2.0)])
+    assert row == "| cfg | 200 ms | 2,000 ms | 2,000 ms | 10.0x | 2.0 s | 2 | 1,234 tok/s | - |"
+
+
+def test_a_small_run_against_tokenmill_serve_reports_a_complete_row(
+    tmp_path: Path, tiny_checkpoint
+) -> None:
+    checkpoint = tiny_checkpoint("llama")
+    vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    scenario = Scenario(streams=3, stream_prompt=8, stream_max_tokens=200, long_prompt=120,
+                        steady_steps=2, vocab_size=vocab_size)  # fmt: skip
+    flags = ["--itl-target-ms", "1000", "--disable-log-stats"]
+    server = tokenmill_server(checkpoint, 256, flags, tmp_path / "s.log")
+    with server:
+        run = asyncio.run(run_scenario(server.base_url, scenario))
+    assert run.ttft > 0 and run.steady > 0 and run.throughput > 0
+    assert run.num_steps >= 1
+    assert len(run.admission_itls) >= scenario.streams  # each stream, at least its last gap
+    assert run.steps_over_target is not None and run.steps_over_target >= 0
