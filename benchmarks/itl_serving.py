@@ -10,8 +10,9 @@ first token, the streams are cancelled (the server aborts them).
 From the client's clock (chunk arrival times, one chunk per token):
 - steady ITL: the median gap between a stream's chunks, over every stream, between the
   moment all stream and the long prompt's arrival;
-- while admitted: each stream's gaps from the long prompt's arrival through its first chunk at
-  or after the long prompt's first token (the step that computed its last chunk included);
+- while admitted: each stream's gaps from the long prompt's arrival through its chunk of the
+  step that gave the long prompt its first token (its first chunk at or after that token, or
+  less than half a steady gap before it);
   "steps" is the median count of those gaps per stream;
 - TTFT of the long prompt, and throughput: its prompt tokens plus the tokens generated in that
   window, over the TTFT;
@@ -79,22 +80,18 @@ def scenario_run(
 ) -> Run:
     """The row's statistics from each stream's chunk times and the three moments (see the
     module docstring)."""
-    steady: list[float] = []
-    admitted: list[list[float]] = []
-    for times in stream_times:
-        gaps = list(pairwise(times))
-        steady += [end - start for start, end in gaps if all_streaming <= start and end <= arrival]
-        window = []
-        for start, end in gaps:
-            if end > arrival:
-                window.append(end - start)
-                if end >= first_token:
-                    break
-        else:
-            raise ValueError("a stream has no chunk at or after the long prompt's first token")
-        admitted.append(window)
+    steady = [
+        end - start
+        for times in stream_times
+        for start, end in pairwise(times)
+        if all_streaming <= start and end <= arrival
+    ]
     if not steady:
         raise ValueError("no steady inter-token gap before the long prompt arrived")
+    # The streams' chunks of the step that gave the long prompt its token are sent with it, a
+    # few ms before or after: half a steady gap early still ends that step's window.
+    last_step_end = first_token - statistics.median(steady) / 2
+    admitted = [admission_window(times, arrival, last_step_end) for times in stream_times]
     ttft = first_token - arrival
     generated = 1 + sum(len(window) for window in admitted)
     return Run(
@@ -105,6 +102,18 @@ def scenario_run(
         steps_over_target=steps_over_target,
         num_steps=round(statistics.median(len(window) for window in admitted)),
     )
+
+
+def admission_window(times: list[float], arrival: float, last_step_end: float) -> list[float]:
+    """A stream's gaps that end after `arrival`, through the first that ends at or after
+    `last_step_end`."""
+    window = []
+    for start, end in pairwise(times):
+        if end > arrival:
+            window.append(end - start)
+            if end >= last_step_end:
+                return window
+    raise ValueError("a stream has no chunk at or after the long prompt's first token")
 
 
 def completion_request(prompt: list[int], max_tokens: int) -> SampleRequest:

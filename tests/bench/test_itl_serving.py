@@ -50,8 +50,10 @@ def steady_then_stall(start: float, gap: float, arrival: float, stall: float) ->
 def test_scenario_run_splits_steady_gaps_from_the_window_of_the_long_prompt() -> None:
     # Two streams at 0.1 s per token; the long prompt arrives at 1.05 s; its first token comes
     # with the stall step, so each stream's window is: the gap spanning the arrival, the stall.
+    # Stream 0's chunk of that step arrives 5 ms before the long prompt's token, stream 1's
+    # 15 ms after: both end their window there, not one step later.
     streams = [steady_then_stall(0.0, 0.1, 1.05, 2.0), steady_then_stall(0.02, 0.1, 1.05, 2.0)]
-    first_token = streams[0][-3]  # the chunk that ended the stall (stream 0's is the earlier)
+    first_token = streams[0][-3] + 0.005
     run = scenario_run(streams, all_streaming=0.02, arrival=1.05, first_token=first_token,
                        long_prompt=100, steps_over_target=3)  # fmt: skip
     assert run.steady == pytest.approx(0.1)
