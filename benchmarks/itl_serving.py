@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 from pathlib import Path
+from typing import Any
 
 import httpx
 from itl_stats import Run
@@ -46,6 +47,8 @@ from tokenmill.bench.client import (
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.server_process import ServerProcess
+from tokenmill.engine.detokenizer import decode_token
+from tokenmill.models.loader import load_tokenizer
 
 OVER_TARGET = "tokenmill:itl_steps_over_target_total"
 POLL_S = 0.01  # how often the driver looks at the streams (the chunks are timed as they come)
@@ -120,10 +123,25 @@ def completion_request(prompt: list[int], max_tokens: int) -> SampleRequest:
     return SampleRequest(prompt=prompt, prompt_len=len(prompt), expected_output_len=max_tokens)
 
 
-def endpoint(base_url: str, model: str) -> EndpointConfig:
+def endpoint(base_url: str, model: str, extra_body: dict[str, Any] | None = None) -> EndpointConfig:
     """Streamed greedy `/v1/completions` with `ignore_eos` (a field tokenmill and llama-server
-    both read)."""
-    return EndpointConfig(base_url, model, request_timeout=TIMEOUT_S)
+    both read), and `extra_body`'s fields."""
+    return EndpointConfig(base_url, model, extra_body=extra_body or {}, request_timeout=TIMEOUT_S)
+
+
+def whole_character_bias(model: Path) -> dict[str, int]:
+    """A `logit_bias` that bans every token whose text alone is not whole UTF-8 characters.
+
+    llama-server streams no chunk while a stream's text ends mid-character (it holds the
+    bytes back until the character completes), and a random model's text often does: its
+    tokens past the tokenizer's vocabulary have no text at all, so a lone lead byte is
+    followed by many tokens that send nothing, a chunk that merges them all, or (a greedy
+    loop) no chunk ever again. With these tokens banned, every token makes one chunk, for the
+    cost of a ~165-entry bias list in the sampler. (tokenmill sends a chunk per token.)
+    """
+    tokenizer = load_tokenizer(model)
+    partial = [i for i in range(len(tokenizer)) if "\ufffd" in decode_token(tokenizer, i)]
+    return {str(i): -100 for i in partial}
 
 
 async def steps_over_target(client: httpx.AsyncClient, base_url: str) -> int | None:
@@ -167,8 +185,11 @@ class _Streams:
             task.cancel()
 
 
-async def run_scenario(base_url: str, scenario: Scenario, seed: int = 0) -> Run:
-    """Drive the scenario against the server at `base_url` (one served model)."""
+async def run_scenario(
+    base_url: str, scenario: Scenario, seed: int = 0, extra_body: dict[str, Any] | None = None
+) -> Run:
+    """Drive the scenario against the server at `base_url` (one served model), with
+    `extra_body`'s fields in every request."""
     rng = random.Random(seed)
 
     def prompt(length: int) -> list[int]:
@@ -176,7 +197,7 @@ async def run_scenario(base_url: str, scenario: Scenario, seed: int = 0) -> Run:
 
     async with new_http_client(TIMEOUT_S, None) as client:
         models = await get_served_models(client, base_url)
-        config = endpoint(base_url, models[0]["id"])
+        config = endpoint(base_url, models[0]["id"], extra_body)
         clock_zero = time.perf_counter()
 
         def now() -> float:
@@ -232,10 +253,12 @@ async def run_scenario(base_url: str, scenario: Scenario, seed: int = 0) -> Run:
     )
 
 
-def served_run(server: ServerProcess, scenario: Scenario, seed: int = 0) -> Run:
+def served_run(
+    server: ServerProcess, scenario: Scenario, extra_body: dict[str, Any] | None = None
+) -> Run:
     """Start `server`, run the scenario against it, stop it."""
     with server:
-        return asyncio.run(run_scenario(server.base_url, scenario, seed))
+        return asyncio.run(run_scenario(server.base_url, scenario, extra_body=extra_body))
 
 
 def tokenmill_server(model: Path, max_model_len: int, flags: list[str], log: Path) -> ServerProcess:

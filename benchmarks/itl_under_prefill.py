@@ -43,7 +43,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from itl_serving import Scenario, llama_server, served_run, tokenmill_server
+from itl_serving import (
+    Scenario,
+    llama_server,
+    served_run,
+    tokenmill_server,
+    whole_character_bias,
+)
 from itl_stats import TABLE_HEADER, Run, report
 from llamacpp import gguf_file, source_tree
 from make_bench_model import cached_random_model
@@ -189,6 +195,7 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
         print("llama-server rows skipped: no --llama-cpp-bin DIR given", flush=True)
     else:
         gguf = gguf_file(model, source_tree(args.llama_cpp_bin), "float32")
+        bias = {"logit_bias": whole_character_bias(model)}  # one chunk per token
         small = str(args.llama_small_batch)
         for name, flags in {
             "default": [],
@@ -198,7 +205,9 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
             label = f"llama-server {name}, {threads} threads"
             log = logs / (f"llama-server {name}".replace(" ", "_") + ".log")
             llama_rows[label] = lambda flags=flags, log=log: served_run(
-                llama_server(args.llama_cpp_bin, gguf, scenario, threads, flags, log), scenario
+                llama_server(args.llama_cpp_bin, gguf, scenario, threads, flags, log),
+                scenario,
+                bias,
             )
 
     def rest(baseline: Run) -> dict[str, Callable[[], Run]]:
