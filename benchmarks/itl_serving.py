@@ -269,10 +269,15 @@ def tokenmill_server(model: Path, max_model_len: int, flags: list[str], log: Pat
 def llama_server(
     bin_dir: Path, gguf: Path, scenario: Scenario, threads: int, flags: list[str], log: Path
 ) -> LlamaServerProcess:
-    """llama-server with one slot per request and one KV pool shared by the slots (so the long
-    prompt's slot can hold it), sized for what the scenario can store."""
-    context = scenario.streams * (scenario.stream_prompt + scenario.stream_max_tokens)
-    context += scenario.long_prompt + 16
-    args = ["-m", str(gguf), "-t", str(threads), "--parallel", str(scenario.streams + 1)]
-    args += ["--kv-unified", "-c", str(context), "--no-webui"]
+    """llama-server with one slot per request, each with its own KV cells (the default for a
+    given `--parallel`; `-c` is split evenly), enough for the longest request.
+
+    Not `--kv-unified` (one pool for all slots): there every token's attention spans every
+    used cell of the pool, masked, so 32 streams beside a 4,000-token prompt made llama-server's
+    steps several times slower.
+    """
+    slot = max(scenario.long_prompt + 1, scenario.stream_prompt + scenario.stream_max_tokens)
+    slots = scenario.streams + 1
+    args = ["-m", str(gguf), "-t", str(threads), "--parallel", str(slots)]
+    args += ["-c", str(slots * (slot + 16)), "--no-webui"]
     return LlamaServerProcess(bin_dir, [*args, *flags], log)

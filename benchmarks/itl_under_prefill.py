@@ -218,6 +218,10 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
             configs[label] = tokenmill(label, ["--itl-target-ms", f"{target_ms:.1f}"])
         return {**configs, **llama_rows}
 
+    if args.llama_only:
+        first, *others = llama_rows
+        return measure(first, llama_rows[first], lambda _: {o: llama_rows[o] for o in others},
+                       args.repeats)  # fmt: skip
     first = "tokenmill serve, default budget (2048)"
     return measure(first, tokenmill(first, []), rest, args.repeats)
 
@@ -234,6 +238,7 @@ def main() -> None:
     parser.add_argument("--server", action="store_true", help="over HTTP, against servers")
     parser.add_argument("--llama-cpp-bin", type=Path, default=None, help="with llama-server")
     parser.add_argument("--llama-small-batch", type=int, default=64, help="-ub / -b rows")
+    parser.add_argument("--llama-only", action="store_true", help="--server: no tokenmill rows")
     parser.add_argument("--stream-max-tokens", type=int, default=2048, help="--server streams")
     args = parser.parse_args()
     model = args.model or smollm2_shaped_model()

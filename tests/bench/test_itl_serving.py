@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -22,11 +23,13 @@ from itl_serving import (
     run_scenario,
     scenario_run,
     tokenmill_server,
+    whole_character_bias,
 )
 from itl_stats import Run, percentile, report
 from llamacpp import source_tree
 
 from tokenmill.bench.metrics import RequestRecord
+from tokenmill.models.loader import load_tokenizer
 
 
 def test_chunk_times_rebuild_each_arrival_from_the_first_token_and_the_gaps() -> None:
@@ -86,6 +89,26 @@ def test_the_request_body_is_a_streamed_greedy_token_id_completion() -> None:
     }
 
 
+def test_extra_fields_reach_the_body() -> None:
+    bias = {"logit_bias": {"7": -100}}
+    body = endpoint("http://127.0.0.1:9", "m", bias).payload(completion_request([5], 2), 2)
+    assert body["logit_bias"] == {"7": -100} and body["prompt"] == [5]
+
+
+def test_text_from_tokens_the_llama_bias_allows_never_ends_mid_character(
+    tiny_checkpoint,
+) -> None:
+    checkpoint = tiny_checkpoint("llama")
+    bias = whole_character_bias(checkpoint)
+    assert bias and set(bias.values()) == {-100}  # byte-level BPE: lone bytes >= 0x80 exist
+    tokenizer = load_tokenizer(checkpoint)
+    allowed = [i for i in range(len(tokenizer)) if str(i) not in bias]
+    rng = random.Random(0)
+    for _ in range(50):
+        text = tokenizer.decode(rng.choices(allowed, k=40))
+        assert "\ufffd" not in text
+
+
 def test_the_servers_get_the_scenarios_slots_and_context(tmp_path: Path) -> None:
     scenario = Scenario(streams=4, stream_prompt=8, stream_max_tokens=100, long_prompt=300)
     llama = llama_server(tmp_path, Path("m.gguf"), scenario, 3, ["-ub", "64"], tmp_path / "l")
@@ -96,8 +119,8 @@ def test_the_servers_get_the_scenarios_slots_and_context(tmp_path: Path) -> None
         return command[command.index(flag) + 1]
 
     assert value("-m") == "m.gguf" and value("-t") == "3" and value("--parallel") == "5"
-    assert value("-c") == str(4 * (8 + 100) + 300 + 16)  # one pool (--kv-unified) holds all
-    assert "--kv-unified" in command and command[-2:] == ["-ub", "64"]
+    assert value("-c") == str(5 * (300 + 1 + 16))  # each slot holds the longest request
+    assert "--kv-unified" not in command and command[-2:] == ["-ub", "64"]
     served = tokenmill_server(Path("/m"), 8192, ["--itl-target-ms", "50.0"], tmp_path / "t")
     assert served.server_args == ["--model", "/m", "--dtype", "float32", "--max-model-len",
                                   "8192", "--itl-target-ms", "50.0"]  # fmt: skip
