@@ -76,8 +76,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerStartError(
-                    f"`{self.name}` exited with code {self.process.returncode}: "
-                    f"{self.log_tail()}"
+                    f"`{self.name}` exited with code {self.process.returncode}: {self.log_tail()}"
                 )
             try:
                 if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).is_success:
