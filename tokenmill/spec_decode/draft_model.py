@@ -20,7 +20,7 @@ import torch
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.catch_up import catch_up_allowances
-from tokenmill.worker.step_layout import layout_step, query_length_class
+from tokenmill.worker.step_layout import attention_group_key, layout_step
 
 if TYPE_CHECKING:
     from tokenmill.worker.request_state import CachedRequestState
@@ -108,7 +108,7 @@ class DraftModelProposer:
         request's last token."""
         if not pieces:
             return {}
-        pieces = sorted(pieces, key=lambda p: query_length_class(p[2] - p[1]))
+        pieces = sorted(pieces, key=lambda p: attention_group_key(p[2] - p[1], p[2]))
         query_lens = np.array([end - start for _, start, end in pieces], dtype=np.int64)
         seq_lens = np.array([end for _, _, end in pieces], dtype=np.int64)
         input_ids = [t for state, start, end in pieces for t in state.token_ids[start:end]]

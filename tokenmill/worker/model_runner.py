@@ -26,7 +26,7 @@ from tokenmill.worker.captured_step import (
     build_decode_step,
 )
 from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.step_layout import layout_step, query_length_class
+from tokenmill.worker.step_layout import attention_group_key, layout_step
 
 
 @dataclass
@@ -175,10 +175,12 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_tokens
-        # Ordered by query length class, so each attention group is contiguous.
+        # Ordered by attention group, so each group is one run of rows.
         states = sorted(
             (self.requests[req_id] for req_id in num_scheduled),
-            key=lambda s: query_length_class(num_scheduled[s.req_id]),
+            key=lambda s: attention_group_key(
+                num_scheduled[s.req_id], s.num_computed_tokens + num_scheduled[s.req_id]
+            ),
         )
         drafts = [spec_tokens.get(s.req_id, []) for s in states]
         query_lens = np.array([num_scheduled[s.req_id] for s in states], dtype=np.int64)

@@ -1,0 +1,54 @@
+"""Attention groups of a step: rows whose contexts differ by far are not padded together."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.attention import TorchPagedAttention
+from tokenmill.worker.step_layout import attention_group_key, layout_step
+
+BLOCK_SIZE = 16
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def decode_step(seq_lens: list[int]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """Block ids (consecutive), query lens (all 1) and sequence lengths, in group-key order."""
+    seq_lens = sorted(seq_lens, key=lambda n: attention_group_key(1, n))
+    block_ids, next_block = [], 0
+    for n in seq_lens:
+        count = -(-n // BLOCK_SIZE)
+        block_ids.append(list(range(next_block, next_block + count)))
+        next_block += count
+    return block_ids, np.ones(len(seq_lens), dtype=np.int64), np.array(seq_lens, dtype=np.int64)
+
+
+def test_one_deep_decode_does_not_pad_the_short_ones_to_its_context() -> None:
+    block_ids, query_lens, seq_lens = decode_step([64, 3500, 70, 60])
+    _, metadata = layout_step(
+        block_ids, query_lens, seq_lens, BLOCK_SIZE, None, torch.device("cpu")
+    )
+    kv_lens = sorted(group.kv_len for group in metadata.groups)
+    assert kv_lens == [70, 3500]  # one group read 3,500 positions for every row before
+
+
+def test_split_groups_attend_each_row_to_its_own_context() -> None:
+    block_ids, query_lens, seq_lens = decode_step([64, 3500, 70, 300, 600, 5])
+    _, metadata = layout_step(
+        block_ids, query_lens, seq_lens, BLOCK_SIZE, None, torch.device("cpu")
+    )
+    assert len(metadata.groups) > 1
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = sum(len(ids) for ids in block_ids)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    query = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=gen)
+    kv = torch.randn(len(seq_lens), 2, KV_HEADS, HEAD_DIM, generator=gen)
+    attention = TorchPagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    out = attention.forward(query, kv, cache, metadata)  # writes each row's new key first
+    for row, (ids, n) in enumerate(zip(block_ids, seq_lens)):
+        keys, values = cache[:, ids].reshape(2, -1, KV_HEADS, HEAD_DIM)[:, :n].transpose(1, 2)
+        expected = F.scaled_dot_product_attention(
+            query[row][:, None], keys, values, scale=HEAD_DIM**-0.5, enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(out[row], expected)
