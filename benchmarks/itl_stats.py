@@ -21,6 +21,7 @@ class Run:
     throughput: float  # tokens computed per second after its arrival
     steps_over_target: int | None
     num_steps: int  # engine steps (offline) or a stream's tokens (served) until its first token
+    target: float | None = None  # seconds: the ITL target the run had, if any
 
     @property
     def p99(self) -> float:
@@ -49,3 +50,22 @@ def report(label: str, runs: list[Run]) -> str:
         f"| {median(r.throughput for r in runs):,.0f} tok/s "
         f"| {median(over) if over else '-'} |"
     )
+
+
+def goal_check(label: str, baseline: list[Run], runs: list[Run]) -> str:
+    """Issue 19's goal for `runs` (a target configuration) against `baseline` (no target):
+    p99 ITL within 2x steady, TTFT within 2x, throughput within 10%; medians over repeats."""
+    steady = statistics.median(r.steady for r in runs)
+    p99 = statistics.median(r.p99 for r in runs)
+    ttft = statistics.median(r.ttft for r in runs) / statistics.median(r.ttft for r in baseline)
+    throughput = statistics.median(r.throughput for r in runs) / statistics.median(
+        r.throughput for r in baseline
+    )
+    targets = [r.target for r in runs if r.target is not None]
+    target = f", target {1000 * statistics.median(targets):.0f} ms" if targets else ""
+    verdicts = [
+        f"p99/steady {p99 / steady:.2f}x ({'ok' if p99 <= 2 * steady else 'over 2x'})",
+        f"TTFT {ttft:.2f}x ({'ok' if ttft <= 2 else 'over 2x'})",
+        f"throughput {throughput:.2f}x ({'ok' if throughput >= 0.9 else 'under 0.9x'})",
+    ]
+    return f"{label}{target}: " + ", ".join(verdicts)

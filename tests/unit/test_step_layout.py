@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import TorchPagedAttention
+from tokenmill.layers import attention
+from tokenmill.layers.attention import DECODE_SLICE_ROWS, TorchPagedAttention
 from tokenmill.worker.step_layout import attention_group_key, layout_step
 
 BLOCK_SIZE = 16
@@ -33,12 +35,17 @@ def test_one_deep_decode_does_not_pad_the_short_ones_to_its_context() -> None:
     assert kv_lens == [70, 3500]  # one group read 3,500 positions for every row before
 
 
-def test_split_groups_attend_each_row_to_its_own_context() -> None:
-    block_ids, query_lens, seq_lens = decode_step([64, 3500, 70, 300, 600, 5])
+def attend_and_check(
+    block_ids: list[list[int]],
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    sliding_window: int | None = None,
+) -> list:
+    """The portable backend's decode attention of a step against each row on its own (its
+    new key written first); returns the step's attention groups."""
     _, metadata = layout_step(
-        block_ids, query_lens, seq_lens, BLOCK_SIZE, None, torch.device("cpu")
+        block_ids, query_lens, seq_lens, BLOCK_SIZE, sliding_window, torch.device("cpu")
     )
-    assert len(metadata.groups) > 1
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(len(ids) for ids in block_ids)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
@@ -47,8 +54,36 @@ def test_split_groups_attend_each_row_to_its_own_context() -> None:
     attention = TorchPagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     out = attention.forward(query, kv, cache, metadata)  # writes each row's new key first
     for row, (ids, n) in enumerate(zip(block_ids, seq_lens)):
-        keys, values = cache[:, ids].reshape(2, -1, KV_HEADS, HEAD_DIM)[:, :n].transpose(1, 2)
+        first = 0 if sliding_window is None else max(0, n - sliding_window)
+        keys, values = cache[:, ids].reshape(2, -1, KV_HEADS, HEAD_DIM)[:, first:n].transpose(1, 2)
         expected = F.scaled_dot_product_attention(
             query[row][:, None], keys, values, scale=HEAD_DIM**-0.5, enable_gqa=True
         )[:, 0]
         torch.testing.assert_close(out[row], expected)
+    return metadata.groups
+
+
+def test_split_groups_attend_each_row_to_its_own_context() -> None:
+    groups = attend_and_check(*decode_step([64, 3500, 70, 300, 600, 5]))
+    assert len(groups) > 1
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_a_large_decode_group_is_attended_in_slices_each_to_its_own_contexts(
+    sliding_window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "DECODE_SLICE_ABOVE_BYTES", 0)  # these heads are tiny
+    lengths = [300 + (37 * i) % 200 for i in range(2 * DECODE_SLICE_ROWS + 3)]
+    groups = attend_and_check(*decode_step(lengths), sliding_window=sliding_window)
+    (group,) = groups
+    assert group.row_slices is not None and len(group.row_slices) == 3
+    # Each slice pads only to its own longest row.
+    assert [kv_len for _, _, kv_len in group.row_slices] == [
+        max(lengths[i : i + DECODE_SLICE_ROWS]) for i in range(0, len(lengths), DECODE_SLICE_ROWS)
+    ]
+
+
+def test_equal_decode_contexts_are_sliced_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "DECODE_SLICE_ABOVE_BYTES", 0)
+    groups = attend_and_check(*decode_step([200] * (DECODE_SLICE_ROWS + 5)))
+    assert groups[0].mask is None and groups[0].row_slices is not None

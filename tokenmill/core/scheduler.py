@@ -144,6 +144,15 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
 
+    def set_itl_target(self, seconds: float) -> None:
+        """Move the ITL target of an engine started with one (its cost model is calibrated)."""
+        if self.itl_feedback is None:
+            raise ValueError("the engine was started without an ITL target (itl_target_ms)")
+        if not seconds > 0:
+            raise ValueError(f"an ITL target must be positive, got {seconds} s")
+        self.prefill_limits.itl_target = seconds
+        self.itl_feedback.stats.itl_target = seconds
+
     # ---- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

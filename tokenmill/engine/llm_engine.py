@@ -227,6 +227,11 @@ class LLMEngine:
         self.num_generation_tokens += sum(len(t) for t in runner_output.sampled_token_ids)
         return outputs
 
+    def set_itl_target_ms(self, itl_target_ms: float) -> None:
+        """Move the inter-token-latency target (the engine must have started with one): a
+        benchmark sets it from the steady step it measured in this very engine."""
+        self.scheduler.set_itl_target(itl_target_ms / 1000)
+
     def get_stats(self) -> EngineStats:
         return EngineStats(
             scheduler=self.scheduler.get_stats(),

@@ -23,28 +23,28 @@ NUM_TIMED_RUNS = 2
 
 
 @dataclass(frozen=True)
-class _Row:
+class SyntheticRow:
     """One synthetic request of a calibration step: `num_new` tokens after `num_cached`."""
 
     num_cached: int
     num_new: int
 
 
-def calibration_steps(max_num_seqs: int, max_model_len: int) -> list[list[_Row]]:
+def calibration_steps(max_num_seqs: int, max_model_len: int) -> list[list[SyntheticRow]]:
     """The synthetic steps, sized to fit the engine's limits."""
     rows = max(1, min(MAX_DECODE_ROWS, max_num_seqs))
     context = min(64, max_model_len - 1)
     chunk = min(128, max_model_len)
     small = min(16, max_model_len)
     long_cached = max(0, min(480, max_model_len - 32))
-    decodes = [_Row(context, 1)] * rows
+    decodes = [SyntheticRow(context, 1)] * rows
     return [
-        [_Row(context, 1)],
+        [SyntheticRow(context, 1)],
         decodes,
-        [_Row(0, small)],
-        [_Row(0, chunk)],
-        [_Row(long_cached, min(32, max_model_len - long_cached))],
-        [_Row(0, min(64, max_model_len)), *decodes[: max(1, rows - 1)]],
+        [SyntheticRow(0, small)],
+        [SyntheticRow(0, chunk)],
+        [SyntheticRow(long_cached, min(32, max_model_len - long_cached))],
+        [SyntheticRow(0, min(64, max_model_len)), *decodes[: max(1, rows - 1)]],
     ]
 
 
@@ -59,16 +59,16 @@ def calibrate(
         if not rows:
             continue
         runs = range(1 + NUM_TIMED_RUNS)
-        times = [_run(runner, rows, f"calibration-{index}-{run}") for run in runs]
-        samples.append((_shape(rows), min(times[1:])))
+        times = [time_synthetic_step(runner, rows, f"calibration-{index}-{run}") for run in runs]
+        samples.append((synthetic_step_shape(rows), min(times[1:])))
     return samples
 
 
-def _num_blocks(rows: list[_Row], block_size: int) -> int:
+def _num_blocks(rows: list[SyntheticRow], block_size: int) -> int:
     return sum(-(-(r.num_cached + r.num_new) // block_size) for r in rows)
 
 
-def _shape(rows: list[_Row]) -> StepShape:
+def synthetic_step_shape(rows: list[SyntheticRow]) -> StepShape:
     shape = StepShape(num_decode_tokens=sum(1 for r in rows if r.num_new == 1))
     for row in rows:
         if row.num_new > 1:
@@ -76,7 +76,7 @@ def _shape(rows: list[_Row]) -> StepShape:
     return shape
 
 
-def _run(runner: ModelRunner, rows: list[_Row], prefix: str) -> float:
+def time_synthetic_step(runner: ModelRunner, rows: list[SyntheticRow], prefix: str) -> float:
     """Seconds one synthetic step takes in the runner; it forgets the requests after."""
     new_reqs, next_block = [], 0
     vocab_size = runner.model.shape.vocab_size
