@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import expected_output, fake_run, make_request
@@ -243,6 +244,27 @@ def test_observed_step_times_reach_the_cost_model_and_count_steps_over_target() 
     stats = scheduler.get_stats().itl_target
     assert stats is not None and stats.num_steps_over_target == 1
     assert stats.budget_sum == 40 and sum(stats.budget_bucket_counts) == 1
+
+
+def test_a_moved_target_sizes_the_next_chunks_and_counts_steps_over_it() -> None:
+    cost = LinearCost()  # 10 ms + 0.5 ms per prompt token
+    scheduler = make_scheduler(cost, 0.020, max_num_batched_tokens=4096)
+    scheduler.add_request(make_request("long", 1000, max_tokens=1))
+    for target, chunk in ((0.0201, 20), (0.0601, 100)):
+        scheduler.set_itl_target(target)
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens == {"long": chunk}
+        scheduler.update_from_output(out, fake_run(scheduler, out))
+    scheduler.observe_step_cost(0.050)  # over the first target, within the second
+    stats = scheduler.get_stats().itl_target
+    assert stats is not None and stats.itl_target == 0.0601 and stats.num_steps_over_target == 0
+
+
+def test_a_target_cannot_be_set_on_a_scheduler_started_without_one() -> None:
+    with pytest.raises(ValueError, match="without an ITL target"):
+        make_scheduler().set_itl_target(0.1)
+    with pytest.raises(ValueError, match="positive"):
+        make_scheduler(LinearCost(), 0.05).set_itl_target(0.0)
 
 
 def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
