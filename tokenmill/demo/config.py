@@ -130,6 +130,12 @@ class HeadsSpec:
     eagle_more_lr: float = 1e-3
     # Stage 2 widens fc to read the embedding of token p at p too (`EagleLayer.chain`).
     eagle_current_token: bool = True
+    # Rows that go on past a document's end as the target does under `ignore_eos`
+    # (`after_end.py`): this share of the documents gets `after_end_tokens` of the target's
+    # greedy continuation. Stage 1's rows (`after_end_fraction`) and stage 2's.
+    after_end_fraction: float = 0.0
+    after_end_tokens: int = 16
+    eagle_more_after_end_fraction: float = 0.25
 
 
 HEADS = HeadsSpec()

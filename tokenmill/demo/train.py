@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ from tokenmill.demo.corpus import (
     render,
     training_exclusions,
 )
-from tokenmill.demo.data import IGNORE_INDEX, PackedRows, encode, pack
+from tokenmill.demo.data import IGNORE_INDEX, EncodedDoc, PackedRows, encode, pack
 from tokenmill.demo.tasks import Example
 from tokenmill.demo.tokenizer import train_tokenizer
 from tokenmill.testing.random_checkpoint import IM_END_TOKEN
@@ -84,10 +84,15 @@ def pack_rows(
     stream: Iterator[Example],
     num_rows: int,
     seq_len: int,
+    extend: Callable[[list[EncodedDoc]], list[EncodedDoc]] | None = None,
+    chunk_docs: int = _ENCODE_CHUNK,
 ) -> PackedRows:
+    """`num_rows` rows of the stream's documents, tokenized `chunk_docs` at a time; `extend`
+    may change each chunk's documents before they are packed."""
     docs, total = [], 0
     while total < num_rows * seq_len * 1.05:  # packing pads a few %
-        chunk = encode(tokenizer, list(itertools.islice(stream, _ENCODE_CHUNK)), TASK_NAMES)
+        chunk = encode(tokenizer, list(itertools.islice(stream, chunk_docs)), TASK_NAMES)
+        chunk = extend(chunk) if extend is not None else chunk
         docs.extend(chunk)
         total += sum(len(d.token_ids) for d in chunk)
     rows = pack(docs, seq_len, tokenizer.pad_token_id)

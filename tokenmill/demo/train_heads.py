@@ -16,18 +16,23 @@ the cached h_p, where the next token is learned. Then
   predicts from h_p the token at p + 2 + i.
 
 Losses are distillation (KL to the target's distribution, where the target's reply tokens are
-learned) plus, for EAGLE, a smooth-L1 on the features. Reproducible: seeded corpus, init and
-order of rows, one thread. Writes `weights/eagle` and `weights/medusa` in the formats vLLM
-loads; the log (and `heads_history.json`) and the cached features go to `--work-dir`.
+learned) plus, for EAGLE, a smooth-L1 on the features. Stage 2's rows hold the same documents,
+a share of them continued past their end with the target's greedy tokens (`after_end.py`):
+what a request with `ignore_eos` decodes there, which packed documents never show.
+Reproducible: seeded corpus, init and order of rows, one thread. Writes `weights/eagle` and
+`weights/medusa` in the formats vLLM loads; the log (and `heads_history.json`) and the
+cached features go to `--work-dir`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -39,6 +44,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tokenmill.demo import WEIGHTS_DIR
+from tokenmill.demo.after_end import DOCS_PER_CHUNK, after_end_mask, continue_past_end
 from tokenmill.demo.config import HEADS, HeadsSpec
 from tokenmill.demo.corpus import iter_corpus, training_exclusions
 from tokenmill.demo.data import IGNORE_INDEX, PackedRows
@@ -102,10 +108,13 @@ def cached_features(
     spec: HeadsSpec,
     work_dir: Path,
 ) -> Features:
-    """The target's features over `spec.num_rows` rows of the corpus stream `spec.seed`, from
+    """The target's features over `spec.num_rows` rows of the corpus stream `spec.seed` (a
+    share `spec.after_end_fraction` of its documents continued past their end), from
     `work_dir` when a run with the same target and rows left them there."""
     digest = hashlib.sha256((WEIGHTS_DIR / "target" / "model.safetensors").read_bytes())
     key = f"{digest.hexdigest()[:16]}-seed{spec.seed}-{spec.num_rows}x{spec.seq_len}"
+    if spec.after_end_fraction:
+        key += f"-after{spec.after_end_fraction:g}x{spec.after_end_tokens}"
     path = work_dir / f"features-{key}.pt"
     if path.exists():
         logger.info("target features from %s", path)
@@ -113,7 +122,19 @@ def cached_features(
         return Features(PackedRows(*saved["rows"]), saved["hidden"])
     start = time.time()
     stream = iter_corpus(spec.seed, training_exclusions())
-    rows = pack_rows(tokenizer, stream, spec.num_rows, spec.seq_len)
+    if spec.after_end_fraction:
+        extend = functools.partial(
+            continue_past_end,
+            target,
+            rng=random.Random(f"{spec.seed}-after-end"),
+            fraction=spec.after_end_fraction,
+            num_tokens=spec.after_end_tokens,
+            max_len=spec.seq_len,
+        )
+        rows = pack_rows(tokenizer, stream, spec.num_rows, spec.seq_len, extend, DOCS_PER_CHUNK)
+        logger.info("rows continued past the end in %.0f s", time.time() - start)
+    else:
+        rows = pack_rows(tokenizer, stream, spec.num_rows, spec.seq_len)
     hidden = torch.empty(spec.num_rows, spec.seq_len, target.config.hidden_size, dtype=torch.half)
     with torch.no_grad():  # float32: bf16 autocast is 4x slower without AVX-512 BF16
         for first in range(0, spec.num_rows, 4):
@@ -142,7 +163,6 @@ def train_heads(
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
     config = target.config
     spec = dataclasses.replace(spec, num_steps=num_steps or spec.num_steps)
-    features = cached_features(target, tokenizer, spec, work_dir)
     torch.manual_seed(spec.seed)
     eagle = EagleLayer(config)
     lm_head = target.lm_head.weight.detach()
@@ -150,6 +170,7 @@ def train_heads(
     sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (eagle, medusa)]
     logger.info("heads: eagle %.2fM, medusa %.2fM parameters", *sizes)
     if stage1 is None:
+        features = cached_features(target, tokenizer, spec, work_dir)
         history = _train(target, features, eagle, medusa, spec, start)
         summary = {"train_steps": spec.num_steps, "train_seconds": round(time.time() - start)}
         summary["final"] = history[-1]
@@ -163,17 +184,21 @@ def train_heads(
     info = json.loads((stage1 / "eagle" / "tokenmill_demo.json").read_text())
     summary = {k: info[k] for k in ("train_steps", "train_seconds", "final")}
     if spec.eagle_more_steps:
+        # The same documents (corpus seed), continued past their end as stage 2 asks.
+        rows = dataclasses.replace(spec, after_end_fraction=spec.eagle_more_after_end_fraction)
         more = dataclasses.replace(
-            spec, num_steps=spec.eagle_more_steps, lr=spec.eagle_more_lr, seed=spec.seed + 1
+            rows, num_steps=spec.eagle_more_steps, lr=spec.eagle_more_lr, seed=spec.seed + 1
         )
         if spec.eagle_current_token:
             eagle = _with_current_token(eagle, config)
         stage2_start = time.time()
+        features = cached_features(target, tokenizer, rows, work_dir)
         more_history = _train(target, features, eagle, None, more, stage2_start)
         history += [{**h, "stage": 2} for h in more_history]
         summary = {
             "train_steps": summary["train_steps"],
             "eagle_more_steps": more.num_steps,
+            "eagle_more_after_end": [more.after_end_fraction, more.after_end_tokens],
             "train_seconds": summary["train_seconds"] + round(time.time() - stage2_start),
             "stage1_final": summary["final"],
             "final": more_history[-1],
@@ -235,7 +260,7 @@ def _train(
         scheduler.step()
         window.append(_agreement(totals))
         if (step + 1) % spec.log_every == 0 or step + 1 == spec.num_steps:
-            mean = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
+            mean = _mean(window)
             history.append({"step": step + 1, "seconds": round(time.time() - start), **mean})
             logger.info(
                 "step %d/%d %.0fs %s",
@@ -279,6 +304,7 @@ class Row:
     current: torch.Tensor  # [L, H]: the embedding of token p at p
     rope: tuple[torch.Tensor, torch.Tensor]  # [L, D] each
     probs: torch.Tensor  # [L, V]: the target's next-token distribution where token p + 1 is learned
+    after_end: torch.Tensor  # [L] bool: token p continues its document past the end
 
 
 def _row(
@@ -296,7 +322,16 @@ def _row(
     probs[used] = F.softmax(target.lm_head(hidden[used]), dim=-1)
     embeds = target.model.embed_tokens(torch.roll(ids, -1))
     current = target.model.embed_tokens(ids)
-    return Row(ids, labels, pos, hidden, embeds, current, (cos[0], sin[0]), probs)
+    after_end = after_end_mask(labels, pos, _end_ids())
+    return Row(ids, labels, pos, hidden, embeds, current, (cos[0], sin[0]), probs, after_end)
+
+
+@functools.cache
+def _end_ids() -> list[int]:
+    """The tokens that end a reply or a document (`<|im_end|>`, `</s>`): the target's
+    generation_config eos ids (its config.json lists only `</s>`)."""
+    ids = transformers.GenerationConfig.from_pretrained(WEIGHTS_DIR / "target").eos_token_id
+    return sorted(ids if isinstance(ids, list) else [ids])
 
 
 def _losses(
@@ -308,7 +343,9 @@ def _losses(
 ) -> dict[str, torch.Tensor]:
     """One row's summed losses and counts (`losse`, `counte` for EAGLE, `lossm`, `countm` for
     Medusa) and, per EAGLE step and Medusa head, the number of trained positions where its top-1
-    token is the target's (`hits*`, over `n*`: its acceptance rate under teacher forcing)."""
+    token is the target's (`hits*`, over `n*`: its acceptance rate under teacher forcing). With
+    rows continued past their end (`spec.after_end_fraction`), those counts cover the documents
+    up to their end, and `*_after` ones the tokens past it."""
     out: dict[str, torch.Tensor] = {}
     num_steps = len(spec.eagle_steps)
     length = row.hidden.shape[0]
@@ -333,8 +370,8 @@ def _losses(
             feat = F.smooth_l1_loss(chosen, row.hidden[at + 1], reduction="sum") / chosen.shape[1]
             loss = weight * (_distill(logits, want) + spec.feature_weight * feat)
             out["losse"] = out.get("losse", 0) + loss
-            out[f"hitseagle{j}"] = (logits.argmax(-1) == want.argmax(-1)).sum()
-            out[f"neagle{j}"] = torch.tensor(float(at.numel()))
+            hits = logits.argmax(-1) == want.argmax(-1)
+            _count_hits(out, f"eagle{j}", hits, row.after_end[at + 2], spec)
         out["counte"] = torch.tensor(float(trained.sum()))
     for i, (block, head) in enumerate(zip(medusa.blocks, medusa.lm_heads) if medusa else ()):
         # Head i at p predicts the target's token p + 2 + i, i.e. its distribution at p + 1 + i.
@@ -342,18 +379,43 @@ def _losses(
         x, want = row.hidden[at], row.probs[at + 1 + i]
         logits = head(x + F.silu(block.layers[0](x)))
         out["lossm"] = out.get("lossm", 0) + _distill(logits, want)
-        out[f"hitsmedusa{i}"] = (logits.argmax(-1) == want.argmax(-1)).sum()
-        out[f"nmedusa{i}"] = torch.tensor(float(at.numel()))
+        hits = logits.argmax(-1) == want.argmax(-1)
+        _count_hits(out, f"medusa{i}", hits, row.after_end[at + 2 + i], spec)
     out["countm"] = torch.tensor(float(_learned(row.labels, row.pos, 2).sum()))
     out.setdefault("losse", torch.zeros(()))
     out.setdefault("counte", torch.zeros(()))
     return out
 
 
-def _agreement(totals: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Top-1 agreement with the target per EAGLE step and Medusa head over the step's rows."""
+def _count_hits(
+    out: dict[str, torch.Tensor], name: str, hits: torch.Tensor, after: torch.Tensor,
+    spec: HeadsSpec,
+) -> None:  # fmt: skip
+    """Adds `hits{name}` and `n{name}` to `out`; split at the documents' end (`after`: the
+    predicted token is past it) into `name` and `name_after` when rows go on past it."""
+    split = [(name, ~after), (f"{name}_after", after)] if spec.after_end_fraction else []
+    for key, keep in split or [(name, torch.ones_like(hits))]:
+        out[f"hits{key}"] = (hits & keep).sum()
+        out[f"n{key}"] = keep.sum().float()
+
+
+def _agreement(totals: dict[str, torch.Tensor]) -> dict[str, float | None]:
+    """Top-1 agreement with the target per EAGLE step and Medusa head over the step's rows
+    (None where none was trained)."""
     names = [k[len("hits") :] for k in totals if k.startswith("hits")]
-    return {n: float(totals[f"hits{n}"]) / max(1.0, float(totals[f"n{n}"])) for n in names}
+    return {
+        n: float(totals[f"hits{n}"]) / float(totals[f"n{n}"]) if totals[f"n{n}"] else None
+        for n in names
+    }
+
+
+def _mean(window: list[dict[str, float | None]]) -> dict[str, float]:
+    """Per name, the mean over the steps that trained it."""
+    out = {}
+    for name in window[0]:
+        values = [m[name] for m in window if m.get(name) is not None]
+        out[name] = sum(values) / len(values) if values else float("nan")
+    return out
 
 
 def _info(kind: str, module: nn.Module, summary: dict) -> dict:
