@@ -3,6 +3,9 @@
     python benchmarks/spec_decode.py [--model PATH] [--draft-model PATH] [--eagle-model PATH]
         [--medusa-model PATH] [--methods ngram,draft,eagle,medusa] [--repeats 3]
 
+`--eagle-model` given again adds another EAGLE configuration ("eagle#2", ...), to compare
+heads side by side in one run.
+
 With no model: the demo target, its draft and its EAGLE / Medusa heads (tokenmill.demo), on
 held-out demo prompts.
 1. Batch-1 decode tokens/s on prompts whose answer echoes the input (copy a passage) and on
@@ -91,7 +94,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--eagle-model", default=None, help="default: the demo target's")
+    parser.add_argument(
+        "--eagle-model",
+        action="append",
+        default=None,
+        help="default: the demo target's; repeat it to compare heads (eagle, eagle#2, ...)",
+    )
     parser.add_argument("--medusa-model", default=None, help="default: the demo target's")
     parser.add_argument("--methods", default="ngram,draft,eagle,medusa")
     parser.add_argument("--concurrency", default="1,8,32,64")
@@ -103,16 +111,17 @@ def main() -> None:
     args = parser.parse_args()
     methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
     # name -> (method, model); a None model is the demo target's default.
-    with_models = {
-        "draft": ("draft_model", args.draft_model),
-        "eagle": ("eagle", args.eagle_model),
-        "medusa": ("medusa", args.medusa_model),
-    }
-    for name, (method, model) in with_models.items():
+    with_models = [("draft", "draft_model", args.draft_model)]
+    for i, model in enumerate(args.eagle_model or [None]):
+        with_models.append(("eagle" if i == 0 else f"eagle#{i + 1}", "eagle", model))
+    with_models.append(("medusa", "medusa", args.medusa_model))
+    for name, method, model in with_models:
         if model or args.model is None:
             methods[name] = {"method": method, "model": model, "num_speculative_tokens": args.k}
+            if model:
+                print(f"{name}: {model}")
     chosen = args.methods.split(",")
-    methods = {name: spec for name, spec in methods.items() if name in chosen}
+    methods = {name: spec for name, spec in methods.items() if name.split("#")[0] in chosen}
 
     def engine(max_num_seqs: int, spec: dict | None = None) -> LLM:
         return LLM(model=args.model, max_num_seqs=max_num_seqs, speculative_config=spec)
