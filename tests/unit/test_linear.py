@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [0, 1, 5, 17, 300])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 17, 300])
 def test_matches_nn_linear(bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias)
@@ -48,7 +48,7 @@ def test_every_linear_is_replaced_and_the_output_kept() -> None:
 
 def test_padded_row_counts_are_few_and_waste_little() -> None:
     sizes = {padded_rows(n) for n in range(1, 2049)}
-    assert len(sizes) <= 70
+    assert len(sizes) <= 72
     assert all(n <= padded_rows(n) <= max(8, n * 1.125) for n in range(1, 5000))
 
 

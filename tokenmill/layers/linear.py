@@ -12,7 +12,7 @@ Row counts are padded up to a few sizes (`padded_rows`). oneDNN JIT-compiles a p
 input shape and two caches keep them (ideep's and oneDNN's, 1024 entries each): with every
 row count a new shape, a server's resident memory grew by ~750 MB over its first few thousand
 requests (0.6-1 MB per primitive) before the caches filled, and each new shape paid its
-compilation inside a step. Padding bounds both: 68 shapes per weight up to 2048 rows.
+compilation inside a step. Padding bounds both: 72 shapes per weight up to 2048 rows.
 """
 
 from __future__ import annotations
@@ -29,14 +29,18 @@ _ROWS_HINT = 16
 # the engine, not a micro-benchmark: the demo target at batch 1 ran 0.89x with 300K here,
 # 1.07x with 600K; a 79M model (larger weights, oneDNN even for one row) 1.55x.
 _SMALL_WEIGHT_ELEMENTS = 600_000
+# Rows up to which those small weights go to F.linear: on an Intel Xeon (AVX-512) one
+# layer's five demo-target products cost the same 182 us for 1-3 rows there (the weights
+# stream once), against 260 us in oneDNN at any of 1-6 rows; at 4 rows F.linear cost 268.
+_SMALL_WEIGHT_ROWS = 3
 
 
 def padded_rows(num_rows: int) -> int:
-    """`num_rows` rounded up to a power of two up to 8 (where a product streams the weight and
-    extra rows are nearly free), above that to a multiple of an eighth of its power of two (at
-    most 12.5% more rows)."""
+    """`num_rows` as it is up to 8 (8 shapes; padding 5 rows to 8 cost 1.24x on an Intel Xeon
+    with AVX-512, where 1-6 rows cost the same), above that rounded up to a multiple of an
+    eighth of its power of two (at most 12.5% more rows)."""
     if num_rows <= 8:
-        return 1 << max(num_rows - 1, 0).bit_length()
+        return max(num_rows, 1)
     step = 1 << max(num_rows.bit_length() - 4, 0)
     return -(-num_rows // step) * step
 
@@ -60,7 +64,7 @@ class OneDNNLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if self.small_weight is not None and num_rows == 1:
+        if self.small_weight is not None and num_rows <= _SMALL_WEIGHT_ROWS:
             return F.linear(x, self.small_weight, self.bias)
         padding = padded_rows(num_rows) - num_rows
         if padding:
