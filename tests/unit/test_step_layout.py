@@ -87,3 +87,46 @@ def test_equal_decode_contexts_are_sliced_without_a_mask(monkeypatch: pytest.Mon
     monkeypatch.setattr(attention, "DECODE_SLICE_ABOVE_BYTES", 0)
     groups = attend_and_check(*decode_step([200] * (DECODE_SLICE_ROWS + 5)))
     assert groups[0].mask is None and groups[0].row_slices is not None
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "uniform"), [([5, 5, 5], True), ([5, 3, 5], False), ([4], True)]
+)
+def test_multi_token_rows_attend_causally_to_their_own_context(
+    query_lens: list[int], uniform: bool
+) -> None:
+    """Draft verifications and short chunks (one group): rows of equal query length are
+    attended as they lie, without the padded copy; either way, query j of a row sees its
+    context and its own queries up to j."""
+    seq_lens = np.array([37 + 11 * i for i in range(len(query_lens))], dtype=np.int64)
+    lens = np.array(query_lens, dtype=np.int64)
+    block_ids, next_block = [], 0
+    for n in seq_lens:
+        count = -(-int(n) // BLOCK_SIZE)
+        block_ids.append(list(range(next_block, next_block + count)))
+        next_block += count
+    _, metadata = layout_step(block_ids, lens, seq_lens, BLOCK_SIZE, None, torch.device("cpu"))
+    (group,) = metadata.groups
+    assert (group.padded_index is None) == uniform
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, next_block, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    tokens = int(lens.sum())
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
+    kv = torch.randn(tokens, 2, KV_HEADS, HEAD_DIM, generator=gen)
+    out = TorchPagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5).forward(
+        query, kv, cache, metadata
+    )
+    start = 0
+    for ids, n, q in zip(block_ids, seq_lens.tolist(), query_lens):
+        keys, values = cache[:, ids].reshape(2, -1, KV_HEADS, HEAD_DIM)[:, :n].transpose(1, 2)
+        for j in range(q):
+            seen = n - q + j + 1
+            expected = F.scaled_dot_product_attention(
+                query[start + j][:, None],
+                keys[:, :seen],
+                values[:, :seen],
+                scale=HEAD_DIM**-0.5,
+                enable_gqa=True,
+            )[:, 0]
+            torch.testing.assert_close(out[start + j], expected)
+        start += q

@@ -44,8 +44,9 @@ class AttentionGroup:
     # [num_seqs, 1, max_query_len, kv_len] bool; None where every query sees every key (decodes
     # of equally long sequences without a sliding window, e.g. any single decode).
     mask: torch.Tensor | None
-    # For groups with max_query_len > 1: where each flat token sits in the padded batch,
-    # as a row of the flattened [num_seqs * max_query_len] queries.
+    # For groups with max_query_len > 1 whose query lengths differ: where each flat token sits
+    # in the padded batch, as a row of the flattened [num_seqs * max_query_len] queries. None
+    # where every sequence has max_query_len queries (the flat tokens are the batch already).
     padded_index: torch.Tensor | None = None  # [group tokens]
     # For kernels that read the cache through the block tables (no padding, no mask):
     # sequence i's queries are the group's tokens [query_start_loc[i], query_start_loc[i + 1])
@@ -94,7 +95,7 @@ def build_attention_group(
     )
     if max_query_len == 1 and num_seqs > DECODE_SLICE_ROWS:
         group.row_slices = decode_slices(seq_lens.tolist())
-    if max_query_len > 1:
+    if max_query_len > 1 and group.token_end - token_start < num_seqs * max_query_len:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
         starts = torch.cumsum(query_lens, 0) - query_lens
         query_index = torch.arange(group.token_end - token_start) - starts[seq_index]
@@ -207,10 +208,9 @@ class TorchPagedAttention(PagedAttention):
         mask = group.mask
         if mask is not None and rows is not None:
             mask = mask[rows, :, :, :kv_len]
-        if group.max_query_len == 1:
-            padded = query.view(num_seqs, 1, self.num_heads, self.head_dim)
+        if group.padded_index is None:  # every sequence has max_query_len queries
+            padded = query.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
         else:
-            assert group.padded_index is not None
             padded = query.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
             padded.index_copy_(0, group.padded_index, query)
             padded = padded.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
@@ -222,7 +222,7 @@ class TorchPagedAttention(PagedAttention):
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2)
-        if group.max_query_len == 1:
+        if group.padded_index is None:
             out.view(attended.shape).copy_(attended)
             return
         flat = attended.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
