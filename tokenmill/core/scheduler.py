@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.config import PREEMPTION_MODES
 from tokenmill.core.draft_length_policy import SpeculationPolicy
@@ -150,8 +150,7 @@ class Scheduler:
             raise ValueError("the engine was started without an ITL target (itl_target_ms)")
         if not seconds > 0:
             raise ValueError(f"an ITL target must be positive, got {seconds} s")
-        self.prefill_limits.itl_target = seconds
-        self.itl_feedback.stats.itl_target = seconds
+        self.prefill_limits.itl_target = seconds  # the feedback and its stats read it there
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -478,7 +477,9 @@ class Scheduler:
             spec_decode=None if self.spec_stats is None else copy.deepcopy(self.spec_stats),
             itl_target=None
             if self.itl_feedback is None
-            else copy.deepcopy(self.itl_feedback.stats),
+            else replace(
+                copy.deepcopy(self.itl_feedback.stats), itl_target=self.prefill_limits.itl_target
+            ),
         )
 
     # ---- internals ---------------------------------------------------------------------------

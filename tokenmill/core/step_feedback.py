@@ -106,5 +106,5 @@ class ItlFeedback:
         if shape.num_prefill_tokens:
             self.limits.prediction_error.observe(model.predict(shape), seconds)
         model.observe(shape, seconds)
-        if seconds > self.stats.itl_target:
+        if seconds > self.limits.itl_target:
             self.stats.num_steps_over_target += 1
