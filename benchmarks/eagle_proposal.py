@@ -9,7 +9,8 @@ prompts in turn, three rounds. Thread CPU time (not wall time: on a loaded machi
 waits for a core far longer than it computes) of every engine step, target forward (for EAGLE:
 the verification of k + 1 tokens) and `EagleProposer.propose` call (catch-up over the accepted
 tokens, then k drafts), their medians, and the step CPU time per generated token of each
-engine, whose ratio is the speed-up in CPU time.
+engine, whose ratio is the speed-up in CPU time; and the mean acceptance length 2x would
+need at this k, from the two engines' median step costs.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def main() -> None:
         length = 1 + stats.num_accepted_tokens / stats.num_drafts
         print(f"  mean acceptance length {length:.2f}")
     print(f"  EAGLE / off in CPU time per token: {per_token['off'] / per_token[name]:.2f}x")
+    # A step of k drafts costs `ratio` plain steps, so 2x needs twice that many tokens a step.
+    ratio = statistics.median(TIMES[(name, "step")]) / statistics.median(TIMES[("off", "step")])
+    print(
+        f"  an EAGLE step costs {ratio:.2f} plain steps: 2x needs a mean acceptance length of"
+        f" {2 * ratio:.2f} (at most {args.k + 1} at k={args.k})"
+    )
 
 
 if __name__ == "__main__":
