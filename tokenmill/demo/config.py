@@ -128,6 +128,7 @@ class HeadsSpec:
     log_every: int = 20
     eagle_more_steps: int = 0
     eagle_more_lr: float = 1e-3
+    eagle_more_rows: int = 256  # stage 2's cached rows (the first of the same stream)
     # Stage 2 widens fc to read the embedding of token p at p too (`EagleLayer.chain`).
     eagle_current_token: bool = True
     # Rows that go on past a document's end as the target does under `ignore_eos`

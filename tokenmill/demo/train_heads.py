@@ -185,7 +185,11 @@ def train_heads(
     summary = {k: info[k] for k in ("train_steps", "train_seconds", "final")}
     if spec.eagle_more_steps:
         # The same documents (corpus seed), continued past their end as stage 2 asks.
-        rows = dataclasses.replace(spec, after_end_fraction=spec.eagle_more_after_end_fraction)
+        rows = dataclasses.replace(
+            spec,
+            after_end_fraction=spec.eagle_more_after_end_fraction,
+            num_rows=spec.eagle_more_rows,
+        )
         more = dataclasses.replace(
             rows, num_steps=spec.eagle_more_steps, lr=spec.eagle_more_lr, seed=spec.seed + 1
         )
@@ -198,6 +202,7 @@ def train_heads(
         summary = {
             "train_steps": summary["train_steps"],
             "eagle_more_steps": more.num_steps,
+            "eagle_more_rows": more.num_rows,
             "eagle_more_after_end": [more.after_end_fraction, more.after_end_tokens],
             "train_seconds": summary["train_seconds"] + round(time.time() - stage2_start),
             "stage1_final": summary["final"],
@@ -435,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("demo_runs/heads"))
     parser.add_argument("--num-steps", type=int, default=None, help="smoke-test override")
     parser.add_argument("--more-steps", type=int, default=None, help="override stage 2's steps")
+    parser.add_argument("--more-rows", type=int, default=None, help="override stage 2's rows")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--stage1",
@@ -449,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = HEADS
     if args.more_steps is not None:
         spec = dataclasses.replace(spec, eagle_more_steps=args.more_steps)
+    if args.more_rows is not None:
+        spec = dataclasses.replace(spec, eagle_more_rows=args.more_rows)
     train_heads(args.out, args.work_dir, spec, args.num_steps, args.stage1)
     return 0
 
