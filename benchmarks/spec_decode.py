@@ -73,14 +73,25 @@ def median_tokens_per_s(
     return {name: statistics.median(r) for name, r in runs.items()}
 
 
-def acceptance(llm: LLM, before: SpecDecodeStats | None) -> str:
-    """Acceptance since the `before` snapshot of the engine's counters."""
+def drafts_since(llm: LLM, before: SpecDecodeStats | None) -> tuple[int, int, int] | None:
+    """(draft tokens, accepted tokens, verification steps with drafts) since the `before`
+    snapshot of the engine's counters; None without speculation."""
     now = llm.get_stats().scheduler.spec_decode
     if now is None or before is None:
+        return None
+    return (
+        now.num_draft_tokens - before.num_draft_tokens,
+        now.num_accepted_tokens - before.num_accepted_tokens,
+        now.num_drafts - before.num_drafts,
+    )
+
+
+def acceptance(llm: LLM, before: SpecDecodeStats | None) -> str:
+    """Acceptance since the `before` snapshot of the engine's counters."""
+    counts = drafts_since(llm, before)
+    if counts is None:
         return ""
-    drafts = now.num_draft_tokens - before.num_draft_tokens
-    accepted = now.num_accepted_tokens - before.num_accepted_tokens
-    steps = now.num_drafts - before.num_drafts
+    drafts, accepted, steps = counts
     if not drafts:
         return "  (no drafts)"
     mean_length = 1 + accepted / steps
