@@ -108,8 +108,8 @@ class HeadsSpec:
     an EAGLE layer and Medusa heads, trained together on the same batches of target features
     (stage 1), then, if `eagle_more_steps`, the EAGLE layer alone (stage 2, a new warmup and
     cosine from `eagle_more_lr`: without the Medusa heads a step costs about half). The
-    shipped heads are stage 1 alone; stage 2 (`--num-steps 2000 --more-steps 2400`) was
-    measured and not shipped (docs/demo_models.md)."""
+    shipped EAGLE layer is stage 2's (on stage 1's 800 steps), the Medusa heads stage 1's
+    (docs/demo_models.md)."""
 
     num_rows: int = 256  # packed corpus rows whose target features are computed once, cached
     num_steps: int = 800
@@ -126,7 +126,7 @@ class HeadsSpec:
     feature_weight: float = 0.5  # smooth-L1 on the predicted hidden state, next to the KL
     medusa_heads: int = 4
     log_every: int = 20
-    eagle_more_steps: int = 0
+    eagle_more_steps: int = 2400
     eagle_more_lr: float = 1e-3
     eagle_more_rows: int = 256  # stage 2's cached rows (the first of the same stream)
     # Stage 2 widens fc to read the embedding of token p at p too (`EagleLayer.chain`).

@@ -16,9 +16,12 @@ the cached h_p, where the next token is learned. Then
   predicts from h_p the token at p + 2 + i.
 
 Losses are distillation (KL to the target's distribution, where the target's reply tokens are
-learned) plus, for EAGLE, a smooth-L1 on the features. Stage 2's rows hold the same documents,
-a share of them continued past their end with the target's greedy tokens (`after_end.py`):
-what a request with `ignore_eos` decodes there, which packed documents never show.
+learned) plus, for EAGLE, a smooth-L1 on the features. Stage 2 (`HeadsSpec.eagle_more_steps`;
+`--more-steps 0` stops after stage 1) trains the EAGLE layer alone, fc widened to read the
+embedding of token p at p too; the shipped layer is its output. Stage 2's rows hold the same
+documents, a share of them continued past their end with the target's greedy tokens
+(`after_end.py`): what a request with `ignore_eos` decodes there, which packed documents never
+show.
 Reproducible: seeded corpus, init and order of rows, one thread. Writes `weights/eagle` and
 `weights/medusa` in the formats vLLM loads; the log (and `heads_history.json`) and the
 cached features go to `--work-dir`.
