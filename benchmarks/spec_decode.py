@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.demo.acceptance import STORY_PROMPTS
@@ -73,13 +74,18 @@ def median_tokens_per_s(
     return {name: statistics.median(r) for name, r in runs.items()}
 
 
-def drafts_since(llm: LLM, before: SpecDecodeStats | None) -> tuple[int, int, int] | None:
-    """(draft tokens, accepted tokens, verification steps with drafts) since the `before`
-    snapshot of the engine's counters; None without speculation."""
+class DraftCounts(NamedTuple):
+    drafted: int  # draft tokens
+    accepted: int  # of them accepted
+    steps: int  # verification steps with drafts
+
+
+def drafts_since(llm: LLM, before: SpecDecodeStats | None) -> DraftCounts | None:
+    """The engine's draft counters since the `before` snapshot; None without speculation."""
     now = llm.get_stats().scheduler.spec_decode
     if now is None or before is None:
         return None
-    return (
+    return DraftCounts(
         now.num_draft_tokens - before.num_draft_tokens,
         now.num_accepted_tokens - before.num_accepted_tokens,
         now.num_drafts - before.num_drafts,
@@ -91,11 +97,10 @@ def acceptance(llm: LLM, before: SpecDecodeStats | None) -> str:
     counts = drafts_since(llm, before)
     if counts is None:
         return ""
-    drafts, accepted, steps = counts
-    if not drafts:
+    if not counts.drafted:
         return "  (no drafts)"
-    mean_length = 1 + accepted / steps
-    return f"  (acceptance {accepted / drafts:.0%}, mean acceptance length {mean_length:.2f})"
+    share, mean_length = counts.accepted / counts.drafted, 1 + counts.accepted / counts.steps
+    return f"  (acceptance {share:.0%}, mean acceptance length {mean_length:.2f})"
 
 
 def main() -> None:

@@ -441,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=WEIGHTS_DIR, help="OUT/eagle, OUT/medusa")
     parser.add_argument("--work-dir", type=Path, default=Path("demo_runs/heads"))
-    parser.add_argument("--num-steps", type=int, default=None, help="smoke-test override")
+    parser.add_argument(
+        "--num-steps",
+        type=int,
+        default=None,
+        help="stage 1's steps (smoke tests: with --more-steps 0)",
+    )
     parser.add_argument("--more-steps", type=int, default=None, help="override stage 2's steps")
     parser.add_argument("--more-rows", type=int, default=None, help="override stage 2's rows")
     parser.add_argument("--threads", type=int, default=1)
