@@ -29,6 +29,7 @@ from tokenmill.demo.acceptance import STORY_PROMPTS
 from tokenmill.demo.eval import heldout
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats
+from tokenmill.outputs import RequestOutput
 
 
 def chat_prompts(llm: LLM, tasks: list[str], count: int) -> list[str]:
@@ -51,13 +52,18 @@ def task_prompts(llm: LLM, task: str, count: int) -> list[str]:
     return list(STORY_PROMPTS) if task == "story" else chat_prompts(llm, [task], count)
 
 
-def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+def generate_greedy(llm: LLM, prompts: list[str], max_tokens: int) -> list[RequestOutput]:
     """Replies end where the model ends them (after the copy), as a client would see. Chat
     prompts carry their special tokens in the template; plain text (stories) gets BOS."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     plain = prompts[0] in STORY_PROMPTS
+    return llm.generate(prompts, params, use_tqdm=False, add_special_tokens=plain)
+
+
+def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+    """Seconds and generated tokens of `generate_greedy`."""
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=plain)
+    outputs = generate_greedy(llm, prompts, max_tokens)
     seconds = time.perf_counter() - start
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 

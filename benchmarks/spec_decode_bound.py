@@ -1,7 +1,7 @@
 """The most speculative decoding can give at batch 1 on the demo tasks: an oracle drafter.
 
     OMP_NUM_THREADS=1 python benchmarks/spec_decode_bound.py [--k 2,4,8] [--tasks copy,add]
-        [--repeats 3] [--max-tokens 128] [--eagle-k 4]
+        [--repeats 3] [--max-tokens 128] [--prompts 8] [--eagle-k 4]
 
 An oracle proposer drafts the target's own greedy continuation, taken from a run of the same
 prompts without speculation: every draft is right (up to floating-point near-ties between
@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from spec_decode import drafts_since, task_prompts, timed
+from spec_decode import drafts_since, generate_greedy, task_prompts, timed
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.demo.acceptance import STORY_PROMPTS
+from tokenmill import LLM
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats
 from tokenmill.worker.request_state import CachedRequestState
@@ -49,13 +48,22 @@ class OracleProposer:
         return proposals
 
 
+def oracle_engine(k: int) -> tuple[LLM, OracleProposer]:
+    """The demo target at batch 1 drafting k tokens a step from an oracle (none known yet:
+    set its `continuations`). The n-gram method's engine, its proposer swapped: that method
+    has no draft KV or hidden-state hand-off that another proposer would miss."""
+    spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+    llm = LLM(model=None, max_num_seqs=1, speculative_config=spec)
+    oracle = OracleProposer({})
+    llm.engine.runner.proposer = oracle
+    return llm, oracle
+
+
 def reference_run(
     llm: LLM, prompts: list[str], max_tokens: int
 ) -> tuple[dict[tuple[int, ...], list[int]], list[int]]:
     """Greedy continuations without speculation, keyed by prompt token ids; reply lengths."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    plain = prompts[0] in STORY_PROMPTS  # chat prompts carry their special tokens
-    outputs = llm.generate(prompts, params, use_tqdm=False, add_special_tokens=plain)
+    outputs = generate_greedy(llm, prompts, max_tokens)
     continuations = {
         tuple(o.prompt_token_ids): [*o.prompt_token_ids, *o.outputs[0].token_ids] for o in outputs
     }
@@ -83,20 +91,15 @@ def main() -> None:
     args = parser.parse_args()
     ks = [int(k) for k in args.k.split(",")]
 
-    def speculative(method: str, k: int) -> dict[str, object]:
-        return {"method": method, "num_speculative_tokens": k, "adaptive": False}
-
     engines = {"off": LLM(model=None, max_num_seqs=1)}
-    oracles = {}
+    oracles = []
     for k in ks:
-        oracles[k] = OracleProposer({})
-        engines[f"oracle k={k}"] = LLM(
-            model=None, max_num_seqs=1, speculative_config=speculative("ngram", k)
-        )
-        engines[f"oracle k={k}"].engine.runner.proposer = oracles[k]
+        engines[f"oracle k={k}"], oracle = oracle_engine(k)
+        oracles.append(oracle)
     if args.eagle_k:
+        eagle = {"method": "eagle", "num_speculative_tokens": args.eagle_k, "adaptive": False}
         engines[f"eagle k={args.eagle_k}"] = LLM(
-            model=None, max_num_seqs=1, speculative_config=speculative("eagle", args.eagle_k)
+            model=None, max_num_seqs=1, speculative_config=eagle
         )
     print(
         f"batch 1, greedy, {args.prompts} held-out prompts a chat task (story: 4 openings),"
@@ -108,7 +111,7 @@ def main() -> None:
     for task in args.tasks.split(","):
         prompts = task_prompts(engines["off"], task, args.prompts)
         continuations, lengths = reference_run(engines["off"], prompts, args.max_tokens)
-        for oracle in oracles.values():
+        for oracle in oracles:
             oracle.continuations = continuations
         before = {name: llm.get_stats().scheduler.spec_decode for name, llm in engines.items()}
         rates: dict[str, list[float]] = {name: [] for name in engines}

@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
-from spec_decode_bound import OracleProposer, reference_run
+from spec_decode import generate_greedy
+from spec_decode_bound import OracleProposer, oracle_engine, reference_run
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.demo.acceptance import STORY_PROMPTS
@@ -29,14 +30,9 @@ def test_oracle_drafts_are_all_accepted_and_change_no_output(off: LLM) -> None:
     continuations, lengths = reference_run(off, PROMPTS, max_tokens=24)
     assert min(lengths) > 10  # long enough that most steps draft k tokens
     k = 4
-    oracle = LLM(
-        model=None,
-        max_num_seqs=1,
-        speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False},
-    )
-    oracle.engine.runner.proposer = OracleProposer(continuations)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    outputs = oracle.generate(PROMPTS, params, use_tqdm=False, add_special_tokens=True)
+    oracle, proposer = oracle_engine(k)
+    proposer.continuations = continuations
+    outputs = generate_greedy(oracle, PROMPTS, max_tokens=24)
     for output in outputs:
         reference = continuations[tuple(output.prompt_token_ids)]
         assert reference == [*output.prompt_token_ids, *output.outputs[0].token_ids]
