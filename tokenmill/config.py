@@ -114,9 +114,10 @@ class StructuredOutputsConfig:
 
     backend: str = "auto"
     disable_any_whitespace: bool = False  # every request's JSON compact, as if it asked
-    # Whitespace characters allowed between two JSON tokens; None: any amount (a small model
-    # at temperature 1 then pads to max_tokens with spaces and newlines).
-    max_whitespace: int | None = 2
+    # Whitespace characters allowed between two JSON tokens (1: `{"a": 1}` or a newline, not
+    # an indented line); None: any amount, which a small model at temperature 1 spends
+    # padding to max_tokens with spaces and newlines.
+    max_whitespace: int | None = 1
     # Bytes of a schema, regex, grammar or choice list (as JSON text); larger ones are a 400.
     max_schema_bytes: int = 64 * 1024
     # Seconds a request waits for its grammar to compile; past it, a 400 (a request of the
