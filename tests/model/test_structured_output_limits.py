@@ -268,3 +268,15 @@ def test_engine_shutdown_stops_the_compile_threads(tiny_checkpoint, blocked_comp
     assert all(executor._shutdown for executor in manager._executors.values())
     blocked_compiles.set()
     assert isinstance(running, Future) and running.result(timeout=30) is not None
+
+
+def test_the_flag_takes_vllms_name_and_json() -> None:
+    import argparse
+
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--structured-outputs-config", '{"max_whitespace": null}'])
+    config = engine_config_from_args(args).structured_outputs_config
+    assert config == StructuredOutputsConfig(max_whitespace=None)
