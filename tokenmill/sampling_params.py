@@ -191,6 +191,10 @@ class StructuredOutputsParams:
                 self.json = jsonlib.loads(self.json)
             except ValueError as e:
                 raise InvalidRequestError(self.param, f"json is not valid JSON: {e}") from None
+            except RecursionError:
+                raise InvalidRequestError(
+                    self.param, f"json nests more than {MAX_SCHEMA_DEPTH} levels deep"
+                ) from None
         if self.json is not None and not isinstance(self.json, dict):
             raise InvalidRequestError(self.param, "json must be a JSON schema object")
         if json_depth(self.json) > MAX_SCHEMA_DEPTH:

@@ -142,6 +142,9 @@ def test_schema_nesting_is_bounded_before_any_recursive_check(random_llm: LLM) -
         with pytest.raises(InvalidRequestError, match="levels deep") as error:
             StructuredOutputsParams(json=nested(depth), param="guided_json")
         assert error.value.param == "guided_json"
+    as_text = '{"properties": {"a": ' * 2000 + "{}" + "}}" * 2000  # json.loads recurses
+    with pytest.raises(InvalidRequestError, match="levels deep"):
+        StructuredOutputsParams(json=as_text)
 
 
 def test_vllm_options_are_accepted_or_refused_by_name() -> None:
