@@ -1,11 +1,14 @@
 """Structured outputs in the server, in-process: a compile slower than its timeout is a 400
-before any output, and a schema's check runs off the tokenizer thread every request shares."""
+before any output, a schema's check runs off the tokenizer thread every request shares, and a
+request gone while its grammar queues cancels the compile."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.openai.api_server import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.openai.structured_outputs import prepare
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output import backend
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -112,3 +116,43 @@ def test_schema_checks_run_off_the_tokenizer_thread(
     tokenize, constrained = asyncio.run(main())
     assert tokenize.status_code == 200 and constrained.status_code == 200, constrained.text
     assert check_saw_tokenize == [True]
+
+
+def test_a_request_gone_while_its_grammar_queues_cancels_the_compile(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's wait for a compile, cancelled (the client left): nobody else waits for
+    that compile, so it never runs and leaves the cache (before, it ran to the end)."""
+    started, release = threading.Event(), threading.Event()
+    real = StructuredOutputManager._compile
+
+    def blocking_compile(self, params: StructuredOutputsParams) -> Any:
+        if params.regex == "slow":
+            started.set()
+            release.wait(30)
+        return real(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", blocking_compile)
+    manager = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=128)).structured_output
+
+    async def main() -> list[Future]:
+        running, let_go = manager.hold(StructuredOutputsParams(regex="slow"))
+        assert await asyncio.to_thread(started.wait, 20)  # the small lane is busy
+        waiting = asyncio.ensure_future(
+            prepare(manager, StructuredOutputsParams(regex="[ab]{4}"), ThreadPoolExecutor(1))
+        )
+        while manager.num_cached_grammars < 2:
+            await asyncio.sleep(0.01)
+        queued = [e.future for e in manager._compiles.values() if e.future is not running]
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        let_go()
+        release.set()
+        running.result(timeout=30)
+        return queued
+
+    (queued,) = asyncio.run(main())
+    assert queued.cancelled()
+    assert manager.num_cached_grammars == 1  # the one that ran
+    manager.shutdown()
