@@ -191,8 +191,6 @@ class StructuredOutputManager:
             pending = [e.future for e in self._compiles.values() if not e.future.done()]
         if pending:
             wait(pending, timeout, return_when=FIRST_COMPLETED)
-        else:  # every waiting request's compile was evicted or timed out: time still passes
-            threading.Event().wait(timeout)
 
     @property
     def num_cached_grammars(self) -> int:
