@@ -23,6 +23,8 @@ def run_router(
         replicas,
         make_policy(policy, args.balance_abs_threshold, args.balance_rel_threshold),
         args.prefix_chars,
+        api_key=args.api_key,
+        max_body_bytes=args.max_request_body_bytes,
     )
     logger.info(
         "routing http://%s:%d to %d replicas (%s): %s",
