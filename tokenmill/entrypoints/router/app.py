@@ -99,9 +99,12 @@ class Proxy:
         self.client: httpx.AsyncClient
 
     async def health(self) -> Response:
-        if self.replicas.healthy():
-            return Response(status_code=200)
-        return _error(503, "no replica is healthy", "no_healthy_replica")
+        """200 while any replica is in rotation, with how many are (reduced capacity is
+        still service: a load balancer should not drop the whole deployment for it)."""
+        healthy, total = len(self.replicas.healthy()), len(self.replicas.replicas)
+        if healthy:
+            return JSONResponse({"healthy_replicas": healthy, "replicas": total})
+        return _error(503, f"no replica is healthy (0 of {total})", "no_healthy_replica")
 
     async def metrics_text(self, request: Request) -> Response:
         try:
