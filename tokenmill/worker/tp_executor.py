@@ -17,7 +17,6 @@ interpreter exit) stops the workers too; a worker whose engine was killed exits 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -66,7 +65,7 @@ class TensorParallelExecutor:
         self.workers: list[WorkerProcess] = []
         for rank in range(1, size):
             args = (config, self.rendezvous, rank, num_threads, os.getpid())
-            on_exit = functools.partial(self._worker_exited, rank)
+            on_exit = _weak_callback(weakref.WeakMethod(self._worker_exited), rank)
             self.workers.append(WorkerProcess(f"tokenmill-tp-{rank}", args, on_exit))
         self._finalizer = weakref.finalize(self, _release, self.workers, self._stopping)
         # Rank 0 loads its shard while the workers start; the groups are joined after that.
@@ -187,6 +186,19 @@ def _is_collective_error(e: Exception) -> bool:
     return isinstance(e, torch.distributed.DistError) or (
         isinstance(e, RuntimeError) and "gloo" in str(e)
     )
+
+
+def _weak_callback(
+    method: weakref.WeakMethod[Callable[[int, WorkerProcess], None]], rank: int
+) -> Callable[[WorkerProcess], None]:
+    """A watcher's report to the executor that does not keep it alive (so garbage collection
+    still stops the workers)."""
+
+    def report(worker: WorkerProcess) -> None:
+        if (bound := method()) is not None:
+            bound(rank, worker)
+
+    return report
 
 
 def _exit_message(rank: int, worker: WorkerProcess) -> str:

@@ -30,8 +30,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require this bearer token on every route but /health, /version and the docs, "
-        "checked before a body is read; give the replicas' key (default: $TOKENMILL_API_KEY)",
+        help="require this bearer token on the routes a server keys (all but /health, "
+        "/version, /metrics and the docs), checked before a body is read; give the "
+        "replicas' key (default: $TOKENMILL_API_KEY)",
     )
     group.add_argument(
         "--max-request-body-bytes",

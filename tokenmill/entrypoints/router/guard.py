@@ -18,7 +18,8 @@ from fastapi import Request
 T = TypeVar("T")
 
 # Routes that answer without a key, as a server's do (GET or HEAD only; the rest need it).
-OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/redoc", "/openapi.json"})
+# Keep in step with the server's: a route keyed there is keyed here.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/redoc", "/openapi.json"})
 
 
 class GuardError(Exception):
