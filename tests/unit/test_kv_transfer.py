@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -29,6 +30,8 @@ from tokenmill.kv_transfer.block_file import (
 )
 from tokenmill.kv_transfer.factory import create_connector
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -213,3 +216,30 @@ def test_without_a_connector_nothing_changes() -> None:
     output = scheduler.schedule()
     assert output.kv_connector_metadata is None
     assert output.num_scheduled_tokens == {"a": 13}
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+
+def engine_stats(kv_transfer: KVTransferStats | None) -> EngineStats:
+    scheduler = SchedulerStats(0, 0, 0, 0, 0, 1)
+    return EngineStats(scheduler, 0, 0, 0, kv_transfer=kv_transfer)
+
+
+def test_prometheus_counts_connector_loads_and_saves() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "m")
+    metrics.record_stats(engine_stats(None))
+    assert b"kv_connector" not in generate_latest(registry)  # no connector: no families
+    metrics.record_stats(engine_stats(KVTransferStats(num_loaded_tokens=16, bytes_loaded=100)))
+    metrics.record_stats(
+        engine_stats(KVTransferStats(num_loaded_tokens=48, bytes_loaded=300, num_saved_blocks=2))
+    )
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(f"tokenmill:{name}_total", {"model_name": "m"})
+
+    assert value("kv_connector_loaded_tokens") == 48
+    assert value("kv_connector_loaded_bytes") == 300
+    assert value("kv_connector_saved_blocks") == 2
+    assert value("kv_connector_corrupt_blocks") == 0
