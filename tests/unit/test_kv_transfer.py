@@ -29,6 +29,7 @@ from tokenmill.kv_transfer.block_file import (
     write_block,
 )
 from tokenmill.kv_transfer.factory import create_connector
+from tokenmill.kv_transfer.storage import SharedStorageConnector, StorageConnectorMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
@@ -243,3 +244,49 @@ def test_prometheus_counts_connector_loads_and_saves() -> None:
     assert value("kv_connector_loaded_bytes") == 300
     assert value("kv_connector_saved_blocks") == 2
     assert value("kv_connector_corrupt_blocks") == 0
+
+
+# ---- the storage connector's halves, on fake caches --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_storage_round_trip_between_halves(tmp_path: Path, dtype) -> None:
+    config = KVTransferConfig(
+        kv_connector="SharedStorageConnector",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )
+    ctx = context(dtype=dtype)
+    scheduler_half = create_connector(config, KVConnectorRole.SCHEDULER, ctx)
+    worker_half = create_connector(config, KVConnectorRole.WORKER, ctx)
+    assert isinstance(scheduler_half, SharedStorageConnector)
+    caches = [torch.randn(2, 8, 4, 2, 4).to(dtype) for _ in range(ctx.kv_cache_spec.num_layers)]
+    worker_half.register_kv_caches(caches)
+    probe = request("a", num_prompt=12)  # three full blocks; the last token is computed
+    hashes = ctx.block_hashes(probe)
+    worker_half.bind_connector_metadata(
+        StorageConnectorMetadata(saves=[(5, hashes[0]), (6, hashes[1]), (7, hashes[2])])
+    )
+    worker_half.wait_for_save()
+    assert worker_half.stats().num_saved_blocks == 3
+
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4  # after a local hit
+    for path in scheduler_half.directory.iterdir():
+        path.unlink()
+    # Asked again with the same local hit (a request waiting for blocks): not read again.
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 0  # a new match: gone
+    assert scheduler_half.stats().num_corrupt_blocks == 0
+
+    worker_half.wait_for_save()  # the files are written again
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
+    scheduler_half.update_state_after_alloc(probe, [1, 2, 3, 4], 8)
+    metadata = scheduler_half.build_connector_meta(SchedulerOutput([], [], {}, 0), {}, lambda _: [])
+    worker_half.bind_connector_metadata(metadata)
+    worker_half.start_load_kv()
+    for cache in caches:
+        as_bytes = cache.view(torch.uint8)
+        assert torch.equal(as_bytes[:, 1], as_bytes[:, 5])
+        assert torch.equal(as_bytes[:, 2], as_bytes[:, 6])
+        assert not torch.equal(as_bytes[:, 3], as_bytes[:, 7])  # not loaded
+    assert scheduler_half.stats().num_loaded_tokens == 8

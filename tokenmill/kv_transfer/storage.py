@@ -88,13 +88,19 @@ class SharedStorageConnector(KVConnectorBase):
     # ---- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        self._matched.pop(request.request_id, None)
+        """Reads and verifies the blocks it matches, and keeps them for the admission: a
+        request that waits for free blocks is asked again each step, and is not read again
+        while its local hit stays the same (the blocks are content-addressed)."""
+        block_size = self.context.block_size
+        first = num_computed_tokens // block_size
+        matched = self._matched.pop(request.request_id, None)
+        if matched is not None and matched[0] == first:
+            self._matched[request.request_id] = matched
+            return len(matched[1]) * block_size
         # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
         if not self.config.is_kv_consumer or request.sampling_params.prompt_logprobs is not None:
             return 0
-        block_size = self.context.block_size
         hashes = self.context.block_hashes(request)
-        first = num_computed_tokens // block_size
         last = min(len(hashes), (request.num_tokens - 1) // block_size)
         start = time.perf_counter()
         payloads = []
