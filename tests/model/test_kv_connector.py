@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv_transfer.storage import SharedStorageConnector
@@ -97,15 +98,9 @@ def test_outputs_identical_with_the_connector(
     assert token_ids(generate(llm, prompts)) == reference
     stats = llm.get_stats().kv_transfer
     assert stats is not None and stats.num_saved_blocks > 0
-    assert (
-        stats.bytes_saved
-        == stats.num_saved_blocks
-        * llm.engine.kv_cache_manager.block_size
-        * (llm.engine.runner.kv_caches[0][0, 0].numel() // BLOCK_SIZE)
-        * 2
-        * len(llm.engine.runner.kv_caches)
-        * llm.engine.runner.kv_caches[0].element_size()
-    )
+    spec = llm.engine.kv_connectors[0].context.kv_cache_spec
+    assert spec.dtype == (torch.float32 if kv_dtype == "auto" else torch.float8_e4m3fn)
+    assert stats.bytes_saved == stats.num_saved_blocks * spec.bytes_per_block
     assert stats.num_loaded_tokens == 0  # one engine: its own prefix cache serves the hits
 
 

@@ -33,6 +33,7 @@ from tokenmill.kv_transfer.storage import SharedStorageConnector, StorageConnect
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
+from tokenmill.metrics.stats_logger import format_stats_line
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -290,3 +291,11 @@ def test_storage_round_trip_between_halves(tmp_path: Path, dtype) -> None:
         assert torch.equal(as_bytes[:, 2], as_bytes[:, 6])
         assert not torch.equal(as_bytes[:, 3], as_bytes[:, 7])  # not loaded
     assert scheduler_half.stats().num_loaded_tokens == 8
+
+
+def test_the_stats_line_shows_the_intervals_loads_and_saves() -> None:
+    before = engine_stats(KVTransferStats(num_loaded_tokens=16, num_saved_blocks=1))
+    now = engine_stats(KVTransferStats(num_loaded_tokens=48, num_saved_blocks=3))
+    assert "KV connector: 32 tokens loaded, 2 blocks saved" in format_stats_line(now, before, 1.0)
+    assert "KV connector" not in format_stats_line(now, now, 1.0)  # nothing this interval
+    assert "KV connector" not in format_stats_line(engine_stats(None), engine_stats(None), 1.0)
