@@ -101,56 +101,6 @@ class SpeculativeConfig:
         _check_choice("speculative draft_weights", self.draft_weights, ("auto", "int8", "full"))
 
 
-# kv_producer: saves the KV it computes; kv_consumer: loads KV computed elsewhere; kv_both.
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass
-class KVTransferConfig:
-    """`--kv-transfer-config` as vLLM takes it, e.g. `{"kv_connector": "SharedStorageConnector",
-    "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}}`: which
-    KV connector moves KV blocks in and out of this engine (tokenmill/kv_transfer/)."""
-
-    kv_connector: str
-    kv_role: str = "kv_both"
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def parse(
-        cls, value: str | dict[str, Any] | KVTransferConfig | None
-    ) -> KVTransferConfig | None:
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ConfigError("kv_transfer_config must be a JSON object")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
-        if "kv_connector" not in value:
-            raise ConfigError("kv_transfer_config needs a kv_connector (its name)")
-        return cls(**value)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kv_connector, str) or not self.kv_connector:
-            raise ConfigError(f"kv_connector must be a connector name, got {self.kv_connector!r}")
-        _check_choice("kv_role", self.kv_role, KV_ROLES)
-        if not isinstance(self.kv_connector_extra_config, dict):
-            raise ConfigError("kv_connector_extra_config must be a JSON object")
-
-    @property
-    def is_kv_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_kv_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-
 def config_field(
     default: Any,
     help: str,
@@ -281,12 +231,6 @@ class EngineConfig:
         '\'{"method": "draft_model", "model": PATH}\' (the demo target has a default draft)',
     )
 
-    kv_transfer_config: KVTransferConfig | None = config_field(
-        None,
-        'JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
-        '"kv_connector_extra_config": {"shared_storage_path": DIR}}\' (docs/scale_out.md)',
-    )
-
     tensor_parallel_size: int = config_field(
         1,
         "ranks (processes; devices on CUDA) to shard the model over; the engine starts them "
@@ -296,6 +240,12 @@ class EngineConfig:
         60.0,
         "seconds a tensor-parallel rank waits for its peers in a collective before the engine "
         "fails (a hung worker)",
+    )
+
+    kv_transfer_config: KVTransferConfig | None = config_field(
+        None,
+        'JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"shared_storage_path": DIR}}\' (docs/scale_out.md)',
     )
 
     def __post_init__(self) -> None:
@@ -321,11 +271,11 @@ class EngineConfig:
                 "speculative_config must be a SpeculativeConfig or None "
                 "(SpeculativeConfig.parse reads its dict or JSON form)"
             )
-        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
-        self._check_kv_transfer()
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._check_tensor_parallel()
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        self._check_kv_transfer()
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -417,3 +367,53 @@ def _cpu_has_fast_half_matmul() -> bool:
         return False
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+# kv_producer: saves the KV it computes; kv_consumer: loads KV computed elsewhere; kv_both.
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """`--kv-transfer-config` as vLLM takes it, e.g. `{"kv_connector": "SharedStorageConnector",
+    "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}}`: which
+    KV connector moves KV blocks in and out of this engine (tokenmill/kv_transfer/)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, Any] | KVTransferConfig | None
+    ) -> KVTransferConfig | None:
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ConfigError("kv_transfer_config must be a JSON object")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
+        if "kv_connector" not in value:
+            raise ConfigError("kv_transfer_config needs a kv_connector (its name)")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ConfigError(f"kv_connector must be a connector name, got {self.kv_connector!r}")
+        _check_choice("kv_role", self.kv_role, KV_ROLES)
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_connector_extra_config must be a JSON object")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
