@@ -206,3 +206,19 @@ def test_outputs_identical_under_preemption(checkpoint, prompts, tmp_path) -> No
     stats = llm.get_stats()
     assert stats.scheduler.num_preemptions > 0 and stats.kv_transfer.num_loaded_tokens > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize(
+    ("architecture", "kwargs"),
+    [("mistral", {"sliding_window": 16}), ("qwen2", {}), ("qwen3", {})],
+)
+def test_restart_restores_the_prefix_for_every_architecture(
+    tiny_checkpoint, prompts, tmp_path, architecture: str, kwargs: dict
+) -> None:
+    """Biases (qwen2), q/k norms (qwen3), a sliding window shorter than the loaded prefix."""
+    other = str(tiny_checkpoint(architecture, **kwargs))
+    expected = token_ids(generate(engine(other), prompts[:1]))
+    generate(engine(other, tmp_path), prompts[:1])
+    outputs = generate(engine(other, tmp_path), prompts[:1])
+    assert outputs[0].num_cached_tokens == full_blocks(prompts[0])
+    assert token_ids(outputs) == expected
