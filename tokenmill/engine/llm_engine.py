@@ -327,14 +327,13 @@ class LLMEngine:
 
     def _kv_connectors(self, kv_spec: KVCacheSpec) -> tuple[KVConnectorBase, ...] | None:
         """The configured KV connector's scheduler and worker halves; the runner gets its."""
-        context = KVConnectorContext(
-            kv_spec,
-            model_fingerprint(self.model_dir, str(self.dtype), kv_spec),
-            self.kv_cache_manager.block_hashes,
-        )
-        connectors = create_connector_pair(self.config.kv_transfer_config, context)
-        if connectors is not None:
-            self.runner.use_kv_connector(connectors[1])
+        config = self.config.kv_transfer_config
+        if config is None:
+            return None
+        fingerprint = model_fingerprint(self.model_dir, str(self.dtype), kv_spec)
+        context = KVConnectorContext(kv_spec, fingerprint, self.kv_cache_manager.block_hashes)
+        connectors = create_connector_pair(config, context)
+        self.runner.use_kv_connector(connectors[1])
         return connectors
 
     def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:

@@ -39,11 +39,9 @@ register_connector(
 
 
 def create_connector_pair(
-    config: KVTransferConfig | None, context: KVConnectorContext
-) -> tuple[KVConnectorBase, KVConnectorBase] | None:
-    """The scheduler-side and worker-side instances of the configured connector, or None."""
-    if config is None:
-        return None
+    config: KVTransferConfig, context: KVConnectorContext
+) -> tuple[KVConnectorBase, KVConnectorBase]:
+    """The scheduler-side and worker-side instances of the configured connector."""
     return (
         create_connector(config, KVConnectorRole.SCHEDULER, context),
         create_connector(config, KVConnectorRole.WORKER, context),
