@@ -65,6 +65,7 @@ class KVConnectorBase(ABC):
         self.role = role
         self.context = context
         self._metadata: KVConnectorMetadata | None = None
+        self.kv_caches: list[torch.Tensor] = []  # the worker half's, once registered
 
     # ---- scheduler side ----------------------------------------------------------------------
 
