@@ -222,3 +222,14 @@ def test_restart_restores_the_prefix_for_every_architecture(
     outputs = generate(engine(other, tmp_path), prompts[:1])
     assert outputs[0].num_cached_tokens == full_blocks(prompts[0])
     assert token_ids(outputs) == expected
+
+
+def test_the_connector_works_with_prefix_caching_off(checkpoint, prompts, tmp_path) -> None:
+    """The block hashes are made for the connector even when the local cache keeps none."""
+    expected = token_ids(generate(engine(checkpoint), prompts[:1]))
+    generate(engine(checkpoint, tmp_path, enable_prefix_caching=False), prompts[:1])
+    restarted = engine(checkpoint, tmp_path, enable_prefix_caching=False)
+    outputs = generate(restarted, prompts[:1])
+    assert outputs[0].num_cached_tokens == full_blocks(prompts[0])
+    assert token_ids(outputs) == expected
+    assert restarted.get_stats().scheduler.prefix_cache.queries == 0  # no local lookups
