@@ -319,6 +319,12 @@ class EngineConfig:
         "fails (a hung worker)",
     )
 
+    kv_transfer_config: KVTransferConfig | None = config_field(
+        None,
+        'JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"shared_storage_path": DIR}}\' (docs/scale_out.md)',
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.metadata["choices"] is not None:
@@ -348,6 +354,8 @@ class EngineConfig:
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._check_tensor_parallel()
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        self._check_kv_transfer()
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -361,6 +369,15 @@ class EngineConfig:
             raise ConfigError("with tensor_parallel_size > 1 only ngram speculation is supported")
         if self.enforce_eager is False:  # collectives inside a captured step: not built yet
             raise ConfigError("tensor_parallel_size > 1 runs eager steps: leave enforce_eager on")
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_transfer_config is None:
+            return
+        if self.tensor_parallel_size > 1:  # each rank would move its own shard: not built yet
+            raise ConfigError("kv_transfer_config needs tensor_parallel_size 1 (not built yet)")
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":  # a draft's own KV is not moved
+            raise ConfigError("kv_transfer_config supports only ngram speculation")
 
     def _check_prefill_limits(self) -> None:
         if self.itl_target_ms is not None:
@@ -430,3 +447,53 @@ def _cpu_has_fast_half_matmul() -> bool:
         return False
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+# kv_producer: saves the KV it computes; kv_consumer: loads KV computed elsewhere; kv_both.
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """`--kv-transfer-config` as vLLM takes it, e.g. `{"kv_connector": "SharedStorageConnector",
+    "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}}`: which
+    KV connector moves KV blocks in and out of this engine (tokenmill/kv_transfer/)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, Any] | KVTransferConfig | None
+    ) -> KVTransferConfig | None:
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ConfigError("kv_transfer_config must be a JSON object")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
+        if "kv_connector" not in value:
+            raise ConfigError("kv_transfer_config needs a kv_connector (its name)")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ConfigError(f"kv_connector must be a connector name, got {self.kv_connector!r}")
+        _check_choice("kv_role", self.kv_role, KV_ROLES)
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_connector_extra_config must be a JSON object")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")

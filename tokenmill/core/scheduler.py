@@ -29,6 +29,7 @@ from tokenmill.core.scheduler_output import (
 from tokenmill.core.step_cost import StepShape, chunk_context
 from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
 from tokenmill.core.stop_check import advance_grammar, check_stop
+from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
@@ -72,6 +73,7 @@ class Scheduler:
         spec_policy: SpeculationPolicy | None = None,
         spec_lookahead: bool = False,
         prefill_limits: PrefillLimits | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         """`policy` and `preemption_mode` are among `EngineConfig`'s choices (validated there):
         `SCHEDULING_POLICIES` and `PREEMPTION_MODES` in config.py say what each does."""
@@ -103,6 +105,8 @@ class Scheduler:
         # the last step's shape waits for its measured time to feed the cost model.
         self.prefill_limits = prefill_limits or PrefillLimits()
         self.itl_feedback = ItlFeedback.for_limits(self.prefill_limits)
+        # The scheduler half of a KV connector: KV loaded from outside, saved after steps.
+        self.kv_connector = kv_connector
 
     @property
     def num_preemptions(self) -> int:
@@ -187,6 +191,10 @@ class Scheduler:
             scheduled_spec_tokens=plan.spec_tokens,
             num_spec_tokens_to_propose=plan.num_to_propose,
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(
+                output, self.requests, self.kv_cache_manager.get_block_ids
+            )
         self.finished_req_ids = set()
         if self.spec_policy is not None:
             self.spec_feedback.planned(output, plan.cached_reqs.keys())
@@ -287,7 +295,9 @@ class Scheduler:
                     break
                 plan.swap_in.extend(pairs)
             else:
-                hits, num_cached = manager.get_computed_blocks(request)
+                hits, num_hit = manager.get_computed_blocks(request)
+                num_external = self._num_external_tokens(request, num_hit)
+                num_cached = num_hit + num_external
                 num_left = request.num_tokens - num_cached
                 if num_left > plan.budget and not self.enable_chunked_prefill:
                     break
@@ -295,9 +305,13 @@ class Scheduler:
                 if num_new == 0:
                     break
                 lookahead = self._lookahead(request, num_new, plan, num_cached)
-                if manager.allocate_slots(request, num_new, hits, lookahead) is None:
+                if manager.allocate_slots(request, num_new + num_external, hits, lookahead) is None:
                     break
-                manager.record_prefix_lookup(request, num_cached)
+                manager.record_prefix_lookup(request, num_hit)
+                if self.kv_connector is not None:
+                    self.kv_connector.update_state_after_alloc(
+                        request, manager.get_block_ids(request.request_id), num_external
+                    )
                 request.num_computed_tokens = num_cached
             self.waiting.remove(request)
             self.running.append(request)
@@ -310,6 +324,12 @@ class Scheduler:
             self._book_prefill(plan, num_new, num_left, num_cached)
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
+
+    def _num_external_tokens(self, request: Request, num_hit: int) -> int:
+        """Tokens past the local prefix-cache hit whose KV the connector will load."""
+        if self.kv_connector is None:
+            return 0
+        return self.kv_connector.get_num_new_matched_tokens(request, num_hit)
 
     @staticmethod
     def _num_new_tokens(num_left: int, num_cached: int, plan: _StepPlan, is_prompt: bool) -> int:
@@ -579,6 +599,10 @@ class Scheduler:
         )
 
     def _free(self, request: Request) -> None:
+        if self.kv_connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay = self.kv_connector.request_finished(request, block_ids)
+            assert not delay, "a KV connector that frees blocks later is not supported yet"
         self.kv_cache_manager.free(request)
         self.waiting.forget(request)
         self.finished_req_ids.add(request.request_id)

@@ -49,6 +49,8 @@ class SchedulerOutput:
     num_spec_tokens_to_propose: int = 0
     # Structured outputs: allowed tokens of the constrained rows the runner samples.
     grammar_bitmask: GrammarBitmask | None = None
+    # KV connector (tokenmill/kv_transfer/): what the worker half loads and saves this step.
+    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:

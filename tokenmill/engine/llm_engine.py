@@ -20,10 +20,13 @@ from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_records import StepRecord, new_step_ring
+from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
+from tokenmill.kv_transfer.factory import create_connector_pair
+from tokenmill.kv_transfer.fingerprint import model_fingerprint
 from tokenmill.layers.attention_backends import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import SINGLE
-from tokenmill.metrics.stats import EngineStats, KVBlockStates
+from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferStats
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     checkpoint_dtype,
@@ -103,6 +106,7 @@ class LLMEngine:
         )
         if config.captures_decode(self.device):
             self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
+        self.kv_connectors = self._kv_connectors(kv_spec)
         self.scheduler = self._scheduler(num_blocks, spec_lookahead=draft_spec is not None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
@@ -242,6 +246,9 @@ class LLMEngine:
             forward_seconds=self.runner.forward_seconds,
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens_prefilled,
             num_computed_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
+            kv_transfer=None
+            if self.kv_connectors is None
+            else sum((c.stats() for c in self.kv_connectors), KVTransferStats()),
         )
 
     def running_request_ids(self) -> set[str]:
@@ -317,7 +324,19 @@ class LLMEngine:
             spec_policy=self._speculation_policy(),
             spec_lookahead=spec_lookahead,
             prefill_limits=self._prefill_limits(num_blocks),
+            kv_connector=self.kv_connectors[0] if self.kv_connectors else None,
         )
+
+    def _kv_connectors(self, kv_spec: KVCacheSpec) -> tuple[KVConnectorBase, ...] | None:
+        """The configured KV connector's scheduler and worker halves; the runner gets its."""
+        config = self.config.kv_transfer_config
+        if config is None:
+            return None
+        fingerprint = model_fingerprint(self.model_dir, str(self.dtype), kv_spec)
+        context = KVConnectorContext(kv_spec, fingerprint, self.kv_cache_manager.block_hashes)
+        connectors = create_connector_pair(config, context)
+        self.runner.use_kv_connector(connectors[1])
+        return connectors
 
     def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:
         block_size = self.config.block_size

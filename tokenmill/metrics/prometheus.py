@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.metrics.itl_target import ItlTargetCollector
+from tokenmill.metrics.kv_transfer import KVTransferMetrics
 from tokenmill.metrics.recent import FinishedRecord, RecentLatencies
 from tokenmill.metrics.stats import EngineStats, SpecDecodeStats
 from tokenmill.outputs import RequestOutput
@@ -116,6 +117,8 @@ class EngineMetrics:
         )
         self.itl_target = ItlTargetCollector(PREFIX, model_name)
         registry.register(self.itl_target)
+        self._model_name = model_name
+        self.kv_transfer: KVTransferMetrics | None = None  # made when a connector reports
 
     def _add_latency_histograms(self, families: _Families) -> None:
         histogram = families.histogram
@@ -196,11 +199,19 @@ class EngineMetrics:
                 self.prefix_cache_queries, s.prefix_cache.queries - before.prefix_cache.queries
             )
             _advance(self.prefix_cache_hits, s.prefix_cache.hits - before.prefix_cache.hits)
+        self._record_kv_transfer(stats, last)
         self._last_stats = stats
         self.itl_target.stats = stats.scheduler.itl_target
         self.num_running.set(stats.scheduler.num_running)
         self.num_waiting.set(stats.scheduler.num_waiting)
         self.kv_cache_usage.set(stats.scheduler.kv_cache_usage)
+
+    def _record_kv_transfer(self, stats: EngineStats, last: EngineStats | None) -> None:
+        if stats.kv_transfer is None:
+            return
+        if self.kv_transfer is None:
+            self.kv_transfer = KVTransferMetrics(self.registry, PREFIX, self._model_name)
+        self.kv_transfer.record(stats.kv_transfer, None if last is None else last.kv_transfer)
 
     def record_outputs(self, outputs: list[RequestOutput]) -> None:
         """Latency observations from one step's delta outputs."""

@@ -75,6 +75,27 @@ class ItlTargetStats:
 
 
 @dataclass
+class KVTransferStats:
+    """Since start, through the KV connector (tokenmill/kv_transfer/): tokens whose KV was
+    loaded instead of computed, the blocks and bytes loaded and saved and the seconds that
+    took, and stored blocks found corrupt (recomputed instead)."""
+
+    num_loaded_tokens: int = 0
+    num_loaded_blocks: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    num_saved_blocks: int = 0
+    bytes_saved: int = 0
+    save_seconds: float = 0.0
+    num_corrupt_blocks: int = 0
+
+    def __add__(self, other: KVTransferStats) -> KVTransferStats:
+        return KVTransferStats(
+            *(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__)
+        )
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -105,3 +126,4 @@ class EngineStats:
     num_computed_prompt_tokens: int = 0
     step_seconds: float = 0.0  # wall time inside steps that ran requests, since start
     forward_seconds: float = 0.0  # of which in the model's forward and logits
+    kv_transfer: KVTransferStats | None = None  # with a KV connector

@@ -62,6 +62,12 @@ def format_stats_line(stats: EngineStats, last: EngineStats, elapsed: float) -> 
         accepted = spec.num_accepted_tokens - spec_before.num_accepted_tokens
         drafts = spec.num_drafts - spec_before.num_drafts
         parts.append(f"Mean acceptance length: {1 + accepted / drafts:.2f}")
+    kv, kv_before = stats.kv_transfer, last.kv_transfer
+    if kv is not None:
+        loaded = kv.num_loaded_tokens - (kv_before.num_loaded_tokens if kv_before else 0)
+        saved = kv.num_saved_blocks - (kv_before.num_saved_blocks if kv_before else 0)
+        if loaded or saved:
+            parts.append(f"KV connector: {loaded} tokens loaded, {saved} blocks saved")
     return ", ".join(parts)
 
 

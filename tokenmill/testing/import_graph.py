@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
     ("tokenmill.models",),
     ("tokenmill.structured_output",),  # grammars (xgrammar) and the step's bitmask
-    ("tokenmill.core",),  # scheduler, KV-cache manager, block pool
+    # scheduler, KV-cache manager, block pool; the KV connectors the scheduler and runner call
+    ("tokenmill.core", "tokenmill.kv_transfer"),
     # what a proposer sees of the runner (its requests' state, a step's layout)...
     ("tokenmill.worker.request_state", "tokenmill.worker.step_layout"),
     ("tokenmill.spec_decode",),

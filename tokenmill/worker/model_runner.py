@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -47,6 +48,8 @@ class StepInputs:
 
 
 class ModelRunner:
+    kv_connector: KVConnectorBase | None = None  # the worker half of a KV connector
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -89,12 +92,17 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.kv_connector is not None:
+            self._start_kv_load(self.kv_connector, scheduler_output)
         inputs = self._prepare_inputs(scheduler_output)
         start = time.perf_counter()
         hidden = self._forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
+            self.kv_connector.clear_connector_metadata()
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if inputs.sampling_states:
             if scheduler_output.grammar_bitmask is not None:
@@ -111,6 +119,16 @@ class ModelRunner:
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         return output
+
+    def use_kv_connector(self, connector: KVConnectorBase) -> None:
+        """Load and save KV blocks around each step's forward through `connector`."""
+        connector.register_kv_caches(self.kv_caches)
+        self.kv_connector = connector
+
+    @staticmethod
+    def _start_kv_load(connector: KVConnectorBase, scheduler_output: SchedulerOutput) -> None:
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        connector.start_load_kv()
 
     def use_captured_decode(
         self,

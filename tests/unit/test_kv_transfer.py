@@ -1,0 +1,301 @@
+"""The KV connector seam and its pieces without a model: the config and its flag, the
+registry, the block file format, and how the scheduler calls a connector."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.kv_transfer.base import (
+    KVConnectorBase,
+    KVConnectorContext,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from tokenmill.kv_transfer.block_file import (
+    BlockLayout,
+    CorruptBlockError,
+    read_block,
+    write_block,
+)
+from tokenmill.kv_transfer.factory import create_connector
+from tokenmill.kv_transfer.storage import SharedStorageConnector, StorageConnectorMetadata
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
+from tokenmill.metrics.stats_logger import format_stats_line
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+STORAGE = {
+    "kv_connector": "SharedStorageConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"shared_storage_path": "/tmp/x"},
+}
+
+
+# ---- config --------------------------------------------------------------------------------
+
+
+def test_kv_transfer_config_parses_vllm_fields() -> None:
+    config = KVTransferConfig.parse(
+        '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer", '
+        '"kv_connector_extra_config": {"shared_storage_path": "/d"}}'
+    )
+    assert config is not None and config.is_kv_consumer and not config.is_kv_producer
+    assert config.kv_connector_extra_config == {"shared_storage_path": "/d"}
+    assert EngineConfig(kv_transfer_config=STORAGE).kv_transfer_config == KVTransferConfig(
+        **STORAGE
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ({"kv_role": "kv_both"}, "needs a kv_connector"),
+        ({**STORAGE, "kv_ip": "1.2.3.4"}, "unknown kv_transfer_config keys"),
+        ({**STORAGE, "kv_role": "kv_leader"}, "kv_role must be one of"),
+        ({**STORAGE, "kv_connector_extra_config": []}, "must be a JSON object"),
+    ],
+)
+def test_bad_kv_transfer_configs_are_rejected(value, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        KVTransferConfig.parse(value)
+
+
+def test_unsupported_combinations_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
+        EngineConfig(kv_transfer_config=STORAGE, tensor_parallel_size=2)
+    eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="only ngram"):
+        EngineConfig(kv_transfer_config=STORAGE, speculative_config=eagle)
+
+
+def test_the_flag_takes_json() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-transfer-config", '{"kv_connector": "SharedStorageConnector"}'])
+    config = engine_config_from_args(args).kv_transfer_config
+    assert config is not None and config.kv_role == "kv_both"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transfer-config", '{"kv_role": "kv_both"}'])
+
+
+# ---- registry ------------------------------------------------------------------------------
+
+
+def context(block_size: int = 4, dtype: torch.dtype = torch.float32) -> KVConnectorContext:
+    spec = KVCacheSpec(num_layers=2, block_size=block_size, num_kv_heads=2, head_dim=4, dtype=dtype)
+    return KVConnectorContext(spec, "f" * 64, KVCacheManager(8, block_size).block_hashes)
+
+
+def test_unknown_connectors_and_missing_paths_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown kv_connector 'Nope'"):
+        create_connector(
+            KVTransferConfig(kv_connector="Nope"), KVConnectorRole.SCHEDULER, context()
+        )
+    with pytest.raises(ConfigError, match="shared_storage_path"):
+        create_connector(
+            KVTransferConfig(kv_connector="SharedStorageConnector"),
+            KVConnectorRole.WORKER,
+            context(),
+        )
+
+
+# ---- block files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_block_files_round_trip_and_catch_corruption(tmp_path: Path, dtype) -> None:
+    layout = BlockLayout((2, 2, 4, 2, 4 * dtype.itemsize), str(dtype))
+    payload = torch.randint(0, 256, layout.shape, dtype=torch.uint8)
+    path = tmp_path / "block.kv"
+    write_block(path, payload, layout)
+    assert torch.equal(read_block(path, layout), payload)
+    assert not list(tmp_path.glob(".*"))  # the temporary file was renamed into place
+
+    other = BlockLayout((2, 2, 8, 2, 4 * dtype.itemsize), str(dtype))
+    with pytest.raises(CorruptBlockError, match="another KV layout"):
+        read_block(path, other)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        read_block(path, layout)
+    path.write_bytes(bytes(data[:-3]))
+    with pytest.raises(CorruptBlockError, match="payload bytes"):
+        read_block(path, layout)
+    path.write_bytes(b"garbage\n")
+    with pytest.raises(CorruptBlockError, match="not a tokenmill KV block"):
+        read_block(path, layout)
+    with pytest.raises(FileNotFoundError):
+        read_block(tmp_path / "missing.kv", layout)
+
+
+# ---- the scheduler's hooks -----------------------------------------------------------------
+
+
+class RecordingConnector(KVConnectorBase):
+    """Offers `num_external` tokens for every request, records what the scheduler tells it."""
+
+    def __init__(self, num_external: int) -> None:
+        super().__init__(KVTransferConfig(kv_connector="fake"), KVConnectorRole.SCHEDULER, None)
+        self.num_external = num_external
+        self.allocated: list[tuple[str, list[int], int]] = []
+        self.finished: list[str] = []
+        self.metas = 0
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        return self.num_external
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        self.allocated.append((request.request_id, list(block_ids), num_external_tokens))
+
+    def build_connector_meta(
+        self,
+        scheduler_output: SchedulerOutput,
+        requests: Mapping[str, Request],
+        block_ids: Callable[[str], list[int]],
+    ) -> KVConnectorMetadata:
+        self.metas += 1
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        self.finished.append(request.request_id)
+        return False
+
+    def start_load_kv(self) -> None: ...
+
+    def wait_for_save(self) -> None: ...
+
+
+def make_scheduler(connector: KVConnectorBase | None) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(32, 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        kv_connector=connector,
+    )
+
+
+def request(request_id: str, num_prompt: int = 13) -> Request:
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    return Request(request_id, list(range(10, 10 + num_prompt)), params, max_tokens=2)
+
+
+def test_external_tokens_are_computed_and_allocated() -> None:
+    connector = RecordingConnector(num_external=8)
+    scheduler = make_scheduler(connector)
+    scheduler.add_request(request("a"))
+    output = scheduler.schedule()
+    assert isinstance(output.kv_connector_metadata, KVConnectorMetadata)
+    assert output.num_scheduled_tokens == {"a": 13 - 8}  # only the rest is computed
+    (new,) = output.scheduled_new_reqs
+    assert new.num_computed_tokens == 8 and len(new.block_ids) == 4  # 13 tokens, blocks of 4
+    assert connector.allocated == [("a", new.block_ids, 8)]
+    assert scheduler.requests["a"].num_cached_tokens == 8
+    scheduler.update_from_output(output, ModelRunnerOutput(["a"], [[1]]))
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert connector.finished == ["a"]
+
+
+def test_without_a_connector_nothing_changes() -> None:
+    scheduler = make_scheduler(None)
+    scheduler.add_request(request("a"))
+    output = scheduler.schedule()
+    assert output.kv_connector_metadata is None
+    assert output.num_scheduled_tokens == {"a": 13}
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+
+def engine_stats(kv_transfer: KVTransferStats | None) -> EngineStats:
+    scheduler = SchedulerStats(0, 0, 0, 0, 0, 1)
+    return EngineStats(scheduler, 0, 0, 0, kv_transfer=kv_transfer)
+
+
+def test_prometheus_counts_connector_loads_and_saves() -> None:
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "m")
+    metrics.record_stats(engine_stats(None))
+    assert b"kv_connector" not in generate_latest(registry)  # no connector: no families
+    metrics.record_stats(engine_stats(KVTransferStats(num_loaded_tokens=16, bytes_loaded=100)))
+    metrics.record_stats(
+        engine_stats(KVTransferStats(num_loaded_tokens=48, bytes_loaded=300, num_saved_blocks=2))
+    )
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(f"tokenmill:{name}_total", {"model_name": "m"})
+
+    assert value("kv_connector_loaded_tokens") == 48
+    assert value("kv_connector_loaded_bytes") == 300
+    assert value("kv_connector_saved_blocks") == 2
+    assert value("kv_connector_corrupt_blocks") == 0
+
+
+# ---- the storage connector's halves, on fake caches --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_storage_round_trip_between_halves(tmp_path: Path, dtype) -> None:
+    config = KVTransferConfig(
+        kv_connector="SharedStorageConnector",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )
+    ctx = context(dtype=dtype)
+    scheduler_half = create_connector(config, KVConnectorRole.SCHEDULER, ctx)
+    worker_half = create_connector(config, KVConnectorRole.WORKER, ctx)
+    assert isinstance(scheduler_half, SharedStorageConnector)
+    caches = [torch.randn(2, 8, 4, 2, 4).to(dtype) for _ in range(ctx.kv_cache_spec.num_layers)]
+    worker_half.register_kv_caches(caches)
+    probe = request("a", num_prompt=12)  # three full blocks; the last token is computed
+    hashes = ctx.block_hashes(probe)
+    worker_half.bind_connector_metadata(
+        StorageConnectorMetadata(saves=[(5, hashes[0]), (6, hashes[1]), (7, hashes[2])])
+    )
+    worker_half.wait_for_save()
+    assert worker_half.stats().num_saved_blocks == 3
+
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4  # after a local hit
+    for path in scheduler_half.directory.iterdir():
+        path.unlink()
+    # Asked again with the same local hit (a request waiting for blocks): not read again.
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 0  # a new match: gone
+    assert scheduler_half.stats().num_corrupt_blocks == 0
+
+    worker_half.wait_for_save()  # the files are written again
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
+    scheduler_half.update_state_after_alloc(probe, [1, 2, 3, 4], 8)
+    metadata = scheduler_half.build_connector_meta(SchedulerOutput([], [], {}, 0), {}, lambda _: [])
+    worker_half.bind_connector_metadata(metadata)
+    worker_half.start_load_kv()
+    for cache in caches:
+        as_bytes = cache.view(torch.uint8)
+        assert torch.equal(as_bytes[:, 1], as_bytes[:, 5])
+        assert torch.equal(as_bytes[:, 2], as_bytes[:, 6])
+        assert not torch.equal(as_bytes[:, 3], as_bytes[:, 7])  # not loaded
+    assert scheduler_half.stats().num_loaded_tokens == 8
+
+
+def test_the_stats_line_shows_the_intervals_loads_and_saves() -> None:
+    before = engine_stats(KVTransferStats(num_loaded_tokens=16, num_saved_blocks=1))
+    now = engine_stats(KVTransferStats(num_loaded_tokens=48, num_saved_blocks=3))
+    assert "KV connector: 32 tokens loaded, 2 blocks saved" in format_stats_line(now, before, 1.0)
+    assert "KV connector" not in format_stats_line(now, now, 1.0)  # nothing this interval
+    assert "KV connector" not in format_stats_line(engine_stats(None), engine_stats(None), 1.0)
