@@ -184,6 +184,21 @@ def test_mutating_and_costly_routes_need_the_api_key(
     assert httpx.request(method, server.url + path, json=body, headers=keyed).status_code == 200
 
 
+def test_metrics_need_the_api_key(server: Server) -> None:
+    """/metrics' prefix-cache counters moved by exactly the cached tokens of another client's
+    unsalted prompt: a side channel open to anyone without the key."""
+    response = httpx.get(server.url + "/metrics")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert "prefix_cache" not in response.text
+
+
+def test_every_response_says_nosniff(server: Server) -> None:
+    for path in ("/health", "/version", "/v1/models", "/nope"):
+        response = httpx.get(server.url + path)
+        assert response.headers["x-content-type-options"] == "nosniff", path
+
+
 # ---- no input produces a 5xx --------------------------------------------------------------------
 
 # Any code point, lone surrogates and NUL among them; those two drawn often, since among all

@@ -135,8 +135,8 @@ def test_ctrl_c_shuts_down_cleanly_without_a_traceback(model_dir: Path, tmp_path
 
 
 def _wait_for_running(url: str, num_running: int) -> None:
-    deadline = time.monotonic() + 30
-    with httpx.Client(base_url=url) as client:
+    deadline = time.monotonic() + 60  # a hang guard
+    with httpx.Client(base_url=url, headers=HEADERS) as client:
         while scrape(client)["tokenmill:num_requests_running"] < num_running:
             assert time.monotonic() < deadline, f"never saw {num_running} requests running"
             time.sleep(0.01)

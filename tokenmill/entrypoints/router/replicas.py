@@ -33,12 +33,21 @@ class Replica:
 class ReplicaSet:
     """The replicas and the loop that checks them every `interval` seconds."""
 
-    def __init__(self, urls: list[str], interval: float = 1.0, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        api_key: str | None = None,
+    ) -> None:
         if not urls:
             raise ValueError("the router needs at least one --backend")
         self.replicas = {url: Replica(url) for url in (u.rstrip("/") for u in urls)}
         self.interval = interval
         self.timeout = timeout
+        # The replicas' /metrics needs their --api-key, if they have one.
+        self.scrape_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._unscraped: set[str] = set()  # replicas whose /metrics refused us (logged once)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -62,12 +71,24 @@ class ReplicaSet:
             if health.status_code != 200:
                 self.mark_down(replica, f"/health answered {health.status_code}")
                 return
-            metrics = await client.get(f"{replica.url}/metrics", timeout=self.timeout)
-            metrics.raise_for_status()
+            metrics = await client.get(
+                f"{replica.url}/metrics", timeout=self.timeout, headers=self.scrape_headers
+            )
+            if metrics.status_code != 401:
+                metrics.raise_for_status()
         except httpx.HTTPError as e:
             self.mark_down(replica, f"health check failed: {e!r}")
             return
-        replica.waiting, replica.kv_usage = load_from_metrics(metrics.text)
+        if metrics.status_code == 401:  # healthy, but its load is behind a key we lack
+            if replica.url not in self._unscraped:
+                self._unscraped.add(replica.url)
+                logger.warning(
+                    "replica %s wants an API key on /metrics: its load is unknown to the "
+                    "router (give the router the key, or the replica --metrics-without-api-key)",
+                    replica.url,
+                )
+        else:
+            replica.waiting, replica.kv_usage = load_from_metrics(metrics.text)
         if not replica.healthy:
             logger.info("replica %s is healthy: in rotation", replica.url)
         replica.healthy = True

@@ -18,7 +18,9 @@ logger = logging.getLogger("tokenmill.router")
 def run_router(
     args: argparse.Namespace, listener: socket.socket, backends: list[str], policy: str
 ) -> None:
-    replicas = ReplicaSet(backends, interval=args.health_check_interval)
+    replicas = ReplicaSet(
+        backends, interval=args.health_check_interval, api_key=getattr(args, "api_key", None)
+    )
     app = build_router_app(
         replicas,
         make_policy(policy, args.balance_abs_threshold, args.balance_rel_threshold),

@@ -1,0 +1,55 @@
+"""The router's health checks of replicas whose /metrics needs their --api-key (it does once
+they have one): scraped with the key when the router has it; without it a replica stays in
+rotation (its /health passed), its load unknown, and the log says why once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metrics
+from tokenmill.entrypoints.router.replicas import ReplicaSet
+
+KEY = "sk-replica"
+URL = "http://replica:8000"
+METRICS = 'tokenmill:num_requests_waiting{model_name="m"} 3.0\n'
+
+
+def keyed_replica(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/health":
+        return httpx.Response(200)
+    if request.headers.get("authorization") != f"Bearer {KEY}":
+        return httpx.Response(401, json={"error": {"code": "invalid_api_key"}})
+    return httpx.Response(200, text=METRICS)
+
+
+def check(replicas: ReplicaSet) -> str:
+    async def run() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(keyed_replica)) as client:
+            await replicas.check_all(client)
+            return (await aggregated_metrics(RouterMetrics(replicas), replicas, client)).decode()
+
+    return asyncio.run(run())
+
+
+def test_the_router_scrapes_keyed_replicas_with_the_key() -> None:
+    replicas = ReplicaSet([URL], api_key=KEY)
+    text = check(replicas)
+    replica = replicas.replicas[URL]
+    assert replica.healthy and replica.waiting == 3.0
+    assert f'tokenmill:num_requests_waiting{{model_name="m",replica="{URL}"}} 3.0' in text
+
+
+def test_without_the_key_a_keyed_replica_stays_in_rotation_and_the_log_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    replicas = ReplicaSet([URL])
+    with caplog.at_level(logging.WARNING, logger="tokenmill.router"):
+        check(replicas)
+        check(replicas)
+    assert replicas.replicas[URL].healthy and replicas.replicas[URL].waiting == 0.0
+    warnings = [r.getMessage() for r in caplog.records if "wants an API key" in r.getMessage()]
+    assert len(warnings) == 1 and URL in warnings[0]
