@@ -12,10 +12,13 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
+from server_utils import start_server, stop_server
 
 from tokenmill.entrypoints.openai import connections
 from tokenmill.entrypoints.openai.connections import (
@@ -193,3 +196,48 @@ def test_accept_errors_reach_the_log_rate_limited_and_others_unchanged(
     assert sum("out of system resource" in m for m in messages) == 1
     assert "Too many open files" in messages[0]
     assert any("something else" in m for m in messages)
+
+
+# `tokenmill serve` with 256 file descriptors at most (soft and hard: it cannot raise them).
+FEW_DESCRIPTORS = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from tokenmill.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_trickling_clients_cannot_starve_a_server_of_file_descriptors(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """300 connections trickling their headers, against 256 descriptors: before, /health
+    stopped answering and the log filled with "Too many open files"; now the cap (256 - 128)
+    refuses the excess at once, the header timeout closes the tricklers, /health answers."""
+    server = start_server(
+        model_dir, tmp_path / "server.log", "--header-read-timeout", "1",
+        launcher=("-c", FEW_DESCRIPTORS),
+    )  # fmt: skip
+    port = int(server.url.rsplit(":", 1)[1])
+    tricklers: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            sock = connect(port)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: te")
+            tricklers.append(sock)
+        deadline = time.monotonic() + HANG_GUARD_SECONDS
+        while True:
+            try:
+                if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, server.log[-2000:]
+            time.sleep(0.1)
+        log = server.log
+        assert "at most 128 connections" in log
+        assert "refused a connection: 128 open (--max-connections)" in log
+        assert log.count("Too many open files") <= 3
+    finally:
+        for sock in tricklers:
+            sock.close()
+        stop_server(server)
