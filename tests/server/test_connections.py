@@ -215,7 +215,7 @@ def test_trickling_clients_cannot_starve_a_server_of_file_descriptors(
     refuses the excess at once, the header timeout closes the tricklers, /health answers."""
     server = start_server(
         model_dir, tmp_path / "server.log", "--header-read-timeout", "1",
-        launcher=("-c", FEW_DESCRIPTORS),
+        "--metrics-without-api-key", launcher=("-c", FEW_DESCRIPTORS),
     )  # fmt: skip
     port = int(server.url.rsplit(":", 1)[1])
     tricklers: list[socket.socket] = []
@@ -233,6 +233,8 @@ def test_trickling_clients_cannot_starve_a_server_of_file_descriptors(
                 pass
             assert time.monotonic() < deadline, server.log[-2000:]
             time.sleep(0.1)
+        assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200  # no key
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
         log = server.log
         assert "at most 128 connections" in log
         assert "refused a connection: 128 open (--max-connections)" in log
