@@ -1,6 +1,7 @@
 """The router's health checks of replicas whose /metrics needs their --api-key (it does once
-they have one): scraped with the key when the router has it; without it a replica stays in
-rotation (its /health passed), its load unknown, and the log says why once."""
+they have one): scraped with the key when the router has it; without it (`tokenmill router`
+with no --api-key in front of keyed servers) a replica stays in rotation (its /health passed),
+its load unknown, and the log says why once."""
 
 from __future__ import annotations
 
@@ -26,9 +27,14 @@ def keyed_replica(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, text=METRICS)
 
 
-def check(replicas: ReplicaSet) -> str:
+def check(replicas: ReplicaSet, key: str | None = None) -> str:
+    """One round of health checks and an aggregated scrape, by a client that sends `key` on
+    every request, as the router's does (router/app.py)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    transport = httpx.MockTransport(keyed_replica)
+
     async def run() -> str:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(keyed_replica)) as client:
+        async with httpx.AsyncClient(transport=transport, headers=headers) as client:
             await replicas.check_all(client)
             return (await aggregated_metrics(RouterMetrics(replicas), replicas, client)).decode()
 
@@ -36,8 +42,8 @@ def check(replicas: ReplicaSet) -> str:
 
 
 def test_the_router_scrapes_keyed_replicas_with_the_key() -> None:
-    replicas = ReplicaSet([URL], api_key=KEY)
-    text = check(replicas)
+    replicas = ReplicaSet([URL])
+    text = check(replicas, KEY)
     replica = replicas.replicas[URL]
     assert replica.healthy and replica.waiting == 3.0
     assert f'tokenmill:num_requests_waiting{{model_name="m",replica="{URL}"}} 3.0' in text

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -43,7 +43,7 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output import StructuredOutputsParams, backend
+from tokenmill.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,10 @@ class GenerationRun(ABC, Generic[RequestT]):
             for i, state in enumerate(self.prompts)
         ]
         constraint = engine_requests[0].params.structured_outputs  # the request's, every prompt's
-        if isinstance(constraint, StructuredOutputsParams):
-            await self.ctx.off_loop(backend.validate, constraint)  # not on the engine thread
+        if isinstance(constraint, StructuredOutputsParams):  # a 400 here if it can't be used
+            prepared = self.ctx.prepare_structured_outputs(constraint)
+            if await cancel_on_disconnect(raw_request, _done(prepared)) is None:
+                return Response(status_code=499)  # gone while it compiled: its hold released
         stream = await self.ctx.engine.add_requests(engine_requests, arrival_time)
         if self.request.stream:
             return EventStreamResponse(self.events(stream))
@@ -225,3 +227,9 @@ class GenerationRun(ABC, Generic[RequestT]):
         if output.prompt_logprobs is not None:
             state.logprobs = output.prompt_logprobs
         return prompt_index
+
+
+async def _done(work: Awaitable[None]) -> bool:
+    """True once `work` is done: `cancel_on_disconnect` answers None for a client gone."""
+    await work
+    return True

@@ -64,7 +64,7 @@ async def aggregated_metrics(
 ) -> bytes:
     """The router's own metrics, then each healthy replica's, labelled `replica`."""
     urls = [r.url for r in replicas.healthy()]
-    texts = await asyncio.gather(*(_scrape(client, url, replicas) for url in urls))
+    texts = await asyncio.gather(*(_scrape(client, url, replicas.timeout) for url in urls))
     merged: dict[str, Metric] = {}
     for url, text in zip(urls, texts):
         if text is None:
@@ -81,11 +81,9 @@ async def aggregated_metrics(
     return generate_latest(metrics.registry) + generate_latest(replica_registry)
 
 
-async def _scrape(client: httpx.AsyncClient, url: str, replicas: ReplicaSet) -> str | None:
+async def _scrape(client: httpx.AsyncClient, url: str, timeout: float) -> str | None:
     try:
-        response = await client.get(
-            f"{url}/metrics", timeout=replicas.timeout, headers=replicas.scrape_headers
-        )
+        response = await client.get(f"{url}/metrics", timeout=timeout)
         response.raise_for_status()
     except httpx.HTTPError:
         return None  # a replica that cannot answer is left out of this scrape

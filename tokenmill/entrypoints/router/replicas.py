@@ -33,20 +33,12 @@ class Replica:
 class ReplicaSet:
     """The replicas and the loop that checks them every `interval` seconds."""
 
-    def __init__(
-        self,
-        urls: list[str],
-        interval: float = 1.0,
-        timeout: float = 2.0,
-        api_key: str | None = None,
-    ) -> None:
+    def __init__(self, urls: list[str], interval: float = 1.0, timeout: float = 2.0) -> None:
         if not urls:
             raise ValueError("the router needs at least one --backend")
         self.replicas = {url: Replica(url) for url in (u.rstrip("/") for u in urls)}
         self.interval = interval
         self.timeout = timeout
-        # The replicas' /metrics needs their --api-key, if they have one.
-        self.scrape_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._unscraped: set[str] = set()  # replicas whose /metrics refused us (logged once)
 
     def healthy(self) -> list[Replica]:
@@ -54,8 +46,13 @@ class ReplicaSet:
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
-            logger.warning("replica %s taken out of rotation: %s", replica.url, reason)
-        replica.healthy = False
+            replica.healthy = False
+            logger.warning(
+                "replica %s taken out of rotation: %s (%s)", replica.url, reason, self.capacity()
+            )
+
+    def capacity(self) -> str:
+        return f"{len(self.healthy())} of {len(self.replicas)} replicas in rotation"
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self._check(client, r) for r in self.replicas.values()))
@@ -71,9 +68,8 @@ class ReplicaSet:
             if health.status_code != 200:
                 self.mark_down(replica, f"/health answered {health.status_code}")
                 return
-            metrics = await client.get(
-                f"{replica.url}/metrics", timeout=self.timeout, headers=self.scrape_headers
-            )
+            # With --api-key the client sends it (app.py); a replica's /metrics needs it.
+            metrics = await client.get(f"{replica.url}/metrics", timeout=self.timeout)
             if metrics.status_code != 401:
                 metrics.raise_for_status()
         except httpx.HTTPError as e:
@@ -90,8 +86,8 @@ class ReplicaSet:
         else:
             replica.waiting, replica.kv_usage = load_from_metrics(metrics.text)
         if not replica.healthy:
-            logger.info("replica %s is healthy: in rotation", replica.url)
-        replica.healthy = True
+            replica.healthy = True
+            logger.info("replica %s is healthy: in rotation (%s)", replica.url, self.capacity())
 
 
 def load_from_metrics(text: str) -> tuple[float, float]:
