@@ -11,7 +11,10 @@ import logging
 import httpx
 import pytest
 
+from tokenmill.entrypoints.router.app import build_router_app
+from tokenmill.entrypoints.router.guard import OPEN_PATHS
 from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metrics
+from tokenmill.entrypoints.router.policies import make_policy
 from tokenmill.entrypoints.router.replicas import ReplicaSet
 
 KEY = "sk-replica"
@@ -59,3 +62,17 @@ def test_without_the_key_a_keyed_replica_stays_in_rotation_and_the_log_says_why(
     assert replicas.replicas[URL].healthy and replicas.replicas[URL].waiting == 0.0
     warnings = [r.getMessage() for r in caplog.records if "wants an API key" in r.getMessage()]
     assert len(warnings) == 1 and URL in warnings[0]
+
+
+def test_the_routers_metrics_need_its_key_as_a_servers_do() -> None:
+    """The router's /metrics carries every replica's prefix-cache counters."""
+    app = build_router_app(ReplicaSet([URL]), make_policy("round-robin", 0, 0), api_key=KEY)
+
+    async def get(path: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)  # no lifespan: nothing reaches a replica
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await client.get(path)
+
+    refused = asyncio.run(get("/metrics"))
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert "/metrics" not in OPEN_PATHS and {"/health", "/version"} <= OPEN_PATHS
