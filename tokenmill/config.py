@@ -88,6 +88,8 @@ class SpeculativeConfig:
                 f"speculative_config needs a method: one of {', '.join(SPECULATIVE_METHODS)}"
             )
         value = {"num_speculative_tokens": 4, **value}
+        for name, given in value.items():
+            _check_json_type(name, given, SPECULATIVE_FIELD_TYPES[name])
         return cls(**value)
 
     def __post_init__(self) -> None:
@@ -99,6 +101,26 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         _check_choice("speculative draft_weights", self.draft_weights, ("auto", "int8", "full"))
+
+
+# The JSON types each `--speculative-config` key takes (bool is not an int here).
+SPECULATIVE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "method": (str,),
+    "num_speculative_tokens": (int,),
+    "prompt_lookup_min": (int,),
+    "prompt_lookup_max": (int,),
+    "model": (str, type(None)),
+    "adaptive": (bool,),
+    "draft_weights": (str,),
+}
+_JSON_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", type(None): "null"}
+
+
+def _check_json_type(name: str, given: Any, allowed: tuple[type, ...]) -> None:
+    if type(given) in allowed:  # exact: True is not an integer, 4.0 is not one either
+        return
+    expected = " or ".join(_JSON_TYPE_NAMES[t] for t in allowed)
+    raise ConfigError(f"speculative_config {name} must be {expected}, got {json.dumps(given)[:80]}")
 
 
 # Structured outputs: the backends vLLM names; "auto" and "xgrammar" both mean xgrammar, the

@@ -4,6 +4,8 @@ engine settings that must not change greedy answers don't, and the CLI and serve
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -84,6 +86,27 @@ def test_models_command_lists_the_builtin_models(capsys) -> None:
     assert "tokenmill-demo-target" in out and "tokenmill-demo-draft" in out
 
 
+def suggested_commands(out: str) -> str:
+    """The block of commands `tokenmill models` prints, as a newcomer would paste it."""
+    block = out.split("Try these", 1)[1].split("\n", 1)[1]
+    return block.split("\n\nMeasure it", 1)[0]
+
+
+def test_the_suggested_commands_give_the_prompts_when_pasted(capsys) -> None:
+    """They printed `--prompt '...\\n...'`: pasted, the backslash-n stayed two characters."""
+    assert main(["models"]) == 0
+    block = suggested_commands(capsys.readouterr().out)
+    words = shlex.split(block, comments=True)
+    commands = " ".join(words).count("tokenmill generate --chat --prompt")
+    assert commands == len(EXAMPLES)
+    prompts = [words[i + 1] for i, word in enumerate(words) if word == "--prompt"]
+    assert prompts == list(EXAMPLES)
+    # And as bash runs them, with `tokenmill` standing in for a function that prints --prompt.
+    script = 'tokenmill() { printf "%s\\0" "$4"; }\n' + block
+    ran = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    assert ran.stdout.split("\0")[:-1] == list(EXAMPLES)
+
+
 # The README's offline `llm.chat` example, whose reply it shows in a comment.
 README_CHAT_EXAMPLE = ("Reverse this list: cat dog fox", "fox dog cat")
 
@@ -125,8 +148,12 @@ class _FakeChatServer(BaseHTTPRequestHandler):
     def _authorized(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {API_KEY}":
             return True
+        error = {"error": {"message": "Incorrect API key provided.", "code": "invalid_api_key"}}
+        data = json.dumps(error).encode()
         self.send_response(401)
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        self.wfile.write(data)
         return False
 
     def _send(self, payload: dict) -> None:
@@ -149,6 +176,29 @@ def fake_server() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+def test_eval_of_a_keyed_server_reads_the_key_from_the_environment(
+    fake_server: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """As `tokenmill serve` reads $TOKENMILL_API_KEY."""
+    monkeypatch.setenv("TOKENMILL_API_KEY", API_KEY)
+    argv = ["eval", "--url", fake_server, "--tasks", "reverse", "--num-per-task", "2"]
+    assert main([*argv, "--disable-tqdm"]) == 0
+    assert "2/2" in capsys.readouterr().out
+
+
+def test_eval_without_the_key_says_what_the_server_said_and_what_to_do(
+    fake_server: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    argv = ["eval", "--url", fake_server, "--tasks", "reverse", "--num-per-task", "2"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "/v1/models answered 401: Incorrect API key provided." in error
+    assert "--api-key" in error and "TOKENMILL_API_KEY" in error
+    assert main([*argv, "--api-key", "wrong"]) == 2
+    assert "the key given (--api-key or $TOKENMILL_API_KEY) was refused" in capsys.readouterr().err
 
 
 def test_server_eval_uses_the_chat_completions_api(fake_server: str, capsys) -> None:

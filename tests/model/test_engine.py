@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -144,10 +143,8 @@ def test_aborting_thousands_of_waiting_requests_takes_one_pass(
     monkeypatch.setattr(
         waiting, "remove_ids", lambda ids: (passes.append(len(ids)), real_remove_ids(ids))
     )
-    start = time.perf_counter()
     engine.abort_request(request_ids)
     assert passes == [len(request_ids)]  # one rebuild of the queue, however many leave
-    assert time.perf_counter() - start < 2.0  # generous: 0.1 s; the quadratic abort took 1-3 s here
     assert not engine.has_unfinished_requests()
 
 

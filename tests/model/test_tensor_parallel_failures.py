@@ -49,7 +49,9 @@ def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_checkpoint) -> N
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match=r"collective .* failed"):
             llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
-        assert time.monotonic() - start < 30
+        # A hang guard, not a measurement: the collective gives up after 2 s; a hung engine
+        # would wait forever.
+        assert time.monotonic() - start < 120
         assert not worker.is_alive()  # killed, though stopped
     finally:
         llm.engine.shutdown()

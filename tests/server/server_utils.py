@@ -120,10 +120,11 @@ IDLE = {
 
 
 def wait_for(
-    http: httpx.Client, expected: dict[str, float], timeout: float = 10.0
+    http: httpx.Client, expected: dict[str, float], timeout: float = 60.0
 ) -> dict[str, float]:
-    """Poll /metrics until every metric in `expected` has its value (or the timeout passes);
-    the last scrape. Requests finish asynchronously to what a client sees, e.g. an abort."""
+    """Poll /metrics until every metric in `expected` has its value (or the timeout, a hang
+    guard for a loaded machine, passes); the last scrape. Requests finish asynchronously to
+    what a client sees, e.g. an abort."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = scrape(http)
@@ -132,6 +133,6 @@ def wait_for(
         time.sleep(0.05)
 
 
-def wait_until_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+def wait_until_idle(http: httpx.Client, timeout: float = 60.0) -> dict[str, float]:
     """Poll /metrics until nothing runs, waits or holds KV blocks."""
     return wait_for(http, IDLE, timeout)

@@ -92,7 +92,7 @@ def test_an_idle_server_streams_empty_state(dashboard_http: httpx.Client) -> Non
     assert first["queues"] == {"running": 0, "waiting": 0, "swapped": 0}
     assert first["totals"]["generation_tokens"] == first["totals"]["finished_requests"] == 0
     assert first["kv"]["num_used"] == 0 and set(first["kv"]["block_map"]) == {"0"}
-    assert 0.2 < second["now"] - first["now"] < 2.0  # every quarter second, on a busy machine
+    assert second["now"] > first["now"]  # a later snapshot (the interval is the server's sleep)
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,9 @@ def test_the_dashboard_in_a_real_browser(
                 "queue-waiting": metrics["tokenmill:num_requests_waiting"],
                 "kv-usage": metrics["tokenmill:kv_cache_usage_perc"],
             }
-            deadline = time.monotonic() + 10
+            deadline = (
+                time.monotonic() + 60
+            )  # a hang guard: the board updates several times a second
             while True:
                 shown = page.evaluate(
                     """() => Object.fromEntries([...document.querySelectorAll('[data-value]')]
@@ -322,9 +324,9 @@ def test_an_open_dashboard_does_not_hold_up_shutdown(dashboard_server: Server) -
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("GET", url, headers=headers, timeout=60) as response:
         assert next(response.iter_lines()) == "event: setup"
-        start = time.monotonic()
-        # uvicorn re-raises the signal once it has shut down cleanly.
-        assert stop_server(dashboard_server) in (0, -signal.SIGTERM)
-        elapsed = time.monotonic() - start
-    # Without the stream ending itself, uvicorn would wait --shutdown-timeout (30 s) for it.
-    assert elapsed < 15, dashboard_server.log
+        # uvicorn re-raises the signal once it has shut down cleanly. (120 s: a hang guard.)
+        assert stop_server(dashboard_server, timeout=120) in (0, -signal.SIGTERM)
+    # Without the stream ending itself, uvicorn would wait out --shutdown-timeout for it and
+    # then cancel it, saying so.
+    assert "timeout graceful shutdown exceeded" not in dashboard_server.log, dashboard_server.log
+    assert "Application shutdown complete" in dashboard_server.log

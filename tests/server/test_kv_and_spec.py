@@ -135,7 +135,8 @@ def test_speculative_decoding_metrics_move(spec_server: Server, client: openai.O
     fast = spec_client.completions.create(**args, extra_body={"ignore_eos": True})
     plain = client.completions.create(**args, extra_body={"ignore_eos": True})
     assert fast.choices[0].text == plain.choices[0].text
-    with httpx.Client(base_url=spec_server.url) as http:
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=spec_server.url, headers=keyed) as http:
         metrics = scrape(http)
     drafts = metrics["tokenmill:spec_decode_num_draft_tokens_total"]
     accepted = metrics["tokenmill:spec_decode_num_accepted_tokens_total"]

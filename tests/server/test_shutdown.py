@@ -63,7 +63,6 @@ def test_sigterm_drains_in_flight_requests_then_exits(model_dir: Path, tmp_path:
         short_request = threading.Thread(target=short)
         short_request.start()
         _wait_for_running(server.url, 128 + 1)  # both requests are in the engine
-        signal_time = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
 
         assert _refuses_connections(server.url), "still accepting after SIGTERM"
@@ -76,7 +75,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(model_dir: Path, tmp_path:
         # uvicorn re-raises the signal once it has shut down cleanly, so a supervisor sees
         # "ended by SIGTERM" (the log line below shows the shutdown ran to completion).
         assert server.process.returncode in (0, -signal.SIGTERM)
-        assert time.monotonic() - signal_time < GRACE_SECONDS + 10
+        # Ended by the grace period's error, not by uvicorn giving up on the task (the 30 s
+        # waits above are hang guards).
+        assert "timeout graceful shutdown exceeded" not in server.log
         # Cut at the end of the grace period, but cleanly: an error event, then [DONE].
         assert long_events, "the long stream never started"
         assert long_events[-1] == "[DONE]"
@@ -195,8 +196,8 @@ def test_ctrl_c_shuts_down_cleanly_without_a_traceback(model_dir: Path, tmp_path
 
 
 def _wait_for_running(url: str, num_running: int) -> None:
-    deadline = time.monotonic() + 30
-    with httpx.Client(base_url=url) as client:
+    deadline = time.monotonic() + 60  # a hang guard
+    with httpx.Client(base_url=url, headers=HEADERS) as client:
         while scrape(client)["tokenmill:num_requests_running"] < num_running:
             assert time.monotonic() < deadline, f"never saw {num_running} requests running"
             time.sleep(0.01)

@@ -4,9 +4,11 @@ a version, and an unknown flag answered with the usage of the command it was giv
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -53,7 +55,21 @@ def test_a_secret_from_the_environment_stays_out_of_the_help(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("TOKENMILL_API_KEY", "sk-very-secret")
-    assert "sk-very-secret" not in help_text(["serve", "--help"], capsys)
+    for command in (["serve"], ["bench", "serve"], ["eval"]):
+        assert "sk-very-secret" not in help_text([*command, "--help"], capsys), command
+
+
+def test_the_api_key_help_names_every_route_it_guards(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "/v1 routes"; docs/server.md's flag table lists the keyed routes."""
+    docs = (Path(__file__).parents[2] / "docs" / "server.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--api-key KEY`"))
+    keyed = re.findall(r"`(/[^`]*)`", row)
+    assert {"/v1/*", "/metrics", "/tokenize"} <= set(keyed)
+    serve = help_text(["serve", "--help"], capsys)
+    entry = serve.split("\n  --api-key API_KEY", 1)[1].split("\n  --", 1)[0]
+    api_key_help = " ".join(entry.split())
+    for route in keyed:
+        assert route in api_key_help, route
 
 
 def test_top_level_help_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
+from tokenmill.config import SPECULATIVE_FIELD_TYPES, ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args, flag_names
 
 
@@ -85,3 +85,54 @@ def test_engine_config_takes_only_a_parsed_speculative_config() -> None:
 def test_choices_are_checked_by_the_config_too() -> None:
     with pytest.raises(ConfigError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="lifo")
+
+
+SPECULATIVE_JUNK = [
+    '{"method": "ngram"',
+    "[]",
+    '"ngram"',
+    "null",
+    "NaN",
+    "{}",
+    '{"method": "magic"}',
+    '{"method": 4}',
+    '{"method": "ngram", "num_speculative_tokens": "4"}',
+    '{"method": "ngram", "num_speculative_tokens": 0}',
+    '{"method": "ngram", "num_speculative_tokens": 17}',
+    '{"method": "ngram", "num_speculative_tokens": 4.0}',
+    '{"method": "ngram", "num_speculative_tokens": true}',
+    '{"method": "ngram", "num_speculative_tokens": null}',
+    '{"method": "ngram", "num_speculative_tokens": 1e400}',
+    '{"method": "ngram", "num_speculative_tokens": 99999999999999999999999}',
+    '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+    '{"method": "ngram", "prompt_lookup_max": -1}',
+    '{"method": "ngram", "bogus": 1}',
+    '{"method": "ngram", "adaptive": "yes"}',
+    '{"method": "ngram", "draft_weights": "int4"}',
+    '{"method": "draft_model", "model": 7}',
+]
+
+
+@pytest.mark.parametrize("junk", SPECULATIVE_JUNK)
+def test_speculative_config_junk_is_a_one_line_error_naming_the_problem(
+    junk: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--speculative-config", junk)
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith("test: error: argument --speculative-config: ")
+    assert "parse_flag" not in last_line  # argparse's "invalid <type> value", which says nothing
+
+
+def test_a_wrong_type_names_the_field_and_the_expected_type(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": "4"}')
+    error = capsys.readouterr().err
+    assert 'speculative_config num_speculative_tokens must be an integer, got "4"' in error
+
+
+def test_every_speculative_config_key_has_its_json_type() -> None:
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(SPECULATIVE_FIELD_TYPES) == names

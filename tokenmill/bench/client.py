@@ -181,9 +181,19 @@ def _chunk_text(choice: dict[str, Any], is_chat: bool) -> str:
 
 async def get_served_models(client: httpx.AsyncClient, base_url: str) -> list[dict[str, Any]]:
     """`GET /v1/models`: the served models' entries (id, and in vLLM/tokenmill a `root`)."""
+    url = base_url.rstrip("/") + "/v1/models"
     try:
-        response = await client.get(base_url.rstrip("/") + "/v1/models")
+        response = await client.get(url)
+    except httpx.HTTPError as e:
+        raise BenchError(f"could not list models at {url}: {e}") from None
+    if response.status_code == 401:
+        given = "the key given was refused" if "authorization" in client.headers else "none given"
+        raise BenchError(
+            f"{url} answered 401: the server wants its API key ({given}); pass --api-key KEY "
+            "or set $TOKENMILL_API_KEY"
+        )
+    try:
         response.raise_for_status()
         return list(response.json().get("data") or [])
     except (httpx.HTTPError, ValueError) as e:
-        raise BenchError(f"could not list models at {base_url}/v1/models: {e}") from None
+        raise BenchError(f"could not list models at {url}: {e}") from None

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -180,7 +181,12 @@ def add_request_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--endpoint", default="/v1/completions", choices=ENDPOINTS, help="the route to load"
     )
-    group.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="bearer token, if the server wants one (default: $TOKENMILL_API_KEY, which "
+        "`tokenmill serve` reads too)",
+    )
     group.add_argument(
         "--temperature", type=float, default=0.0, help="of every request; 0 = greedy"
     )
@@ -279,7 +285,9 @@ def prepare_target(args: argparse.Namespace) -> Target:
     """Parse and check the shared flags, find the model and tokenizer, build the dataset."""
     if getattr(args, "plot", None):
         plots.require_matplotlib()
-    model, tokenizer_dir = asyncio.run(resolve_model(args.base_url, args.model, args.tokenizer))
+    model, tokenizer_dir = asyncio.run(
+        resolve_model(args.base_url, args.model, args.tokenizer, args.api_key)
+    )
     return make_target(args, DatasetConfig.from_args(args), args.base_url, model, tokenizer_dir)
 
 
@@ -323,12 +331,16 @@ def make_target(
     )
 
 
-async def resolve_model(base_url: str, model: str | None, tokenizer: str | None) -> tuple[str, str]:
+async def resolve_model(
+    base_url: str, model: str | None, tokenizer: str | None, api_key: str | None = None
+) -> tuple[str, str]:
     """(model name to send, local tokenizer directory). Without --model, the server's first
-    model; without --tokenizer, --model if it is a directory, else the served model's root."""
+    model; without --tokenizer, --model if it is a directory, else the served model's root.
+    `api_key`: the bearer token a keyed server wants on /v1/models too."""
     if model is not None and tokenizer is not None:
         return model, tokenizer
-    async with new_http_client(30.0, None) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with new_http_client(30.0, None, headers) as client:
         served = await get_served_models(client, base_url)
     if not served:
         raise BenchError(f"{base_url}/v1/models lists no model")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 from tokenmill.demo import DEMO_MODEL_NAMES, WEIGHTS_DIR
 
@@ -24,6 +25,8 @@ EXAMPLES: dict[str, str | None] = {
     "Tell me a story about a dog.": None,
     "Hello!": None,
 }
+
+EXAMPLE_COMMAND = "tokenmill generate --chat --prompt"
 
 SKILLS = (
     "chat (ChatML): repeat a passage, reverse a list of words, sort numbers below 100, "
@@ -61,13 +64,17 @@ def describe_models() -> str:
         f"What the demo target can do: {SKILLS}.",
         f"What it knows: {VOCABULARY}.",
         "",
-        "Try (tokenmill generate --chat --prompt '...'):",
-        *(_example_line(prompt, reply) for prompt, reply in EXAMPLES.items()),
+        "Try these (each pastes into a shell as it is; # -> the expected reply):",
+        *(_example_command(prompt, reply) for prompt, reply in EXAMPLES.items()),
         "",
         "Measure it: tokenmill eval  (exact-match accuracy per task, on held-out prompts)",
     ]
     return "\n".join(lines)
 
 
-def _example_line(prompt: str, reply: str | None) -> str:
-    return f"  {json.dumps(prompt)}" + ("" if reply is None else f"  -> {json.dumps(reply)}")
+def _example_command(prompt: str, reply: str | None) -> str:
+    """A command a shell runs as printed: the prompt quoted by `shlex.quote` (a newline stays
+    a real newline inside single quotes, where `\\n` would stay two characters), the expected
+    reply as a comment. Not indented: a multi-line prompt's next line is part of it."""
+    command = f"{EXAMPLE_COMMAND} {shlex.quote(prompt)}"
+    return command if reply is None else f"{command}  # -> {json.dumps(reply)}"

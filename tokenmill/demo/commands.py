@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,11 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
         "--url", default=None, help="evaluate a running server (e.g. http://localhost:8000)"
     )
     group.add_argument("--served-model-name", default=None, help="with --url; default: first")
-    group.add_argument("--api-key", default=None, help="with --url: the server's API key")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="with --url: the server's API key (default: $TOKENMILL_API_KEY, as `serve` reads)",
+    )
     group.add_argument("--concurrency", type=int, default=32, help="with --url: parallel requests")
     group.add_argument("--output-json", type=Path, default=None, help="write the scores here")
     group.add_argument(

@@ -11,6 +11,7 @@ may move a few answers (benchmarks/eval_settings.py).
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -172,14 +173,38 @@ def server_replies(
 
 
 def _get_json(url: str, headers: dict[str, str]) -> Any:
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
-        return json.load(r)
+    return _fetch_json(urllib.request.Request(url, headers=headers), 60)
 
 
 def _post_json(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.load(response)
+    return _fetch_json(request, 600)
+
+
+def _fetch_json(request: urllib.request.Request, timeout: float) -> Any:
+    """The JSON answer; an `OSError` that says what the server said (and, on a 401, what to
+    do), not urllib's bare "HTTP Error 401: Unauthorized"."""
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as e:
+        raise OSError(_http_error_message(request, e)) from None
+
+
+def _http_error_message(request: urllib.request.Request, error: urllib.error.HTTPError) -> str:
+    try:
+        detail = json.loads(error.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError, OSError):
+        detail = error.reason
+    message = f"{request.get_method()} {request.full_url} answered {error.code}: {detail}"
+    if error.code == 401:
+        given = request.has_header("Authorization")
+        message += (
+            "; the key given (--api-key or $TOKENMILL_API_KEY) was refused"
+            if given
+            else "; pass the server's key with --api-key KEY or $TOKENMILL_API_KEY"
+        )
+    return message
 
 
 def heldout(num_per_task: int, tasks: Sequence[str] | None = None, seed: int = EVAL_SEED):

@@ -35,11 +35,12 @@ _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Basic realm="tokenmill dashboard"'
 def dashboard_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     router = APIRouter(dependencies=[Depends(_key_check(api_key))], include_in_schema=False)
 
-    @router.get("/dashboard")
+    # GET and HEAD (a HEAD is the GET without its body: uvicorn drops it).
+    @router.api_route("/dashboard", methods=["GET", "HEAD"])
     async def page() -> Response:
         return _asset("dashboard.html")
 
-    @router.get("/dashboard/assets/{name}")
+    @router.api_route("/dashboard/assets/{name}", methods=["GET", "HEAD"])
     async def asset(name: str) -> Response:
         if name not in ASSETS:
             raise HTTPException(404)

@@ -1,9 +1,11 @@
 """The FastAPI app: OpenAI's routes plus vLLM's operational ones, each declaring its errors.
 
-With an API key set, every route that costs the engine or the tokenizer work or changes state
-needs it: `/v1/*`, `/dashboard*`, `/tokenize`, `/detokenize`, `/reset_prefix_cache`. `/health`,
-`/metrics` and `/version` stay open for probes and scrapers, `/openapi.json`, `/docs` and
-`/redoc` for readers. Every body is capped in size.
+With an API key set, every route that costs the engine or the tokenizer work, changes state
+or tells one client about another's requests needs it: `/v1/*`, `/dashboard*`, `/tokenize`,
+`/detokenize`, `/reset_prefix_cache` and `/metrics` (its prefix-cache counters move with other
+clients' prompts; `--metrics-without-api-key` opens it for scrapers that cannot send a key).
+`/health` and `/version` stay open for probes, `/openapi.json` for readers. No `/docs` or
+`/redoc`: FastAPI's pages load unpinned scripts from a CDN. Every body is capped in size.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tokenmill.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from tokenmill.entrypoints.openai.middleware import NoSniff, RefuseWhileStopping
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -105,6 +108,7 @@ def build_app(
     registry: CollectorRegistry,
     api_key: str | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics_without_api_key: bool = False,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -113,18 +117,23 @@ def build_app(
         ctx.engine.shutdown()
         ctx.close()
 
-    # No Swagger UI OAuth2 redirect page: no route takes OAuth2, and every open route is one
-    # docs/server.md lists.
+    # No Swagger UI or ReDoc pages (they load CDN scripts without integrity hashes), so no
+    # OAuth2 redirect page either; every open route is one docs/server.md lists.
     app = FastAPI(
         title="tokenmill",
         version=__version__,
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
         swagger_ui_oauth2_redirect_url=None,
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RefuseWhileStopping, stopping=lambda: ctx.stopping)
+    app.add_middleware(NoSniff)  # outermost: on every response, the refusals' too
     app.include_router(_v1_router(ctx, api_key))
-    app.include_router(_operations_router(ctx, registry))
+    app.include_router(_operations_router(ctx))
+    app.include_router(_metrics_router(registry, None if metrics_without_api_key else api_key))
     app.include_router(_keyed_operations_router(ctx, api_key))
     app.include_router(dashboard_router(ctx, api_key))
     app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
@@ -163,7 +172,7 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     return router
 
 
-def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRouter:
+def _operations_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
     @_get_and_head(
@@ -181,7 +190,20 @@ def _operations_router(ctx: ServerContext, registry: CollectorRegistry) -> APIRo
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    @_get_and_head(router, "/metrics", response_class=Response, responses={200: _prometheus_text()})
+    return router
+
+
+def _metrics_router(registry: CollectorRegistry, api_key: str | None) -> APIRouter:
+    """`/metrics`, behind `api_key` unless it is None."""
+    auth: Responses = UNAUTHORIZED if api_key else {}
+    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+
+    @_get_and_head(
+        router,
+        "/metrics",
+        response_class=Response,
+        responses={200: _prometheus_text(), **auth},
+    )
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -226,7 +248,7 @@ def _get_and_head(router: APIRouter, path: str, **route: Any) -> Callable[[Endpo
 
 
 def _api_key_check(api_key: str | None) -> Callable[..., Any]:
-    """A dependency of every /v1 route: a bearer token equal to the key (compared in constant
+    """A dependency of every keyed route: a bearer token equal to the key (compared in constant
     time), or no check at all without a key."""
     if api_key is None:
 

@@ -37,8 +37,9 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
                 if num_received > self.max_bytes:
-                    # FastAPI passes HTTPException through from reading the body.
-                    raise HTTPException(413, str(self._too_large()))
+                    # FastAPI passes HTTPException through from reading the body; the error
+                    # handler answers its OpenAIError detail as is (code included).
+                    raise HTTPException(413, self._too_large())  # type: ignore[arg-type]
             return message
 
         return counted

@@ -23,7 +23,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require this bearer token on /v1 routes (default: $TOKENMILL_API_KEY)",
+        help="require this bearer token on every route but /health, /version and "
+        "/openapi.json: /v1/*, /metrics, /dashboard*, /tokenize, /detokenize, "
+        "/reset_prefix_cache (default: $TOKENMILL_API_KEY)",
+    )
+    group.add_argument(
+        "--metrics-without-api-key",
+        action="store_true",
+        help="with --api-key, still serve /metrics without it (for scrapers that cannot send "
+        "a bearer token); its prefix-cache counters then tell anyone whether other clients' "
+        "prompts were cached",
     )
     group.add_argument(
         "--shutdown-timeout",
@@ -43,6 +52,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=2 * 1024 * 1024,
         help="refuse request bodies larger than this with 413 (default: 2 MiB)",
     )
+    _add_connection_args(group)
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     group.add_argument(
         "--log-stats-interval", type=float, default=5.0, help="seconds between stats lines"
@@ -63,6 +73,46 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
     _add_data_parallel_args(parser)
+
+
+def _add_connection_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--header-read-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds a connection gets to send a request's headers (from its start, or from "
+        "the first byte of its next request); then it is closed",
+    )
+    group.add_argument(
+        "--body-read-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds a request gets to send its body once its headers are in; then its "
+        "connection is closed",
+    )
+    group.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (uvicorn's, as in vLLM)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; a connection beyond them is answered 503 and closed "
+        "(default: the file descriptor limit, raised to its hard limit, less 128)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
 
 
 def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -99,6 +99,8 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    if isinstance(error.detail, OpenAIError):  # raised where only HTTPException gets through
+        return error_response(error.detail)
     if error.status_code == 404:
         message, type = f"Not found: {request.method} {request.url.path}", NOT_FOUND
     else:

@@ -89,7 +89,9 @@ class PromptBuilder:
                 param=param,
                 code="context_length_exceeded",
             )
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # verbose=False: no "Token indices sequence length is longer than..." warning from
+        # transformers; `check` refuses a prompt too long for the context with a 400 anyway.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
 
     def check(self, token_ids: list[int], param: str) -> None:
         if not token_ids:

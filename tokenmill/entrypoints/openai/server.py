@@ -8,6 +8,9 @@ stops the engine thread. If the engine loop dies, the server shuts down the same
 process exits with status 1, so that a supervisor restarts it (as vLLM does). After a signal
 uvicorn re-raises it; the command turns Ctrl+C's KeyboardInterrupt into exit status 130
 (entrypoints/cli.py).
+
+Connections are bounded (entrypoints/openai/connections.py): request headers and bodies must
+arrive within their read timeouts, and at most --max-connections are open at once.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from tokenmill.entrypoints.dashboard.slo import parse_slo
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.connections import (
+    default_max_connections,
+    guarded_protocol,
+    rate_limit_accept_errors,
+)
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
 
@@ -56,11 +64,18 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         slos=slos,
     )
-    app = build_app(ctx, registry, args.api_key, args.max_request_body_bytes)
+    app = build_app(
+        ctx,
+        registry,
+        args.api_key,
+        args.max_request_body_bytes,
+        metrics_without_api_key=args.metrics_without_api_key,
+    )
+    max_connections = args.max_connections or default_max_connections()
     num_kv_blocks, block_size = engine.get_stats().scheduler.num_kv_blocks, engine.config.block_size
     logger.info(
         "serving model %s (%s) on http://%s:%d; max_model_len %d; KV cache %d blocks x %d "
-        "tokens = %d tokens%s",
+        "tokens = %d tokens; at most %d connections%s",
         model_names[0],
         engine.model_dir,
         args.host,
@@ -69,7 +84,8 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         num_kv_blocks,
         block_size,
         num_kv_blocks * block_size,
-        "; API key required on /v1" if args.api_key else "",
+        max_connections,
+        "; API key required (docs/server.md lists the open routes)" if args.api_key else "",
     )
     config = uvicorn.Config(
         app,
@@ -79,6 +95,8 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout + ERROR_FLUSH_SECONDS,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=guarded_protocol(args.header_read_timeout, args.body_read_timeout, max_connections),
     )
     server = _Server(config, async_engine, ctx, args.shutdown_timeout)
     server.run(sockets=[listener])
@@ -115,6 +133,10 @@ class _Server(uvicorn.Server):
         self.engine_died = True
         self._ctx.stopping = True
         self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        rate_limit_accept_errors(asyncio.get_running_loop())
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._ctx.stopping = True

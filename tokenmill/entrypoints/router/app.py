@@ -55,8 +55,10 @@ def build_router_app(
     prefix_chars: int = DEFAULT_PREFIX_CHARS,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics_without_api_key: bool = False,
 ) -> FastAPI:
     proxy = Proxy(replicas, policy, prefix_chars, api_key, max_body_bytes)
+    proxy.metrics_api_key = None if metrics_without_api_key else api_key
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +96,7 @@ class Proxy:
         self.policy = policy
         self.prefix_chars = prefix_chars
         self.api_key = api_key
+        self.metrics_api_key = api_key  # the key /metrics needs (None: open)
         self.max_body_bytes = max_body_bytes
         self.metrics = RouterMetrics(replicas)
         self.client: httpx.AsyncClient
@@ -108,7 +111,7 @@ class Proxy:
 
     async def metrics_text(self, request: Request) -> Response:
         try:
-            check_api_key(request, self.api_key, "/metrics")
+            check_api_key(request, self.metrics_api_key, "/metrics")
         except GuardError as e:
             return _guard_error(e)
         text = await aggregated_metrics(self.metrics, self.replicas, self.client)

@@ -31,8 +31,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
         help="require this bearer token on the routes a server keys (all but /health, "
-        "/version, /metrics and the docs), checked before a body is read; give the "
+        "/version and /openapi.json), checked before a body is read; give the "
         "replicas' key (default: $TOKENMILL_API_KEY)",
+    )
+    group.add_argument(
+        "--metrics-without-api-key",
+        action="store_true",
+        help="with --api-key, still serve the router's /metrics without it (it carries every "
+        "replica's prefix-cache counters)",
     )
     group.add_argument(
         "--max-request-body-bytes",

@@ -19,7 +19,9 @@ T = TypeVar("T")
 
 # Routes that answer without a key, as a server's do (GET or HEAD only; the rest need it).
 # Keep in step with the server's: a route keyed there is keyed here.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/redoc", "/openapi.json"})
+# (/metrics is keyed: a server's prefix-cache counters tell one client about another's
+# prompts, and the router's carries every replica's; --metrics-without-api-key opens it.)
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json"})
 
 
 class GuardError(Exception):

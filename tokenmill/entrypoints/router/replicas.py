@@ -39,6 +39,7 @@ class ReplicaSet:
         self.replicas = {url: Replica(url) for url in (u.rstrip("/") for u in urls)}
         self.interval = interval
         self.timeout = timeout
+        self._unscraped: set[str] = set()  # replicas whose /metrics refused us (logged once)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
@@ -67,12 +68,23 @@ class ReplicaSet:
             if health.status_code != 200:
                 self.mark_down(replica, f"/health answered {health.status_code}")
                 return
+            # With --api-key the client sends it (app.py); a replica's /metrics needs it.
             metrics = await client.get(f"{replica.url}/metrics", timeout=self.timeout)
-            metrics.raise_for_status()
+            if metrics.status_code != 401:
+                metrics.raise_for_status()
         except httpx.HTTPError as e:
             self.mark_down(replica, f"health check failed: {e!r}")
             return
-        replica.waiting, replica.kv_usage = load_from_metrics(metrics.text)
+        if metrics.status_code == 401:  # healthy, but its load is behind a key we lack
+            if replica.url not in self._unscraped:
+                self._unscraped.add(replica.url)
+                logger.warning(
+                    "replica %s wants an API key on /metrics: its load is unknown to the "
+                    "router (give the router the key, or the replica --metrics-without-api-key)",
+                    replica.url,
+                )
+        else:
+            replica.waiting, replica.kv_usage = load_from_metrics(metrics.text)
         if not replica.healthy:
             replica.healthy = True
             logger.info("replica %s is healthy: in rotation (%s)", replica.url, self.capacity())

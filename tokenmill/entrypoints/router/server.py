@@ -35,6 +35,7 @@ def run_router(
         args.prefix_chars,
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
+        metrics_without_api_key=getattr(args, "metrics_without_api_key", False),
     )
     logger.info(
         "routing http://%s:%d to %d replicas (%s): %s",

@@ -69,12 +69,14 @@ function connect() {
   const source = new EventSource("/dashboard/events");
   source.addEventListener("setup", (e) => onSetup(JSON.parse(e.data)));
   source.addEventListener("update", (e) => onUpdate(JSON.parse(e.data)));
-  source.onopen = () => setConnection("live");
+  // "live" once numbers arrive, not when the connection opens: until the first update the
+  // page has nothing to show, and must not claim otherwise.
   source.onerror = () => setConnection("lost");
 }
 
 function setConnection(status) {
   const el = $("connection");
+  if (el.dataset.state === status) return;
   el.dataset.state = status;
   el.textContent = status === "live" ? "live" : "reconnecting";
 }
@@ -107,6 +109,7 @@ function onUpdate(update) {
   state.ticks.push({ now: update.now, totals: update.totals, queues: update.queues });
   while (state.ticks.length && state.ticks[0].now < update.now - MAX_KEEP_SECONDS) state.ticks.shift();
   state.last = update;
+  setConnection("live");
   render();
 }
 
@@ -124,6 +127,7 @@ function renderSteps() {
   const steps = inWindow(state.steps);
   const totals = state.last.totals;
   $("steps-empty").hidden = steps.length > 0;
+  $("steps-empty").textContent = "No steps in this window: the engine is idle.";
   show("steps-per-second", steps.length / state.windowSeconds, fmt.num(steps.length / state.windowSeconds));
   const stepTimes = sortedValues(steps.map((s) => s[1]));
   const p50 = percentile(stepTimes, 50);
@@ -197,6 +201,7 @@ function renderLatency() {
     return `<tr id="latency-${name.toLowerCase()}"><td>${name}</td>${cells}<td data-value="${sorted.length}">${sorted.length}</td></tr>`;
   }).join("");
   $("latency-empty").hidden = finished.length > 0;
+  $("latency-empty").textContent = "No requests finished in this window.";
   const requestRate = finished.length / state.windowSeconds;
   show("request-rate", requestRate, fmt.num(requestRate, 2));
   show("total-finished", state.last.totals.finished_requests, fmt.int(state.last.totals.finished_requests));
@@ -238,10 +243,10 @@ function renderSpec() {
 
 // ---- drawing ----------------------------------------------------------------------------
 
+// The canvas's CSS size (dashboard.css gives each its height) in device pixels.
 function canvasContext(canvas) {
   const ratio = window.devicePixelRatio || 1;
-  const width = canvas.clientWidth, height = canvas.height / (canvas.dataset.ratio || 1);
-  canvas.dataset.ratio = ratio;
+  const width = canvas.clientWidth, height = canvas.clientHeight;
   canvas.width = Math.max(1, Math.round(width * ratio));
   canvas.height = Math.round(height * ratio);
   const ctx = canvas.getContext("2d");
@@ -266,6 +271,7 @@ const mean = (values) => values.reduce((a, b) => a + b, 0) / values.length;
 // Scaled to the window's busiest column, so a few decodes under a large budget still show.
 function drawStepStrip(canvas, steps) {
   const { ctx, width, height } = canvasContext(canvas);
+  if (!steps.length) return;  // the panel says the engine is idle; no scale for nothing
   const cols = columns(steps, width).map((col) => (col.length
     ? [mean(col.map((s) => s[2])), mean(col.map((s) => s[3]))] : null));
   const max = Math.max(1, ...cols.map((c) => (c ? c[0] + c[1] : 0)));
@@ -306,6 +312,7 @@ function drawLine(ctx, points, color, height, max, maxGap = Infinity) {
 
 function drawStepLines(canvas, steps) {
   const { ctx, width, height } = canvasContext(canvas);
+  if (!steps.length) return;
   const cols = columns(steps, width);
   const batch = [], times = [];
   cols.forEach((col, x) => {
@@ -327,10 +334,11 @@ function drawQueueLines(canvas) {
   const start = state.now - state.windowSeconds;
   const ticks = state.ticks.filter((t) => t.now >= start);
   const x = (t) => ((t.now - start) / state.windowSeconds) * width;
-  const max = Math.max(1, ...ticks.map((t) => Math.max(t.queues.running, t.queues.waiting)));
+  const peak = Math.max(0, ...ticks.map((t) => Math.max(t.queues.running, t.queues.waiting)));
+  const max = Math.max(1, peak);
   drawLine(ctx, ticks.map((t) => [x(t), t.queues.running]), COLORS.used, height, max);
   drawLine(ctx, ticks.map((t) => [x(t), t.queues.waiting]), COLORS.waiting, height, max);
-  const next = label(ctx, `running (max ${max})`, 2, 10, COLORS.used);
+  const next = label(ctx, peak ? `running (max ${peak})` : "running", 2, 10, COLORS.used);
   label(ctx, "waiting", next, 10, COLORS.waiting);
 }
 
