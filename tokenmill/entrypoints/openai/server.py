@@ -29,6 +29,7 @@ from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.api_server import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.openai.reply_parsing import reply_parsing_from_args
 from tokenmill.metrics.prometheus import EngineMetrics
 
 logger = logging.getLogger("tokenmill.server")
@@ -55,6 +56,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         str(engine.model_dir),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         slos=slos,
+        reply_parsing=reply_parsing_from_args(args),
     )
     app = build_app(ctx, registry, args.api_key, args.max_request_body_bytes)
     num_kv_blocks, block_size = engine.get_stats().scheduler.num_kv_blocks, engine.config.block_size
