@@ -46,3 +46,18 @@ def test_a_constrained_reply_is_not_split(reasoning_client) -> None:
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert reply.choices[0].message.content in ("yes", "no")
+
+
+def test_reasoning_is_a_thinking_block_in_the_messages_api(reasoning_client) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(
+        base_url=str(reasoning_client.base_url).removesuffix("/v1/"), api_key=API_KEY
+    )
+    body = {"model": DEMO_TARGET_NAME, "max_tokens": 12, "messages": MESSAGES}
+    body["extra_body"] = {"temperature": 0}
+    message = claude.messages.create(**body)
+    assert [block.type for block in message.content] == ["thinking"]
+    with claude.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "thinking"
+    assert final.content[0].thinking == message.content[0].thinking

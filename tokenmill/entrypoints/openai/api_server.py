@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.entrypoints.dashboard.routes import dashboard_router
+from tokenmill.entrypoints.openai.agent_routes import messages_router
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimit
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
@@ -124,6 +125,7 @@ def build_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.include_router(_v1_router(ctx, api_key))
+    app.include_router(messages_router(ctx, api_key))  # its own key check (x-api-key too)
     app.include_router(_operations_router(ctx, registry))
     app.include_router(_keyed_operations_router(ctx, api_key))
     app.include_router(dashboard_router(ctx, api_key))

@@ -70,6 +70,8 @@ class ParsedReply:
 
 
 def parse_reply(text: str, plan: ToolPlan, reasoning: ReasoningParser | None) -> ParsedReply:
+    if reasoning is None and plan.mode == "none":
+        return ParsedReply(text)  # as it was written, "" included
     reasoning_text, content = None, text
     if reasoning is not None:
         split = reasoning.split(text)
