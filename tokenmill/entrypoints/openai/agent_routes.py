@@ -18,10 +18,18 @@ from tokenmill.entrypoints.openai.anthropic.protocol import (
     MessagesRequest,
 )
 from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.openai.protocol import ErrorResponse
+from tokenmill.entrypoints.openai.responses.protocol import ResponsesRequest
+from tokenmill.entrypoints.openai.responses.store import ResponseStore
 from tokenmill.entrypoints.openai.serving_messages import (
     answer_anthropic,
     count_tokens,
     create_message,
+)
+from tokenmill.entrypoints.openai.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
 )
 
 # Either header carries the key (Anthropic's clients send x-api-key); declared so that
@@ -78,3 +86,33 @@ def messages_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
         return await answer_anthropic(given, api_key, lambda: count_tokens(ctx, raw_request))
 
     return router
+
+
+def add_responses_routes(
+    router: APIRouter, ctx: ServerContext, errors: dict[int | str, dict[str, Any]]
+) -> None:
+    """/responses on the /v1 router (its bearer key check, OpenAI's errors); one store."""
+    store = ResponseStore()
+    not_found = {404: {"model": ErrorResponse, "description": "No such stored response"}}
+    streamed = {200: {"description": "The response, or with `stream: true` its events",
+                      "content": SSE}}  # fmt: skip
+
+    @router.post("/responses", response_model=None, responses={**streamed, **errors})
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await create_response(ctx, store, request, raw_request)
+
+    @router.get(
+        "/responses/{response_id}",
+        response_model=None,
+        responses={200: {"description": "The stored response"}, **errors, **not_found},
+    )
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return retrieve_response(store, response_id)
+
+    @router.delete(
+        "/responses/{response_id}",
+        response_model=None,
+        responses={200: {"description": "Deleted"}, **errors, **not_found},
+    )
+    async def remove_response(response_id: str) -> dict[str, Any]:
+        return delete_response(store, response_id)

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.entrypoints.dashboard.routes import dashboard_router
-from tokenmill.entrypoints.openai.agent_routes import messages_router
+from tokenmill.entrypoints.openai.agent_routes import add_responses_routes, messages_router
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimit
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
@@ -162,6 +162,7 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(ctx, request, raw_request)
 
+    add_responses_routes(router, ctx, {**BAD_REQUEST, **auth, **SERVER_ERRORS})
     return router
 
 
