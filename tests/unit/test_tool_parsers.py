@@ -156,3 +156,15 @@ def test_mistral_call_ids_are_nine_alphanumerics() -> None:
 def test_unknown_parser_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_at_start_up() -> None:
+    import argparse
+
+    from tokenmill.entrypoints.openai.reply_parsing import reply_parsing_from_args
+
+    args = argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser=None)
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        reply_parsing_from_args(args)
+    args = argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    assert reply_parsing_from_args(args).tool_parser() is not None

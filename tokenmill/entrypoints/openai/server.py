@@ -41,6 +41,7 @@ ERROR_FLUSH_SECONDS = 2.0
 
 def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     slos = parse_slo(args.slo)
+    reply_parsing = reply_parsing_from_args(args)  # checked before the model loads
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -56,7 +57,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         str(engine.model_dir),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         slos=slos,
-        reply_parsing=reply_parsing_from_args(args),
+        reply_parsing=reply_parsing,
     )
     app = build_app(ctx, registry, args.api_key, args.max_request_body_bytes)
     num_kv_blocks, block_size = engine.get_stats().scheduler.num_kv_blocks, engine.config.block_size
