@@ -101,6 +101,77 @@ class SpeculativeConfig:
         _check_choice("speculative draft_weights", self.draft_weights, ("auto", "int8", "full"))
 
 
+# Structured outputs: the backends vLLM names; "auto" and "xgrammar" both mean xgrammar, the
+# only one here.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """`--structured-outputs-config` as vLLM takes it (JSON), e.g. `{"max_whitespace": null}`.
+    vLLM's keys: `backend`, `disable_any_whitespace`; the rest bound what one tenant's schema
+    can cost everyone else (docs/server.md, "Structured outputs")."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False  # every request's JSON compact, as if it asked
+    # Whitespace characters allowed between two JSON tokens (1: `{"a": 1}` or a newline, not
+    # an indented line); None: any amount, which a small model at temperature 1 spends
+    # padding to max_tokens with spaces and newlines.
+    max_whitespace: int | None = 1
+    # Bytes of a schema, regex, grammar or choice list (as JSON text); larger ones are a 400.
+    max_schema_bytes: int = 64 * 1024
+    # Seconds a request waits for its grammar to compile; past it, a 400 (a request of the
+    # offline API ends with finish_reason "error").
+    compile_timeout: float = 30.0
+    # Compiled grammars kept, by xgrammar's own size of each (vLLM's default, 512 MiB).
+    cache_max_bytes: int = 512 * 1024**2
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, Any] | StructuredOutputsConfig | None
+    ) -> StructuredOutputsConfig:
+        if value is None or isinstance(value, StructuredOutputsConfig):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"structured_outputs_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ConfigError("structured_outputs_config must be a JSON object")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown structured_outputs_config keys: {sorted(unknown)}")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "structured_outputs_config backend", self.backend, STRUCTURED_OUTPUTS_BACKENDS
+        )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ConfigError("structured_outputs_config disable_any_whitespace must be a boolean")
+        if self.max_whitespace is not None and not _positive_int(self.max_whitespace):
+            raise ConfigError(
+                "structured_outputs_config max_whitespace must be a positive integer or null "
+                f"(any whitespace), got {self.max_whitespace!r}"
+            )
+        for name in ("max_schema_bytes", "cache_max_bytes"):
+            if not _positive_int(getattr(self, name)):
+                raise ConfigError(
+                    f"structured_outputs_config {name} must be a positive integer, "
+                    f"got {getattr(self, name)!r}"
+                )
+        timeout = self.compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ConfigError(
+                f"structured_outputs_config compile_timeout must be > 0 s, got {timeout!r}"
+            )
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def config_field(
     default: Any,
     help: str,
@@ -231,6 +302,12 @@ class EngineConfig:
         '\'{"method": "draft_model", "model": PATH}\' (the demo target has a default draft)',
     )
 
+    structured_outputs_config: StructuredOutputsConfig | None = config_field(
+        None,
+        "JSON, e.g. '{\"max_whitespace\": null}' (free whitespace in JSON) or "
+        '\'{"max_schema_bytes": 131072, "compile_timeout": 60}\' (docs/server.md)',
+    )
+
     tensor_parallel_size: int = config_field(
         1,
         "ranks (processes; devices on CUDA) to shard the model over; the engine starts them "
@@ -265,6 +342,9 @@ class EngineConfig:
                 "speculative_config must be a SpeculativeConfig or None "
                 "(SpeculativeConfig.parse reads its dict or JSON form)"
             )
+        self.structured_outputs_config = StructuredOutputsConfig.parse(
+            self.structured_outputs_config
+        )
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._check_tensor_parallel()

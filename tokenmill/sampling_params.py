@@ -62,7 +62,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -134,6 +134,9 @@ class SamplingParams:
 # checked by the engine before the request is queued (`structured_output.backend.validate`).
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Objects and arrays inside one another in a JSON schema: deeper ones are refused before any
+# recursive check sees them (Python's recursion limit would turn them into a 500).
+MAX_SCHEMA_DEPTH = 64
 
 
 @dataclass
@@ -145,10 +148,37 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # As vLLM: no whitespace between JSON tokens beyond what the schema needs.
     disable_any_whitespace: bool = False
+    # vLLM's options for its other backends, accepted for its clients: xgrammar has no
+    # fallback and never adds properties a strict schema leaves out, so both change nothing.
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    # vLLM's too, refused unless unset: xgrammar has no whitespace pattern or structural tags.
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
     # The request field it came from, named in errors ("response_format", "guided_json").
     param: str = field(default="structured_outputs", compare=False, repr=False)
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From a dict with vLLM's keys; an unknown key is an `InvalidRequestError` naming it."""
+        param = fields.get("param", "structured_outputs")
+        known = [name for name in cls.__dataclass_fields__ if name != "param"]
+        unknown = [key for key in fields if key not in (*known, "param")]
+        if unknown:
+            raise InvalidRequestError(
+                f"{param}.{unknown[0]}",
+                f"is not a structured output option (they are {', '.join(known)})",
+            )
+        return cls(**fields)
+
     def __post_init__(self) -> None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(
+                    f"{self.param}.{name}",
+                    "is not supported by this server's backend (xgrammar); for compact JSON "
+                    "set disable_any_whitespace",
+                )
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise InvalidRequestError(
@@ -161,8 +191,17 @@ class StructuredOutputsParams:
                 self.json = jsonlib.loads(self.json)
             except ValueError as e:
                 raise InvalidRequestError(self.param, f"json is not valid JSON: {e}") from None
+            except RecursionError:
+                raise InvalidRequestError(
+                    self.param, f"json nests more than {MAX_SCHEMA_DEPTH} levels deep"
+                ) from None
         if self.json is not None and not isinstance(self.json, dict):
             raise InvalidRequestError(self.param, "json must be a JSON schema object")
+        if json_depth(self.json) > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(
+                self.param,
+                f"json nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep",
+            )
         if self.choice is not None and not (
             self.choice and all(isinstance(c, str) and c for c in self.choice)
         ):
@@ -181,6 +220,22 @@ class StructuredOutputsParams:
         spec = getattr(self, self.kind)
         text = spec if isinstance(spec, str) else jsonlib.dumps(spec, sort_keys=True)
         return self.kind, text, self.disable_any_whitespace
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in `value` (0 for a scalar), without recursion;
+    past `MAX_SCHEMA_DEPTH` the walk stops (deep enough to refuse)."""
+    depth = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            depth = max(depth, level)
+            if depth > MAX_SCHEMA_DEPTH:
+                return depth
+            stack.extend((child, level + 1) for child in children)
+    return depth
 
 
 class InvalidRequestError(ValueError):

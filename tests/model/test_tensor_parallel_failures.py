@@ -4,6 +4,7 @@ engine per process, and test_tensor_parallel.py keeps one alive until its module
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -73,6 +74,39 @@ def test_no_worker_outlives_its_engine_process(tiny_checkpoint, tmp_path: Path) 
     assert len(pids) == 1
     for pid in pids:
         assert not _running(pid), f"worker {pid} outlived its engine"
+
+
+# A script as vLLM users write them: no `if __name__ == "__main__":`. It runs one rank first,
+# so the OpenMP pool has run before the workers start (what a forked worker would hang on).
+PLAIN_SCRIPT = """
+import json
+from tokenmill import LLM, SamplingParams
+
+params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=1.0, seed=3)]
+outputs = dict()
+for size in (1, 2):
+    llm = LLM({checkpoint!r}, dtype="float32", tensor_parallel_size=size)
+    results = llm.generate([{prompt!r}] * 2, params, use_tqdm=False)
+    outputs[size] = [r.outputs[0].token_ids for r in results]
+    llm.shutdown()
+print(json.dumps(outputs))
+"""
+
+
+def test_a_plain_script_without_a_main_guard_runs_tensor_parallel(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    checkpoint = str(tiny_checkpoint("llama", num_hidden_layers=1))
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT.format(checkpoint=checkpoint, prompt=PROMPT))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "bootstrapping phase" not in done.stderr
+    outputs = json.loads(done.stdout.splitlines()[-1])
+    assert len(outputs["2"]) == 2 and all(len(tokens) == 6 for tokens in outputs["2"])
+    assert outputs["2"] == outputs["1"]
 
 
 def _running(pid: int) -> bool:

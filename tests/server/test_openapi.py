@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import API_KEY, MODEL, Server
+from server_utils import API_KEY, MODEL, Server, start_server, stop_server
 
 PROMPT = "Validate me"
 
@@ -107,38 +107,82 @@ def sse_chunks(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
-def test_completions_match_openais_schema(http: httpx.Client, validate) -> None:
+@pytest.fixture(scope="module")
+def default_http(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server with the default flags: no --enable-prompt-tokens-details (the session's
+    server has it), so usage carries no prompt_tokens_details at all (null broke the schema)."""
+    server = start_server(model_dir, tmp_path_factory.mktemp("default-flags") / "server.log")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+            yield http
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(params=["details", "default"])
+def any_http(request: pytest.FixtureRequest) -> httpx.Client:
+    """Both servers: with --enable-prompt-tokens-details and with the default flags."""
+    return request.getfixturevalue("http" if request.param == "details" else "default_http")
+
+
+def test_usage_has_no_prompt_tokens_details_unless_enabled(
+    http: httpx.Client, default_http: httpx.Client
+) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    enabled = http.post("/v1/completions", json=body).json()["usage"]
+    assert enabled["prompt_tokens_details"]["cached_tokens"] >= 0
+    default = default_http.post("/v1/completions", json=body).json()["usage"]
+    assert "prompt_tokens_details" not in default, default
+    options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    for chunk in sse_chunks(default_http, "/v1/completions", {**body, **options}):
+        assert "prompt_tokens_details" not in chunk["usage"], chunk
+
+
+def test_completions_match_openais_schema(any_http: httpx.Client, validate) -> None:
+    http = any_http
     bodies = [
         {"prompt": PROMPT, "max_tokens": 4},
         {"prompt": [PROMPT, "Two"], "n": 2, "max_tokens": 3, "logprobs": 2},
         {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1},
         {"prompt": PROMPT, "max_tokens": 3, "stop": ["zzz"], "seed": 1, "temperature": 0.8},
+        {"prompt": PROMPT, "max_tokens": 3, "guided_regex": "[ab]{2}"},
     ]
     for body in bodies:
         body = {"model": MODEL, **body}
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         validate("CreateCompletionResponse", response.json())
-        options = {"stream_options": {"include_usage": True}}
-        for chunk in sse_chunks(http, "/v1/completions", {**body, **options}):
-            validate("CreateCompletionResponse", chunk)
+        for usage in (
+            {"include_usage": True},
+            {"include_usage": True, "continuous_usage_stats": True},
+        ):
+            options = {"stream_options": usage}
+            for chunk in sse_chunks(http, "/v1/completions", {**body, **options}):
+                validate("CreateCompletionResponse", chunk)
 
 
-def test_chat_completions_match_openais_schema(http: httpx.Client, validate) -> None:
+def test_chat_completions_match_openais_schema(any_http: httpx.Client, validate) -> None:
+    http = any_http
     messages = [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]
     bodies = [
         {"max_tokens": 4},
         {"max_completion_tokens": 3, "n": 2, "logprobs": True, "top_logprobs": 2},
         {"max_tokens": 3, "stop": None, "seed": 5, "temperature": 0.5},
+        {"max_tokens": 8, "response_format": {"type": "json_object"}},
     ]
     for body in bodies:
         body = {"model": MODEL, "messages": messages, **body}
         response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         validate("CreateChatCompletionResponse", response.json())
-        options = {"stream_options": {"include_usage": True}}
-        for chunk in sse_chunks(http, "/v1/chat/completions", {**body, **options}):
-            validate("CreateChatCompletionStreamResponse", chunk)
+        for usage in (
+            {"include_usage": True},
+            {"include_usage": True, "continuous_usage_stats": True},
+        ):
+            options = {"stream_options": usage}
+            for chunk in sse_chunks(http, "/v1/chat/completions", {**body, **options}):
+                validate("CreateChatCompletionStreamResponse", chunk)
 
 
 def test_models_and_errors_match_openais_schema(

@@ -30,6 +30,11 @@ COLOR = {"enum": ["red", "blue"]}
 MESSAGES = [{"role": "user", "content": "Where is the meeting?"}]
 
 
+def nested_schema(depth: int) -> str:
+    """An object schema `depth` objects deep, as JSON text (too deep for `json.dumps`)."""
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth
+
+
 def test_openai_sdk_response_format_json_schema(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL,
@@ -113,6 +118,22 @@ def test_vllm_fields_constrain_completions(client: openai.OpenAI, fields, check)
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
+        # vLLM clients' keys: an unknown one, one xgrammar cannot honour, another backend's
+        ({"structured_outputs": {"json": {}, "fields": 1}}, "structured_outputs.fields"),
+        (
+            {"structured_outputs": {"json": {}, "whitespace_pattern": " ?"}},
+            "structured_outputs.whitespace_pattern",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "backend": "outlines"}},
+            "structured_outputs.backend",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "disable_fallback": "y"}},
+            "structured_outputs.disable_fallback",
+        ),
+        # past the size bound (structured_outputs_config max_schema_bytes)
+        ({"guided_json": {"enum": [f"value-{i:06d}" for i in range(5000)]}}, "guided_json"),
     ],
 )
 def test_invalid_constraints_are_400_naming_the_field(
@@ -121,3 +142,53 @@ def test_invalid_constraints_are_400_naming_the_field(
     response = http.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("depth", [40, 160, 300, 400, 499])
+def test_deeply_nested_schemas_are_400_naming_the_field(http: httpx.Client, depth: int) -> None:
+    """160-499 levels were a RecursionError in the schema check: a 500. (Around 500 levels,
+    1,000 nested containers, the body's JSON parser itself refuses it, also a 400.)"""
+    body = f'{{"messages": {json.dumps(MESSAGES)}, "guided_json": {nested_schema(depth)}}}'
+    response = http.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if depth < 450:
+        assert error["param"] == "guided_json" and "levels deep" in error["message"], error
+
+
+def test_vllm_options_that_change_nothing_with_xgrammar_are_accepted(http: httpx.Client) -> None:
+    options = {
+        "backend": "xgrammar",
+        "disable_fallback": True,
+        "disable_additional_properties": True,
+    }
+    body = {"structured_outputs": {"regex": "[ab]{3}", **options}, "max_tokens": 8}
+    response = http.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
+    assert response.status_code == 200, response.text
+    assert re.fullmatch("[ab]{3}", response.json()["choices"][0]["message"]["content"])
+
+
+def test_json_schema_at_temperature_1_validates_with_the_default_whitespace(
+    client: openai.OpenAI,
+) -> None:
+    """No disable_any_whitespace: whitespace between JSON tokens is bounded by default, so a
+    random model at temperature 1 cannot pad an object with spaces to max_tokens (before:
+    most replies ended with finish_reason "length", mid-object)."""
+    for seed in range(4):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=120,
+            n=4,
+            temperature=1.0,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "meeting", "schema": SCHEMA, "strict": True},
+            },
+        )
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)

@@ -3,7 +3,9 @@ with an error."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -119,6 +121,65 @@ def test_a_dead_engine_loop_ends_the_process_with_an_error(model_dir: Path, tmp_
         assert "the engine loop died" in server.log and "supervisor" in server.log
     finally:
         stop_server(server)
+
+
+def test_a_dead_tensor_parallel_worker_ends_the_server_at_once(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """kill -9 of rank 1: open requests end now with an error naming the worker, /health
+    fails, and the process exits with status 1 (it used to answer 200 and fail every request
+    forever)."""
+    server = start_server(
+        model_dir, tmp_path / "server.log", "--tensor-parallel-size", "2", "--dtype", "float32",
+        timeout=300,
+    )  # fmt: skip
+    try:
+        url = f"{server.url}/v1/completions"
+        stream_body = {
+            "model": MODEL, "prompt": "Long", "max_tokens": 200, "ignore_eos": True,
+            "stream": True,
+        }  # fmt: skip
+        events: list[str] = []
+        started = threading.Event()
+        streamer = threading.Thread(target=stream_tokens, args=(url, stream_body, events, started))
+        streamer.start()
+        assert started.wait(60)
+        plain: dict[str, Any] = {}
+
+        def plain_request() -> None:
+            body = {"model": MODEL, "prompt": "Plain", "max_tokens": 200, "ignore_eos": True}
+            response = httpx.post(url, json=body, headers=HEADERS, timeout=120)
+            plain.update(status=response.status_code, body=response.json())
+
+        requester = threading.Thread(target=plain_request)
+        requester.start()
+        _wait_for_running(server.url, 2)
+        (worker,) = _tensor_parallel_workers(server.process.pid)
+        os.kill(worker, signal.SIGKILL)
+
+        requester.join(60)
+        streamer.join(60)
+        assert plain["status"] == 503
+        assert plain["body"]["error"]["code"] == "engine_dead"
+        assert "tensor-parallel worker rank 1" in plain["body"]["error"]["message"]
+        assert events[-1] == "[DONE]"
+        assert "tensor-parallel worker rank 1" in json.loads(events[-2])["error"]["message"]
+        with contextlib.suppress(httpx.TransportError):  # or already gone
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code != 200
+        assert server.process.wait(60) == 1
+        assert "exited with code -9" in server.log
+    finally:
+        stop_server(server)
+
+
+def _tensor_parallel_workers(pid: int) -> list[int]:
+    """The tensor-parallel worker processes `pid` started (Linux /proc)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [
+        int(child)
+        for child in children
+        if b"tokenmill.worker" in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
 
 
 def test_ctrl_c_shuts_down_cleanly_without_a_traceback(model_dir: Path, tmp_path: Path) -> None:

@@ -582,6 +582,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.waiting.forget(request)
         self.finished_req_ids.add(request.request_id)
+        if request.grammar is not None:
+            request.grammar.release()  # a compile nobody waits for is cancelled
 
 
 def _grammar_ready(request: Request) -> bool:

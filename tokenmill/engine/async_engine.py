@@ -123,10 +123,16 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        self._dead_lock = threading.Lock()
         self._observe_failed = False
-        # Called (on the engine thread) when the loop dies: the server exits so that a
-        # supervisor restarts it, rather than answering 503 forever.
+        # Called (on the engine thread, or the thread that saw a tensor-parallel worker die)
+        # when the engine dies: the server exits so that a supervisor restarts it, rather
+        # than answering 503 forever.
         self.on_dead: Callable[[BaseException], None] | None = None
+        # A dead tensor-parallel worker kills the engine at once, even while it idles.
+        self._executor = engine.executor
+        if self._executor is not None:
+            self._executor.on_failure = self._die
 
     # ---- lifecycle (event loop) --------------------------------------------------------------
 
@@ -258,7 +264,7 @@ class AsyncEngine:
         try:
             while True:
                 self._run_commands()
-                if self._stopping:
+                if self._stopping or self._dead is not None:
                     return
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -267,11 +273,21 @@ class AsyncEngine:
                     self._wakeup.wait(self._idle_timeout())
                     self._wakeup.clear()
         except BaseException as e:  # the loop itself broke: nothing can be served any more
-            logger.exception("the engine loop died")
-            self._dead = e
-            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
-            if self.on_dead is not None:
-                self.on_dead(e)
+            if self._dead is None:
+                logger.exception("the engine loop died")
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The engine cannot serve any more (any thread; the first call counts): health fails,
+        every open request ends now with `EngineDeadError`, the loop stops, `on_dead` runs."""
+        with self._dead_lock:
+            if self._dead is not None:
+                return
+            self._dead = error
+        self._fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+        self._wakeup.set()  # an idle loop wakes and ends
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def _idle_timeout(self) -> float | None:
         return self._stats_logger.seconds_until_due if self._stats_logger else None
@@ -288,6 +304,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            if self._executor is not None and self._executor.failure is not None:
+                raise  # a dead tensor-parallel group fails every later step: the loop dies
             logger.exception("an engine step failed; failing the requests it was running")
             self._fail_step(e)
             return

@@ -105,7 +105,7 @@ class LLMEngine:
             self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
         self.scheduler = self._scheduler(num_blocks, spec_lookahead=draft_spec is not None)
         self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, self.eos_token_ids
+            self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
@@ -285,7 +285,9 @@ class LLMEngine:
             )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at garbage collection and exit)."""
+        """Stop the grammar compiles and the tensor-parallel workers, if any (the workers are
+        also stopped at garbage collection and exit)."""
+        self.structured_output.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 

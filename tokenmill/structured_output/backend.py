@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.config import StructuredOutputsConfig
 from tokenmill.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -58,13 +59,17 @@ def validate(params: StructuredOutputsParams) -> None:
 def _check(params: StructuredOutputsParams) -> None:
     import xgrammar as xgr
 
-    if params.kind == "json":
-        _check_json_schema(params)
     try:
+        if params.kind == "json":
+            _check_json_schema(params)
         if params.kind in ("json", "json_object"):
-            _json_schema_grammar(params, xgr)  # what can fail; not re-parsed as `_grammar` does
+            _json_schema_grammar(params, xgr, None)  # what can fail; not re-parsed as `_grammar`
         else:
-            _grammar(params, xgr)
+            _grammar(params, xgr, None)
+    except RecursionError:  # a backstop: `StructuredOutputsParams` bounds the nesting
+        raise InvalidRequestError(
+            params.param, f"is not a valid {_WHAT[params.kind]}: it is nested too deeply"
+        ) from None
     except (RuntimeError, ValueError, TypeError) as e:
         raise InvalidRequestError(
             params.param, f"is not a valid {_WHAT[params.kind]}: {_message(e)}"
@@ -98,9 +103,11 @@ def _meta_validator(schema: Any) -> Any:
     return _meta_validator_for(draft)
 
 
-def _grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar:
+def _grammar(
+    params: StructuredOutputsParams, xgr: xgrammar, max_whitespace: int | None
+) -> xgrammar.Grammar:
     if params.kind in ("json", "json_object"):
-        grammar = _json_schema_grammar(params, xgr)
+        grammar = _json_schema_grammar(params, xgr, max_whitespace)
         return xgr.Grammar.from_ebnf(_escape_control_characters(str(grammar)))
     if params.kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
@@ -111,12 +118,17 @@ def _grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar
     return xgr.Grammar.from_ebnf(params.grammar)
 
 
-def _json_schema_grammar(params: StructuredOutputsParams, xgr: xgrammar) -> xgrammar.Grammar:
+def _json_schema_grammar(
+    params: StructuredOutputsParams, xgr: xgrammar, max_whitespace: int | None
+) -> xgrammar.Grammar:
+    """`max_whitespace`: whitespace characters allowed between two JSON tokens (None: any);
+    `disable_any_whitespace` leaves only the single spaces of `", "` and `": "`."""
     strict = params.kind == "json"
     return xgr.Grammar.from_json_schema(
         json.dumps(params.json if strict else {"type": "object"}),
         any_whitespace=not params.disable_any_whitespace,
         strict_mode=strict,
+        max_whitespace_cnt=None if params.disable_any_whitespace else max_whitespace,
     )
 
 
@@ -134,11 +146,16 @@ class XgrammarBackend:
     """Compiles grammars against one tokenizer's vocabulary (padded to the model's)."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        max_whitespace: int | None = StructuredOutputsConfig.max_whitespace,
     ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
+        self.max_whitespace = max_whitespace
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
@@ -147,7 +164,7 @@ class XgrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        return self.compiler.compile_grammar(_grammar(params, self._xgr))
+        return self.compiler.compile_grammar(_grammar(params, self._xgr, self.max_whitespace))
 
     def matcher(
         self, compiled: xgrammar.CompiledGrammar, stop_token_ids: list[int]

@@ -7,6 +7,8 @@ copies KV but appends nothing, so the matcher's state survives it untouched.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +30,18 @@ class RequestGrammar:
         compiled: Future[xgrammar.CompiledGrammar],
         backend: Future[Any],  # an XgrammarBackend (not imported: this is a request value)
         stop_token_ids: list[int],
+        *,
+        release: Callable[[], None] | None = None,
+        compile_timeout: float | None = None,
     ) -> None:
+        """`release`: tells the manager this request no longer needs the compile (called once,
+        when the request is freed); `compile_timeout`: seconds to wait for the compile before
+        the request fails."""
         self._compiled = compiled
         self._backend = backend
+        self._release = release
+        self._timeout = compile_timeout
+        self._deadline = None if compile_timeout is None else time.monotonic() + compile_timeout
         # Every token that ends this request: allowed only where the grammar may end.
         self._stop_token_ids = stop_token_ids
         self.matcher: xgrammar.GrammarMatcher | None = None
@@ -44,13 +55,27 @@ class RequestGrammar:
         if self.matcher is not None or self.error is not None:
             return True
         if not self._compiled.done():
-            return False
+            if self._deadline is None or time.monotonic() < self._deadline:
+                return False
+            self.error = (
+                f"structured output: the grammar did not compile within {self._timeout:g} s "
+                "(structured_outputs_config compile_timeout)"
+            )
+            self.release()
+            return True
         try:
             backend = self._backend.result()
             self.matcher = backend.matcher(self._compiled.result(), self._stop_token_ids)
         except Exception as e:
             self.error = f"structured output: the grammar could not be compiled: {e}"
         return True
+
+    def release(self) -> None:
+        """The request is done with the compile (finished, aborted or timed out): a compile
+        nobody waits for any longer is cancelled if it has not started."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance past generated tokens; False if one of them breaks the grammar."""

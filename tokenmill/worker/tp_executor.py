@@ -3,22 +3,27 @@
 The engine process is rank 0 (as in vLLM's multiproc executor with its driver worker): the
 scheduler, the sampler's results and the outputs are already there, so a step costs one
 broadcast of the `SchedulerOutput` and nothing comes back but the collectives inside the
-forward. Ranks 1..N-1 are `spawn`ed processes (`tp_worker.py`).
+forward. Ranks 1..N-1 are fresh interpreters (`worker_process.py`, `tp_worker.py`): nothing of
+the caller's script runs in them, so a plain script needs no `if __name__ == "__main__":`.
 
-Failure: before each step every worker's liveness is checked (a dead one fails the step at
-once); a worker that dies or hangs mid-step fails rank 0's next collective, by a closed
-connection or by `distributed_timeout`. Either way the engine raises `TensorParallelError`
-naming the worker, and the workers are stopped. Shutdown (explicit, garbage collection or
-interpreter exit) stops them too; a worker whose engine was killed exits on its own.
+Failure: a watcher thread per worker sees it exit at once, even while the engine idles (as
+vLLM's executor watches its workers' sentinels): the executor is marked failed, the other
+workers are killed (so a collective waiting on them fails now) and `on_failure` is told (the
+async engine dies then, and the server exits). A worker that hangs mid-step fails rank 0's
+next collective by `distributed_timeout`. Either way every later step raises
+`TensorParallelError` naming the worker. Shutdown (explicit, garbage collection or
+interpreter exit) stops the workers too; a worker whose engine was killed exits on its own.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import threading
+import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 
@@ -30,11 +35,14 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
 from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.tp_worker import STOP, WorkerSetup, report_parameter_bytes, run_worker
+from tokenmill.worker.tp_worker import STOP, WorkerSetup, report_parameter_bytes
+from tokenmill.worker.worker_process import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
+# How long a failed collective waits to see whether a worker has exited.
+_EXIT_REPORT_S = 1.0
 
 
 class TensorParallelError(RuntimeError):
@@ -49,24 +57,21 @@ class TensorParallelExecutor:
         self._engine_threads = torch.get_num_threads()  # restored at shutdown
         num_threads = max(1, self._engine_threads // size) if device.type == "cpu" else 1
         torch.set_num_threads(num_threads)
-        context = multiprocessing.get_context("spawn")
-        self.workers = [
-            context.Process(
-                target=run_worker,
-                args=(config, self.rendezvous, rank, num_threads, os.getpid()),
-                name=f"tokenmill-tp-{rank}",
-                daemon=True,
-            )
-            for rank in range(1, size)
-        ]
-        for worker in self.workers:
-            worker.start()
-        self._finalizer = weakref.finalize(self, _release, self.workers)
+        self.failure: TensorParallelError | None = None
+        self._stopping = threading.Event()  # set before the workers are told to exit
+        self._lock = threading.Lock()  # failure is set by the engine or a watcher thread
+        # Told (on a watcher thread) when a worker dies unasked: the engine cannot go on.
+        self.on_failure: Callable[[TensorParallelError], None] | None = None
+        self.workers: list[WorkerProcess] = []
+        for rank in range(1, size):
+            args = (config, self.rendezvous, rank, num_threads, os.getpid())
+            on_exit = _weak_callback(weakref.WeakMethod(self._worker_exited), rank)
+            self.workers.append(WorkerProcess(f"tokenmill-tp-{rank}", args, on_exit))
+        self._finalizer = weakref.finalize(self, _release, self.workers, self._stopping)
         # Rank 0 loads its shard while the workers start; the groups are joined after that.
         self.tp = TensorParallel(rank=0, size=size)
         self.step_group: Any = None
         self.parameter_bytes: list[int] = []  # per rank, once the runners are built
-        self.failure: TensorParallelError | None = None
 
     def make_runner(
         self,
@@ -107,6 +112,8 @@ class TensorParallelExecutor:
         try:
             return call()
         except Exception as e:
+            if _is_collective_error(e):  # a peer's closed connection comes before its exit
+                self._await_exit(_EXIT_REPORT_S)
             self.check_workers()
             if not _is_collective_error(e):
                 raise
@@ -116,27 +123,54 @@ class TensorParallelExecutor:
                 f"({str(e).strip()})"
             )
 
-    def check_workers(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-        for rank, worker in enumerate(self.workers, start=1):
-            if not worker.is_alive():
-                self._fail(
-                    f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code "
-                    f"{worker.exitcode}"
-                )
+    def _await_exit(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a worker to have exited (a dead one explains a failure
+        best); returns at once if one has."""
+        deadline = time.monotonic() + timeout_s
+        while all(w.is_alive() for w in self.workers) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
-    def _fail(self, message: str) -> None:
-        self.failure = TensorParallelError(message + "; the engine stopped its other workers")
-        logger.error("%s", self.failure)
+    def check_workers(self) -> None:
+        if self.failure is None:
+            for rank, worker in enumerate(self.workers, start=1):
+                if not worker.is_alive():
+                    self._set_failure(_exit_message(rank, worker))
+        if self.failure is not None:
+            self.shutdown(graceful=False)
+            raise self.failure
+
+    def _fail(self, message: str) -> NoReturn:
+        self._set_failure(message)
         self.shutdown(graceful=False)
+        assert self.failure is not None
         raise self.failure
+
+    def _worker_exited(self, rank: int, worker: WorkerProcess) -> None:
+        """A watcher thread's report: a worker that exits unasked fails the executor now."""
+        if self._stopping.is_set():
+            return
+        error = self._set_failure(_exit_message(rank, worker))
+        if error is not None:
+            for other in self.workers:
+                other.kill()  # a collective waiting on them fails now, not at the timeout
+            if self.on_failure is not None:
+                self.on_failure(error)
+
+    def _set_failure(self, message: str) -> TensorParallelError | None:
+        """Record the first failure (logged); the error if this call recorded it."""
+        with self._lock:
+            if self.failure is not None:
+                return None
+            self.failure = TensorParallelError(message + "; the engine stopped its other workers")
+        logger.error("%s", self.failure)
+        return self.failure
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers (idempotent); graceful: tell them, else kill them."""
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
+        self._stopping.set()
         if graceful and self.failure is None and self.step_group is not None:
             try:
                 broadcast_object(STOP, self.step_group)
@@ -154,8 +188,28 @@ def _is_collective_error(e: Exception) -> bool:
     )
 
 
-def _release(workers: list[Any]) -> None:
+def _weak_callback(
+    method: weakref.WeakMethod[Callable[[int, WorkerProcess], None]], rank: int
+) -> Callable[[WorkerProcess], None]:
+    """A watcher's report to the executor that does not keep it alive (so garbage collection
+    still stops the workers)."""
+
+    def report(worker: WorkerProcess) -> None:
+        if (bound := method()) is not None:
+            bound(rank, worker)
+
+    return report
+
+
+def _exit_message(rank: int, worker: WorkerProcess) -> str:
+    return (
+        f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}"
+    )
+
+
+def _release(workers: list[Any], stopping: threading.Event) -> None:
     """At garbage collection or interpreter exit without a shutdown: kill, then leave."""
+    stopping.set()
     _stop_workers(workers, graceful=False)
     leave_group()
 

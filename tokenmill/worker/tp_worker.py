@@ -65,7 +65,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 def run_worker(
     config: EngineConfig, rendezvous: Rendezvous, rank: int, num_threads: int, parent: int
 ) -> None:
-    """The worker process's entry point (spawned by `TensorParallelExecutor`)."""
+    """The worker process's entry point (started by `TensorParallelExecutor`, worker_process.py)."""
     _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops us
     torch.set_num_threads(num_threads)

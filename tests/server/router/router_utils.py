@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -17,9 +18,12 @@ REQUESTS = "tokenmill:router_requests_total"
 
 
 def child_pids(pid: int) -> list[int]:
-    """The processes `pid` started (Linux /proc)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in children.read_text().split()] if children.exists() else []
+    """The processes `pid` started, from any of its threads (Linux /proc)."""
+    pids = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that has ended
+            pids += [int(p) for p in children.read_text().split()]
+    return sorted(pids)
 
 
 def is_alive(pid: int) -> bool:

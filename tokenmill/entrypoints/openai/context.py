@@ -23,7 +23,9 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.reply_parsing import ReplyParsing
+from tokenmill.entrypoints.openai.structured_outputs import prepare
 from tokenmill.outputs import CompletionOutput
+from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -49,14 +51,22 @@ class ServerContext:
         # One thread, as vLLM's async tokenizer: tokenizing is off the event loop (a long
         # prompt froze every client for seconds) and never concurrent with itself.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+        # Structured-output constraints are checked on their own thread: a large schema
+        # delays only requests that carry one, not every request's tokenizing.
+        self._schema_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-schema-check")
 
     async def off_loop(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run tokenizer work on the tokenizer thread, leaving the event loop to others."""
         call = functools.partial(function, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call)
 
+    async def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Check the constraint and wait for its grammar (structured_outputs.prepare)."""
+        await prepare(self.engine.engine.structured_output, params, self._schema_thread)
+
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._schema_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:

@@ -62,7 +62,11 @@ class ResponseFormat(RequestModel):
 
 
 class StructuredOutputsRequest(RequestModel):
-    """vLLM's `structured_outputs`: one of json / regex / choice / grammar / json_object."""
+    """vLLM's `structured_outputs`: one of json / regex / choice / grammar / json_object, and
+    vLLM's options. Unlike the rest of a body, an unknown key here is a 400 naming it: it was
+    meant to shape the output, and silently ignoring it would not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
@@ -70,6 +74,14 @@ class StructuredOutputsRequest(RequestModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Accepted as vLLM accepts them; they change nothing with xgrammar (sampling_params.py).
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    # Refused unless null: xgrammar has neither.
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    # vLLM's backend names that mean xgrammar ("auto", "xgrammar"); others are a 400.
+    backend: str | None = None
 
 
 class SamplingRequest(RequestModel):
@@ -231,7 +243,8 @@ class UsageInfo(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None  # --enable-prompt-tokens-details
+    # Only with --enable-prompt-tokens-details; otherwise absent (OpenAI's schema has no null).
+    prompt_tokens_details: PromptTokensDetails | None = Field(None, exclude_if=lambda v: v is None)
 
 
 # "error": the request could not go on (structured outputs: no token can continue the

@@ -108,7 +108,8 @@ class _Server(uvicorn.Server):
         engine.on_dead = self._on_engine_dead
 
     def _on_engine_dead(self, error: BaseException) -> None:
-        """Runs on the engine thread; uvicorn polls `should_exit`."""
+        """Runs on the engine thread (or a tensor-parallel worker's watcher); uvicorn polls
+        `should_exit`."""
         logger.critical(
             "the engine loop died (%r): shutting the server down; the process exits with "
             "status 1 so a supervisor can restart it",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -44,7 +44,7 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output import StructuredOutputsParams, backend
+from tokenmill.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,9 @@ class GenerationRun(ABC, Generic[RequestT]):
 
     async def serve(self, raw_request: Request, arrival_time: float) -> Response:
         """Queue the engine requests, then answer with the whole response or a stream."""
-        stream = await self.start(arrival_time)
+        stream = await self.start(raw_request, arrival_time)
+        if stream is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
         if self.request.stream:
             return EventStreamResponse(self.events(stream))
         response = await cancel_on_disconnect(raw_request, self.collect(stream))
@@ -147,10 +149,10 @@ class GenerationRun(ABC, Generic[RequestT]):
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(response.model_dump())
 
-    async def start(self, arrival_time: float) -> RequestStream:
-        """Queue the engine requests (after checking their constraint off the loop); the
-        stream of their outputs, for `collect` or `chunk_stream` (other protocols' adapters
-        call these three themselves)."""
+    async def start(self, raw_request: Request, arrival_time: float) -> RequestStream | None:
+        """Queue the engine requests once their constraint has compiled (None if the client
+        left meanwhile); the stream of their outputs, for `collect` or `chunk_stream` (other
+        protocols' adapters call these three themselves)."""
         engine_requests = [
             EngineRequest(
                 self._engine_request_id(i),
@@ -162,8 +164,10 @@ class GenerationRun(ABC, Generic[RequestT]):
             for i, state in enumerate(self.prompts)
         ]
         constraint = engine_requests[0].params.structured_outputs  # the request's, every prompt's
-        if isinstance(constraint, StructuredOutputsParams):
-            await self.ctx.off_loop(backend.validate, constraint)  # not on the engine thread
+        if isinstance(constraint, StructuredOutputsParams):  # a 400 here if it can't be used
+            prepared = self.ctx.prepare_structured_outputs(constraint)
+            if await cancel_on_disconnect(raw_request, _done(prepared)) is None:
+                return None  # gone while it compiled: its hold released
         return await self.ctx.engine.add_requests(engine_requests, arrival_time)
 
     def max_tokens(self, prompt: Prompt, requested: int | None, param: str) -> int:
@@ -238,3 +242,9 @@ class GenerationRun(ABC, Generic[RequestT]):
         if output.prompt_logprobs is not None:
             state.logprobs = output.prompt_logprobs
         return prompt_index
+
+
+async def _done(work: Awaitable[None]) -> bool:
+    """True once `work` is done: `cancel_on_disconnect` answers None for a client gone."""
+    await work
+    return True

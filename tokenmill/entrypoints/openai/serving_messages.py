@@ -116,7 +116,9 @@ async def create_message(ctx: ServerContext, raw_request: Request) -> Response:
     ctx.check_model(request.model)
     log_ignored_fields(request, "/v1/messages")
     run = await start_chat_run(ctx, chat_request(request))
-    stream = await run.start(arrival_time)
+    stream = await run.start(raw_request, arrival_time)
+    if stream is None:
+        return Response(status_code=499)  # gone while its constraint compiled
     message_id = f"msg_{uuid.uuid4().hex}"
     if request.stream:
         num_input_tokens = len(run.prompts[0].prompt.token_ids)

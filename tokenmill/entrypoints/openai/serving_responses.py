@@ -44,7 +44,9 @@ async def create_response(
     turns = history + input_messages(request)
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     run = await start_chat_run(ctx, chat_request(request, system + turns))
-    stream = await run.start(arrival_time)
+    stream = await run.start(raw_request, arrival_time)
+    if stream is None:
+        return Response(status_code=499)  # gone while its constraint compiled
     response_id = new_id("resp")
 
     def finished(output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:

@@ -4,11 +4,14 @@ replica chosen by the routing policy.
 Completions and chat completions are routed by the policy (prefix-aware reads the prompt);
 everything else (`/v1/models`, `/tokenize`, ...) goes to any healthy replica, except
 `/health` and `/metrics` (the router's own) and `/reset_prefix_cache` (sent to all).
-Headers pass through both ways (the `Authorization` header included: each replica checks
-its own key). A server-sent-event stream is passed through chunk by chunk as the replica
-writes it; if the replica dies mid-stream the client gets an OpenAI error event and
-`[DONE]`, a non-streaming request a 502. A replica that refuses the connection is taken out
-of rotation and the request, not yet sent, goes to another one.
+Before a body is read the router checks the API key (`--api-key`; every route but the open
+ones a server has), then reads the body up to `--max-request-body-bytes` (413 past it);
+headers pass through both ways (the `Authorization` header included: each replica checks it
+again). A client that disconnects before its answer closes the router's request to the
+replica, which aborts it, streaming or not. A server-sent-event stream is passed through
+chunk by chunk as the replica writes it; if the replica dies mid-stream the client gets an
+OpenAI error event and `[DONE]`, a non-streaming request a 502. A replica that refuses the
+connection is taken out of rotation and the request, not yet sent, goes to another one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.entrypoints.router.guard import (
+    ClientGone,
+    GuardError,
+    check_api_key,
+    read_body,
+    unless_disconnected,
+)
 from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metrics
 from tokenmill.entrypoints.router.policies import Policy
 from tokenmill.entrypoints.router.prefix_key import DEFAULT_PREFIX_CHARS, prefix_key
@@ -34,18 +44,27 @@ DROP_RESPONSE_HEADERS = {
     "content-length", "connection", "keep-alive", "transfer-encoding", "date", "server",
 }  # fmt: skip
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # as `tokenmill serve`'s
+# The status a request whose client has gone is logged with (nobody reads it), as nginx's.
+CLIENT_CLOSED_REQUEST = 499
 
 
 def build_router_app(
-    replicas: ReplicaSet, policy: Policy, prefix_chars: int = DEFAULT_PREFIX_CHARS
+    replicas: ReplicaSet,
+    policy: Policy,
+    prefix_chars: int = DEFAULT_PREFIX_CHARS,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    proxy = Proxy(replicas, policy, prefix_chars)
+    proxy = Proxy(replicas, policy, prefix_chars, api_key, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        # The key goes on the router's own requests too (health checks, /metrics scrapes).
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
             proxy.client = client
             await replicas.check_all(client)
             checker = asyncio.create_task(replicas.run(client))
@@ -63,24 +82,44 @@ def build_router_app(
 class Proxy:
     """The routes' work; `client` is set by the app's lifespan."""
 
-    def __init__(self, replicas: ReplicaSet, policy: Policy, prefix_chars: int) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        policy: Policy,
+        prefix_chars: int,
+        api_key: str | None,
+        max_body_bytes: int,
+    ) -> None:
         self.replicas = replicas
         self.policy = policy
         self.prefix_chars = prefix_chars
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         self.metrics = RouterMetrics(replicas)
         self.client: httpx.AsyncClient
 
     async def health(self) -> Response:
-        if self.replicas.healthy():
-            return Response(status_code=200)
-        return _error(503, "no replica is healthy", "no_healthy_replica")
+        """200 while any replica is in rotation, with how many are (reduced capacity is
+        still service: a load balancer should not drop the whole deployment for it)."""
+        healthy, total = len(self.replicas.healthy()), len(self.replicas.replicas)
+        if healthy:
+            return JSONResponse({"healthy_replicas": healthy, "replicas": total})
+        return _error(503, f"no replica is healthy (0 of {total})", "no_healthy_replica")
 
-    async def metrics_text(self) -> Response:
+    async def metrics_text(self, request: Request) -> Response:
+        try:
+            check_api_key(request, self.api_key, "/metrics")
+        except GuardError as e:
+            return _guard_error(e)
         text = await aggregated_metrics(self.metrics, self.replicas, self.client)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """Sent to every healthy replica; the first failure is the answer."""
+        try:
+            check_api_key(request, self.api_key, "/reset_prefix_cache")
+        except GuardError as e:
+            return _guard_error(e)
         headers = _forward_headers(request)
         answers = await asyncio.gather(
             *(self.client.post(f"{r.url}/reset_prefix_cache", headers=headers)
@@ -95,13 +134,20 @@ class Proxy:
         return Response(status_code=200)
 
     async def forward(self, request: Request, path: str) -> Response:
-        body = await request.body()
         path = "/" + path
+        try:
+            check_api_key(request, self.api_key, path)  # first: no body is read without it
+            body = await read_body(request, self.max_body_bytes)
+        except GuardError as e:
+            return _guard_error(e)
         key = prefix_key(path, body, self.prefix_chars) if path in ROUTED_PATHS else None
         try:
-            sent = await self._send(request, path, body, key)
+            # A non-streaming replica sends its headers only once it has the whole answer.
+            sent = await unless_disconnected(request, self._send(request, path, body, key))
         except _ReplicaFailed as e:
             return _error(502, str(e), "replica_failed")
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         if sent is None:
             return _error(503, "no replica is healthy", "no_healthy_replica")
         replica, upstream = sent
@@ -112,10 +158,12 @@ class Proxy:
                 headers=dict(_response_headers(upstream)),
             )
         try:
-            content = await upstream.aread()
+            content = await unless_disconnected(request, upstream.aread())
         except httpx.HTTPError as e:
             self._failed(replica, "request", e)
             return _error(502, _failure_message(replica, e), "replica_failed")
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             await upstream.aclose()
             replica.in_flight -= 1
@@ -151,6 +199,9 @@ class Proxy:
                 replica.in_flight -= 1
                 self._failed(replica, "request", e)
                 raise _ReplicaFailed(_failure_message(replica, e)) from e
+            except BaseException:  # cancelled: the client has gone
+                replica.in_flight -= 1
+                raise
             self.metrics.requests.labels(replica.url, decision.reason).inc()
             return replica, upstream
         return None
@@ -201,8 +252,13 @@ def _passthrough(upstream: httpx.Response, content: bytes) -> Response:
     return response
 
 
-def _error_body(message: str, code: str) -> dict[str, object]:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+def _error_body(message: str, code: str, type: str = "server_error") -> dict[str, object]:
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def _guard_error(error: GuardError) -> JSONResponse:
+    body = _error_body(str(error), error.code, "invalid_request_error")
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:

@@ -4,6 +4,7 @@ shares with it. Light to import (no torch)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from tokenmill.entrypoints.router.policies import (
     DEFAULT_BALANCE_ABS_THRESHOLD,
@@ -26,6 +27,20 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument("--policy", default="prefix-aware", choices=POLICIES, help="routing policy")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="require this bearer token on the routes a server keys (all but /health, "
+        "/version, /metrics and the docs), checked before a body is read; give the "
+        "replicas' key (default: $TOKENMILL_API_KEY)",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        help="refuse request bodies larger than this with 413 before reading them on "
+        "(default: 2 MiB)",
+    )
     add_routing_args(group)
 
 

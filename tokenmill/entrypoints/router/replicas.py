@@ -45,8 +45,13 @@ class ReplicaSet:
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
-            logger.warning("replica %s taken out of rotation: %s", replica.url, reason)
-        replica.healthy = False
+            replica.healthy = False
+            logger.warning(
+                "replica %s taken out of rotation: %s (%s)", replica.url, reason, self.capacity()
+            )
+
+    def capacity(self) -> str:
+        return f"{len(self.healthy())} of {len(self.replicas)} replicas in rotation"
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self._check(client, r) for r in self.replicas.values()))
@@ -69,8 +74,8 @@ class ReplicaSet:
             return
         replica.waiting, replica.kv_usage = load_from_metrics(metrics.text)
         if not replica.healthy:
-            logger.info("replica %s is healthy: in rotation", replica.url)
-        replica.healthy = True
+            replica.healthy = True
+            logger.info("replica %s is healthy: in rotation (%s)", replica.url, self.capacity())
 
 
 def load_from_metrics(text: str) -> tuple[float, float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -16,13 +18,23 @@ logger = logging.getLogger("tokenmill.router")
 
 
 def run_router(
-    args: argparse.Namespace, listener: socket.socket, backends: list[str], policy: str
+    args: argparse.Namespace,
+    listener: socket.socket,
+    backends: list[str],
+    policy: str,
+    on_exit: Callable[[], None] | None = None,
+    graceful_timeout: float | None = None,
 ) -> None:
+    """Serve until SIGTERM/SIGINT. `on_exit` runs when the signal arrives, before uvicorn
+    stops accepting (`serve --data-parallel-size`: the replicas start draining); in-flight
+    requests then get `graceful_timeout` seconds (default `--shutdown-timeout`) to end."""
     replicas = ReplicaSet(backends, interval=args.health_check_interval)
     app = build_router_app(
         replicas,
         make_policy(policy, args.balance_abs_threshold, args.balance_rel_threshold),
         args.prefix_chars,
+        api_key=args.api_key,
+        max_body_bytes=args.max_request_body_bytes,
     )
     logger.info(
         "routing http://%s:%d to %d replicas (%s): %s",
@@ -32,11 +44,24 @@ def run_router(
         policy,
         ", ".join(backends),
     )
+    if graceful_timeout is None:
+        graceful_timeout = getattr(args, "shutdown_timeout", 30)
     config = uvicorn.Config(
         app,
         log_config=None,
         log_level=getattr(args, "uvicorn_log_level", "info"),
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
-        timeout_graceful_shutdown=getattr(args, "shutdown_timeout", 30),
+        timeout_graceful_shutdown=graceful_timeout,
     )
-    uvicorn.Server(config).run(sockets=[listener])
+    _RouterServer(config, on_exit).run(sockets=[listener])
+
+
+class _RouterServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_exit is not None and not self.should_exit:
+            self.on_exit()
+        super().handle_exit(sig, frame)

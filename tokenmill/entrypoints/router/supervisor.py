@@ -1,0 +1,120 @@
+"""The replica processes of `tokenmill serve --data-parallel-size N`: started, restarted when
+one dies, drained and stopped with the command.
+
+Each replica is the command's own line with `--host 127.0.0.1 --port P --data-parallel-size 1`
+appended (argparse keeps the last value of a flag), started with the kernel's parent-death
+signal (PR_SET_PDEATHSIG) so that even a command killed with SIGKILL leaves no orphans.
+
+- A replica that exits while the command runs (killed, its engine died) is started again on
+  its port after a backoff that doubles from 1 s to 30 s (back to 1 s once a replica has run
+  for a minute), each restart logged; the router's health checks put it back in rotation.
+- `drain()` (the command's SIGTERM/SIGINT) forwards SIGTERM to every replica at once, so each
+  drains as `tokenmill serve` does while the router still relays their streams to the end;
+  `stop()` then waits for them and kills any that outlive the grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+logger = logging.getLogger("tokenmill.router")
+
+PR_SET_PDEATHSIG = 1
+FIRST_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 30.0
+STABLE_SECONDS = 60.0  # a replica up this long has its backoff reset
+POLL_SECONDS = 0.2
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only calls it
+
+
+class ReplicaSupervisor:
+    def __init__(self, argv: list[str], ports: list[int]) -> None:
+        self.argv = argv
+        self.ports = ports
+        self.children = [_start_replica(argv, port) for port in ports]
+        self._started = [time.monotonic()] * len(ports)
+        self._backoff = [FIRST_BACKOFF_SECONDS] * len(ports)
+        self._restart_at: list[float | None] = [None] * len(ports)
+        self._stopping = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.RLock()  # children; drain() also runs in a signal handler
+        self._thread: threading.Thread | None = None
+
+    def watch(self) -> None:
+        """Restart replicas that die, on a thread of its own, until `stop()`. The thread lives
+        until then: a replica's parent-death signal follows the thread that started it."""
+        self._thread = threading.Thread(target=self._run, name="replica-supervisor", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """SIGTERM to every replica now (no more restarts); returns at once."""
+        self._stopping.set()
+        with self._lock:
+            for child in self.children:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        """Drain, wait up to `timeout` seconds, SIGKILL whatever is left; end the watcher."""
+        self.drain()
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("replica pid %d ignored SIGTERM: killing it", child.pid)
+                child.kill()
+                child.wait()
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._done.wait(POLL_SECONDS):
+            if not self._stopping.is_set():
+                for index in range(len(self.children)):
+                    self._check(index)
+
+    def _check(self, index: int) -> None:
+        child, port, now = self.children[index], self.ports[index], time.monotonic()
+        if child.poll() is None:
+            if now - self._started[index] > STABLE_SECONDS:
+                self._backoff[index] = FIRST_BACKOFF_SECONDS
+            return
+        restart_at = self._restart_at[index]
+        if restart_at is None:
+            delay = self._backoff[index]
+            self._restart_at[index] = now + delay
+            self._backoff[index] = min(2 * delay, MAX_BACKOFF_SECONDS)
+            logger.warning(
+                "replica on port %d (pid %d) exited with status %s; restarting it in %.0f s",
+                port, child.pid, child.returncode, delay,
+            )  # fmt: skip
+        elif now >= restart_at:
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.children[index] = replacement = _start_replica(self.argv, port)
+            self._started[index], self._restart_at[index] = now, None
+            logger.warning("restarted the replica on port %d (pid %d)", port, replacement.pid)
+
+
+def _start_replica(argv: list[str], port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "tokenmill.entrypoints.cli", *argv,
+        "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1",
+    ]  # fmt: skip
+    return subprocess.Popen(command, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies; the default SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
