@@ -19,19 +19,23 @@ PROMPT = "Validate me"
 def test_openapi_declares_the_errors_routes_return(http: httpx.Client) -> None:
     spec = http.get("/openapi.json").json()
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    anthropic_error_ref = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "422" not in responses, f"{method} {path}"  # bad input is a 400 here
             if method == "post" and "requestBody" in operation:  # a body can be malformed
                 assert "400" in responses, f"{method} {path}"
+            # Anthropic's routes answer in its error shape and take its key header too.
+            anthropic = path.startswith("/v1/messages")
             if path.startswith("/v1/"):
                 assert "401" in responses, f"{method} {path}"
-                assert operation["security"] == [{"HTTPBearer": []}]
+                security = [{"APIKeyHeader": []}, {"HTTPBearer": []}] if anthropic else None
+                assert operation["security"] == (security or [{"HTTPBearer": []}])
             for status in ("400", "401", "404"):
                 if status in responses:
                     schema = responses[status]["content"]["application/json"]["schema"]
-                    assert schema == error_ref
+                    assert schema == (anthropic_error_ref if anthropic else error_ref)
     assert "404" in spec["paths"]["/v1/models/{model_id}"]["get"]["responses"]
     streamed = spec["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert set(streamed) == {"application/json", "text/event-stream"}

@@ -53,15 +53,50 @@ PRETOKENIZE_REGEX = (
 
 # ChatML, with a BOS first (Llama 3 style: the template owns the BOS, so chat prompts are
 # encoded with add_special_tokens=False). String or list-of-text-parts content is accepted.
+# With `tools`, Hermes / Qwen2.5 style: the tools in the system turn, calls as
+# `<tool_call>{...}</tool_call>`, tool results as `<tool_response>` in a user turn. Chats
+# without tools render exactly as plain ChatML (what the demo models were trained on).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{%- macro text(content) -%}"
+    "{% if content is string %}{{ content }}"
+    "{% else %}{% for part in content %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{%- endmacro -%}"
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ text(messages[0]['content']) + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}{{ text(message['content']) }}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{{ '<tool_call>\\n{\\\"name\\\": \\\"' + call['function']['name'] }}"
+    '{{ \'\\", \\"arguments\\": \' }}'
+    "{% if arguments is string %}{{ arguments }}{% else %}{{ arguments | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

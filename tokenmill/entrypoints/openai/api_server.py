@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.entrypoints.dashboard.routes import dashboard_router
+from tokenmill.entrypoints.openai.agent_routes import add_responses_routes, messages_router
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimit
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
@@ -132,6 +133,7 @@ def build_app(
     app.add_middleware(RefuseWhileStopping, stopping=lambda: ctx.stopping)
     app.add_middleware(NoSniff)  # outermost: on every response, the refusals' too
     app.include_router(_v1_router(ctx, api_key))
+    app.include_router(messages_router(ctx, api_key))  # its own key check (x-api-key too)
     app.include_router(_operations_router(ctx))
     app.include_router(_metrics_router(registry, None if metrics_without_api_key else api_key))
     app.include_router(_keyed_operations_router(ctx, api_key))
@@ -169,6 +171,7 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(ctx, request, raw_request)
 
+    add_responses_routes(router, ctx, {**BAD_REQUEST, **auth, **SERVER_ERRORS})
     return router
 
 

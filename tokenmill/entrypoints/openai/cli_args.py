@@ -72,6 +72,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
+    _add_reply_parsing_args(parser)
     _add_data_parallel_args(parser)
 
 
@@ -113,6 +114,30 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return value
+
+
+def _add_reply_parsing_args(parser: argparse.ArgumentParser) -> None:
+    # Parser names as vLLM's; kept here (not imported) so `--help` stays light. The server
+    # checks them at start-up against the registries.
+    group = parser.add_argument_group("tool calling and reasoning (docs/server.md)")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the model\'s calls are read out of its reply by '
+        "--tool-call-parser",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and the demo models)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="split <think>...</think> off replies into reasoning_content",
+    )
 
 
 def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:

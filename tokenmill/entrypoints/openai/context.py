@@ -22,6 +22,7 @@ from tokenmill.entrypoints.openai.protocol import (
     RequestModel,
     UsageInfo,
 )
+from tokenmill.entrypoints.openai.reply_parsing import ReplyParsing
 from tokenmill.entrypoints.openai.structured_outputs import prepare
 from tokenmill.outputs import CompletionOutput
 from tokenmill.sampling_params import StructuredOutputsParams
@@ -41,6 +42,7 @@ class ServerContext:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens)
     slos: dict[str, float] = field(default_factory=dict)  # --slo, in seconds, for goodput
     stopping: bool = False  # set when shutdown begins: endless streams (the dashboard) end
+    reply_parsing: ReplyParsing = field(default_factory=ReplyParsing)  # tools, reasoning
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(

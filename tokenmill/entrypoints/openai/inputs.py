@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
-from tokenmill.entrypoints.openai.protocol import ChatMessage
+from tokenmill.entrypoints.openai.protocol import ChatMessage, ToolCall
 
 
 @dataclass
@@ -60,21 +61,32 @@ class PromptBuilder:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         prompt = Prompt(self.encode(text, add_special_tokens, "messages"), text)
         self.check(prompt.token_ids, "messages")
         return prompt
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """`tools` (OpenAI's shape) go to the template as transformers passes them."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template", param="messages")
+        check_tool_messages(messages)
         conversation = [_template_message(i, m) for i, m in enumerate(messages)]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as e:  # e.g. a template's raise_exception on bad roles
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
@@ -145,4 +157,35 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         rendered["name"] = message.name
+    if message.tool_calls:
+        rendered["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
     return rendered
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    """Arguments as a mapping (templates write them with `tojson`), as vLLM passes them; text
+    that is not a JSON object stays text."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """A tool message answers a call of the assistant message before it (OpenAI's rule)."""
+    call_ids: set[str] = set()
+    for index, message in enumerate(messages):
+        if message.role == "assistant":
+            call_ids = {call.id for call in message.tool_calls or []}
+        elif message.role == "tool" and message.tool_call_id not in call_ids:
+            raise bad_request(
+                "messages with role 'tool' must be a response to a preceding message with "
+                f"'tool_calls' (tool_call_id {message.tool_call_id!r} answers no call)",
+                param=f"messages.{index}.tool_call_id",
+            )

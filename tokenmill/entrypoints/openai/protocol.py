@@ -144,10 +144,52 @@ class TextContentPart(RequestModel):
     text: str | None = None
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and returns it
+
+
+class ToolCall(RequestModel):
+    """A call the assistant made, in the history (request) or the reply (response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's field)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none means "no arguments"
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly this one."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -157,6 +199,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # Unset: "auto" when there are tools, else "none" (tool_calling.py), as OpenAI and vLLM.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(RequestModel):
@@ -204,6 +250,8 @@ class UsageInfo(ResponseModel):
 # "error": the request could not go on (structured outputs: no token can continue the
 # grammar); stop_reason says why. vLLM reports it the same way.
 FinishReason = Literal["stop", "length", "error"]
+# A chat choice also ends "tool_calls" when its reply was parsed into calls.
+ChatFinishReason = Literal["stop", "length", "error", "tool_calls"]
 
 
 class CompletionLogprobs(ResponseModel):
@@ -248,17 +296,31 @@ class ChatLogprobs(ResponseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    # Omitted when empty / unset, as OpenAI does (its schema has no null for tool_calls).
+    tool_calls: list[ResponseToolCall] | None = Field(None, exclude_if=lambda v: not v)
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)  # vLLM's
 
 
 class ChatChoice(ResponseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -271,16 +333,32 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = Field(None, exclude_if=lambda v: v is None)
+    arguments: str | None = Field(None, exclude_if=lambda v: v is None)
+
+
+class DeltaToolCall(ResponseModel):
+    """A call's fragment: the first carries id, type and name, the next ones arguments."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
     content: str | None = Field(None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class ChatStreamChoice(ResponseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = Field(None, exclude_if=lambda v: v is None)
 
 

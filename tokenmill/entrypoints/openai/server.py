@@ -37,6 +37,7 @@ from tokenmill.entrypoints.openai.connections import (
     rate_limit_accept_errors,
 )
 from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.openai.reply_parsing import reply_parsing_from_args
 from tokenmill.metrics.prometheus import EngineMetrics
 
 logger = logging.getLogger("tokenmill.server")
@@ -48,6 +49,7 @@ ERROR_FLUSH_SECONDS = 2.0
 
 def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     slos = parse_slo(args.slo)
+    reply_parsing = reply_parsing_from_args(args)  # checked before the model loads
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -63,6 +65,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         str(engine.model_dir),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         slos=slos,
+        reply_parsing=reply_parsing,
     )
     app = build_app(
         ctx,

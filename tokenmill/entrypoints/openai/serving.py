@@ -11,6 +11,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -138,6 +139,20 @@ class GenerationRun(ABC, Generic[RequestT]):
 
     async def serve(self, raw_request: Request, arrival_time: float) -> Response:
         """Queue the engine requests, then answer with the whole response or a stream."""
+        stream = await self.start(raw_request, arrival_time)
+        if stream is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if self.request.stream:
+            return EventStreamResponse(self.events(stream))
+        response = await cancel_on_disconnect(raw_request, self.collect(stream))
+        if response is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(response.model_dump())
+
+    async def start(self, raw_request: Request, arrival_time: float) -> RequestStream | None:
+        """Queue the engine requests once their constraint has compiled (None if the client
+        left meanwhile); the stream of their outputs, for `collect` or `chunk_stream` (other
+        protocols' adapters call these three themselves)."""
         engine_requests = [
             EngineRequest(
                 self._engine_request_id(i),
@@ -152,14 +167,8 @@ class GenerationRun(ABC, Generic[RequestT]):
         if isinstance(constraint, StructuredOutputsParams):  # a 400 here if it can't be used
             prepared = self.ctx.prepare_structured_outputs(constraint)
             if await cancel_on_disconnect(raw_request, _done(prepared)) is None:
-                return Response(status_code=499)  # gone while it compiled: its hold released
-        stream = await self.ctx.engine.add_requests(engine_requests, arrival_time)
-        if self.request.stream:
-            return EventStreamResponse(self.events(stream))
-        response = await cancel_on_disconnect(raw_request, self.collect(stream))
-        if response is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(response.model_dump())
+                return None  # gone while it compiled: its hold released
+        return await self.ctx.engine.add_requests(engine_requests, arrival_time)
 
     def max_tokens(self, prompt: Prompt, requested: int | None, param: str) -> int:
         """`requested` checked against the context left after `prompt` (see params.py)."""
@@ -184,16 +193,22 @@ class GenerationRun(ABC, Generic[RequestT]):
         """Server-sent events: the chunks, the usage chunk if asked for, then `[DONE]`; a
         failure after the 200 has gone out is one error event before `[DONE]`."""
         try:
-            async with stream:
-                async for output in stream:
-                    for chunk in self.chunks(self._absorb_prompt(output), output):
-                        yield sse_event(chunk)
-            if self.include_usage:
-                yield sse_event(self.usage_chunk())
+            async with aclosing(self.chunk_stream(stream)) as chunks:  # aborts at once if closed
+                async for chunk in chunks:
+                    yield sse_event(chunk)
         except Exception as e:
             logger.warning("%s stream %s failed: %r", self.endpoint, self.request_id, e)
             yield error_event(e)
         yield DONE_EVENT
+
+    async def chunk_stream(self, stream: RequestStream) -> AsyncIterator[Chunk]:
+        """The chunks, then the usage chunk if asked for; raises what the stream raises."""
+        async with stream:
+            async for output in stream:
+                for chunk in self.chunks(self._absorb_prompt(output), output):
+                    yield chunk
+        if self.include_usage:
+            yield self.usage_chunk()
 
     def usage(self) -> UsageInfo:
         """The whole request's usage: each prompt once, every choice's tokens."""

@@ -1,13 +1,16 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template, `n` replies.
+"""POST /v1/chat/completions: messages (and tools) through the tokenizer's chat template, `n`
+replies, each read by the reply parsers (reasoning, tool calls: reply_parsing.py).
 
 A stream opens each choice with a `{"role": "assistant", "content": ""}` delta, as OpenAI does,
-then sends content deltas; the last delta of a choice carries its finish_reason. The opening
-deltas go out with the first token, not on acceptance, as vLLM sends them: clients time the
-first chunk as the time to first token.
+then sends reasoning, content and tool-call deltas; the last delta of a choice carries its
+finish_reason ("tool_calls" when the reply was calls). The opening deltas go out with the
+first token, not on acceptance, as vLLM sends them: clients time the first chunk as the time
+to first token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from fastapi import Request
@@ -22,13 +25,18 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatFinishReason,
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    FinishReason,
     UsageInfo,
 )
+from tokenmill.entrypoints.openai.reasoning import ReasoningParser
+from tokenmill.entrypoints.openai.reply_parsing import ReplyStream, parse_reply
 from tokenmill.entrypoints.openai.serving import Chunk, GenerationRun, begin_request
+from tokenmill.entrypoints.openai.tool_calling import ToolPlan, plan_tools, template_tools
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -37,11 +45,36 @@ async def create_chat_completion(
     ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request
 ) -> Response:
     arrival_time = begin_request(ctx, request, "/v1/chat/completions")
-    prompt = await ctx.off_loop(
-        ctx.prompts.chat_prompt, request.messages, request.add_generation_prompt
-    )
-    run = ChatRun(ctx, request, f"chatcmpl-{uuid.uuid4().hex}", [prompt])
+    run = await start_chat_run(ctx, request)
     return await run.serve(raw_request, arrival_time)
+
+
+async def start_chat_run(ctx: ServerContext, request: ChatCompletionRequest) -> ChatRun:
+    """The request's tool plan and prompt, checked; nothing is queued yet."""
+    options = ctx.reply_parsing
+    plan = plan_tools(request, options.enable_auto_tool_choice, options.tool_parser())
+    prompt = await ctx.off_loop(
+        ctx.prompts.chat_prompt,
+        request.messages,
+        request.add_generation_prompt,
+        tools=template_tools(request),
+    )
+    return ChatRun(ctx, request, f"chatcmpl-{uuid.uuid4().hex}", [prompt], plan)
+
+
+def _constrains_output(request: ChatCompletionRequest) -> bool:
+    response_format = request.response_format
+    guided = (request.guided_json, request.guided_regex, request.guided_choice)
+    return (
+        (response_format is not None and response_format.type != "text")
+        or request.structured_outputs is not None
+        or request.guided_grammar is not None
+        or any(g is not None for g in guided)
+    )
+
+
+def chat_finish_reason(reason: FinishReason | None, tools_called: bool) -> ChatFinishReason | None:
+    return "tool_calls" if tools_called and reason == "stop" else reason
 
 
 class ChatRun(GenerationRun[ChatCompletionRequest]):
@@ -51,6 +84,24 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
     input_param = "messages"
     _opened = False  # whether the stream has sent its opening (role) deltas
 
+    def __init__(
+        self,
+        ctx: ServerContext,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompts: list[Prompt],
+        plan: ToolPlan,
+    ) -> None:
+        super().__init__(ctx, request, request_id, prompts)
+        self.plan = plan
+        # A constrained reply is constrained from its first token: no reasoning to split off.
+        constrained = plan.constraint is not None or _constrains_output(request)
+        self.reasoning: ReasoningParser | None = (
+            None if constrained else ctx.reply_parsing.reasoning()
+        )
+        self._parses = plan.mode != "none" or self.reasoning is not None
+        self._streams = [ReplyStream(plan, self.reasoning) for _ in self.choices]
+
     def sampling_params(self, prompt: Prompt) -> SamplingParams:
         request = self.request
         if request.max_completion_tokens is not None:
@@ -58,19 +109,29 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
         else:
             requested, param = request.max_tokens, "max_tokens"
         max_tokens = self.max_tokens(prompt, requested, param)
-        return chat_params(request, max_tokens, self.ctx.sampling_defaults)
+        params = chat_params(request, max_tokens, self.ctx.sampling_defaults)
+        if self.plan.constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=self.plan.constraint)
+        return params
 
     def response(self) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(content="".join(choice.text)),
-                logprobs=self._logprobs(choice.token_ids, choice.logprobs),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
+        choices = []
+        for index, choice in enumerate(self.choices):
+            reply = parse_reply("".join(choice.text), self.plan, self.reasoning)
+            message = ChatResponseMessage(
+                content=reply.content,
+                tool_calls=reply.tool_calls,
+                reasoning_content=reply.reasoning_content,
             )
-            for index, choice in enumerate(self.choices)
-        ]
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=self._logprobs(choice.token_ids, choice.logprobs),
+                    finish_reason=chat_finish_reason(choice.finish_reason, bool(reply.tool_calls)),
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -82,7 +143,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:
         opening = [] if self._opened else self._opening_chunks()
         self._opened = True
-        return [*opening, *(self._content_chunk(c) for c in output.outputs)]
+        return [*opening, *(c for out in output.outputs for c in self._content_chunks(out))]
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk([], self.usage())
@@ -94,21 +155,30 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
             for i in range(self.request.n)
         ]
 
-    def _content_chunk(self, completion: CompletionOutput) -> ChatCompletionChunk:
-        choice = self._stream_choice(completion)
-        return self._chunk([choice], self.chunk_usage(choice.index))
-
-    def _stream_choice(self, completion: CompletionOutput) -> ChatStreamChoice:
-        self.choices[completion.index].token_ids.extend(completion.token_ids)
+    def _content_chunks(self, completion: CompletionOutput) -> list[ChatCompletionChunk]:
+        """A completion's deltas as chunks; the first carries its logprobs, the last its
+        finish_reason. None while the parsers hold the text back (a call being written)."""
+        index = completion.index
+        self.choices[index].token_ids.extend(completion.token_ids)
         reason = finish_reason(completion)
-        content = completion.text if completion.text or reason is None else None
-        return ChatStreamChoice(
-            index=completion.index,
-            delta=DeltaMessage(content=content),
-            logprobs=self._logprobs(completion.token_ids, completion.logprobs or []),
-            finish_reason=reason,
-            stop_reason=completion.stop_reason,
-        )
+        stream = self._streams[index]
+        deltas = stream.feed(completion.text)
+        if reason is not None:
+            deltas += stream.finish()
+        logprobs = self._logprobs(completion.token_ids, completion.logprobs or [])
+        if not deltas:
+            if self._parses and reason is None and logprobs is None:
+                return []
+            deltas = [DeltaMessage(content="" if reason is None else None)]
+        usage = self.chunk_usage(index)
+        chunks = [
+            self._chunk([ChatStreamChoice(index=index, delta=delta)], usage) for delta in deltas
+        ]
+        chunks[0].choices[0].logprobs = logprobs
+        last = chunks[-1].choices[0]
+        last.finish_reason = chat_finish_reason(reason, stream.tools_called)
+        last.stop_reason = completion.stop_reason
+        return chunks
 
     def _logprobs(
         self, token_ids: list[int], positions: list[PositionLogprobs]

@@ -1,0 +1,244 @@
+"""Tool calling in /v1/chat/completions with the official openai client, against the demo
+model served with `--enable-auto-tool-choice --tool-call-parser hermes`.
+
+`required` and a named function are enforced by structured outputs, so even this small model's
+arguments validate against the function's schema on every sample at temperature 1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_utils import API_KEY, Server, start_server, stop_server
+from test_openapi import openai_schema, sse_chunks, validate  # noqa: F401 (fixtures)
+from transformers import AutoTokenizer
+
+from tokenmill.demo import DEMO_TARGET_NAME, demo_model_path
+from tokenmill.entrypoints.openai.inputs import PromptBuilder
+from tokenmill.entrypoints.openai.protocol import ChatMessage
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"type": "string", "maxLength": 8},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME_SCHEMA = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["CET", "UTC"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}},
+]
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("tools") / "server.log"
+    args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-model-len", "1024")
+    args += ("--enable-prompt-tokens-details",)  # usage as OpenAI's schema allows it (#27)
+    server = start_server(None, log_path, *args)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def tools_client(tool_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _chat(client: openai.OpenAI, **fields):
+    fields = {
+        "model": DEMO_TARGET_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 200,
+        **fields,
+    }  # fmt: skip
+    return client.chat.completions.create(**fields)
+
+
+def _check_call(call, names: set[str]) -> None:
+    assert call.type == "function" and call.id
+    assert call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_calls_validate_every_time_at_temperature_1(tools_client) -> None:
+    reply = _chat(
+        tools_client, tool_choice="required", parallel_tool_calls=False, n=20, temperature=1
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert len(choice.message.tool_calls) == 1  # parallel_tool_calls=False: one call
+        _check_call(choice.message.tool_calls[0], set(SCHEMAS))
+        assert choice.message.content is None
+
+
+def test_named_function_calls_validate_every_time_at_temperature_1(tools_client) -> None:
+    reply = _chat(tools_client, tool_choice=NAMED, n=20, temperature=1, seed=7)
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        _check_call(call, {"get_weather"})
+
+
+def test_required_with_parallel_calls_may_make_several(tools_client) -> None:
+    reply = _chat(tools_client, tool_choice="required", n=4, temperature=1, max_tokens=300)
+    for choice in reply.choices:
+        if choice.finish_reason == "length":
+            continue  # an unbounded array may run out of tokens; then it is text
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            _check_call(call, set(SCHEMAS))
+
+
+def _streamed_calls(client: openai.OpenAI, **fields) -> tuple[list[tuple[str, str]], str]:
+    """Calls reassembled from the deltas as clients do: by index, id and name first."""
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in _chat(client, stream=True, **fields):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                if delta.id is not None:
+                    assert delta.index not in calls  # the id comes once, first
+                    calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_streamed_call_deltas_reassemble_to_the_whole_call(tools_client, tool_choice) -> None:
+    fields = {"tool_choice": tool_choice, "temperature": 0, "parallel_tool_calls": False}
+    whole = _chat(tools_client, **fields)
+    calls = whole.choices[0].message.tool_calls
+    expected = [(c.function.name, c.function.arguments) for c in calls]
+    streamed, finish = _streamed_calls(tools_client, **fields)
+    assert streamed == expected
+    assert finish == whole.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_leaves_a_reply_without_calls_as_content(tools_client) -> None:
+    reply = _chat(tools_client, temperature=0, max_tokens=20)  # tool_choice defaults to auto
+    message = reply.choices[0].message
+    assert not message.tool_calls
+    assert message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tool_results_in_the_history_are_answered(tools_client) -> None:
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    reply = _chat(tools_client, messages=history, tool_choice="none", max_tokens=10)
+    assert reply.choices[0].message.content is not None
+    assert not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "Tool 'nope' has not been passed",
+        ),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "one output constraint",
+        ),
+        (
+            {"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "x", "content": "1"}]},
+            "messages.1.tool_call_id",
+            "must be a response to a preceding message",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "two functions named"),
+    ],
+)
+def test_bad_tool_requests_are_400s(tools_client, fields, param, message) -> None:
+    request = {"model": DEMO_TARGET_NAME, "messages": MESSAGES, "tools": TOOLS, **fields}
+    if request["tools"] is None:
+        del request["tools"]
+    with pytest.raises(openai.BadRequestError) as error:
+        tools_client.chat.completions.create(**request)
+    assert error.value.body["param"] == param
+    assert message in error.value.body["message"]
+    assert _chat(tools_client, tool_choice="none", max_tokens=2).choices  # still serving
+
+
+def test_a_huge_tool_schema_is_a_400_not_a_500(tools_client) -> None:
+    properties = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(15_000)}
+    tool = {"type": "function", "function": {"name": "big", "parameters": {
+        "type": "object", "properties": properties}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError):
+        _chat(tools_client, tools=[tool], tool_choice="auto")
+    assert _chat(tools_client, tool_choice="none", max_tokens=2).choices
+
+
+def test_auto_is_refused_without_enable_auto_tool_choice(client: openai.OpenAI) -> None:
+    """The shared server runs without the flag: `tools` alone means auto, a 400 as in vLLM."""
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS)
+
+
+def test_the_demo_template_renders_tools_calls_and_results() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path("target"))
+    builder = PromptBuilder(tokenizer, len(tokenizer), 1024)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}  # fmt: skip
+    messages = [
+        ChatMessage(role="user", content="Time?"),
+        ChatMessage.model_validate({"role": "assistant", "tool_calls": [call]}),
+        ChatMessage(role="tool", tool_call_id="c1", content="12:00"),
+    ]
+    text = builder.render_chat(messages, True, tools=TOOLS)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_tool_call_replies_match_openais_schema(
+    tool_server: Server,
+    validate,  # noqa: F811 (the fixture)
+    tool_choice,
+) -> None:
+    body = {
+        "model": DEMO_TARGET_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 200,
+        "tool_choice": tool_choice, "parallel_tool_calls": False,
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=tool_server.url, headers=headers, timeout=60) as http:
+        reply = http.post("/v1/chat/completions", json=body).json()
+        assert reply["choices"][0]["message"]["tool_calls"]
+        validate("CreateChatCompletionResponse", reply)
+        for chunk in sse_chunks(http, "/v1/chat/completions", body):
+            validate("CreateChatCompletionStreamResponse", chunk)

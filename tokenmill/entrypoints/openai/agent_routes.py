@@ -1,0 +1,118 @@
+"""The routes agents speak besides chat: Anthropic's `/v1/messages` (+ `count_tokens`) and
+OpenAI's `/v1/responses`. Each handler checks the key itself (Anthropic clients send
+`x-api-key`) and answers errors in its own API's shape."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+
+from tokenmill.entrypoints.openai.anthropic.protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+)
+from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.openai.protocol import ErrorResponse
+from tokenmill.entrypoints.openai.responses.protocol import ResponsesRequest
+from tokenmill.entrypoints.openai.responses.store import ResponseStore
+from tokenmill.entrypoints.openai.serving_messages import (
+    answer_anthropic,
+    count_tokens,
+    create_message,
+)
+from tokenmill.entrypoints.openai.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
+)
+
+# Either header carries the key (Anthropic's clients send x-api-key); declared so that
+# /openapi.json says so. Checked by the handler, which answers in its API's error shape.
+_X_API_KEY = APIKeyHeader(name="x-api-key", auto_error=False, description="The --api-key")
+_BEARER = HTTPBearer(auto_error=False, description="The server's --api-key")
+XApiKey = Annotated[str | None, Depends(_X_API_KEY)]
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+
+SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _body(model: type) -> dict[str, Any]:
+    """The request body in /openapi.json (the handler parses it itself)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _errors(model: type, statuses: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": model, "description": "An error"} for status in statuses}
+
+
+def _given_key(x_api_key: str | None, bearer: HTTPAuthorizationCredentials | None) -> str:
+    if x_api_key is not None:
+        return x_api_key
+    return bearer.credentials if bearer is not None else ""
+
+
+def messages_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    errors = _errors(AnthropicErrorResponse, (400, 401, 404, 500, 503))
+
+    @router.post(
+        "/messages",
+        response_model=None,
+        responses={200: {"model": MessageResponse, "content": SSE}, **errors},
+        openapi_extra=_body(MessagesRequest),
+    )
+    async def messages(raw_request: Request, x_api_key: XApiKey, bearer: Bearer) -> Response:
+        given = _given_key(x_api_key, bearer)
+        return await answer_anthropic(given, api_key, lambda: create_message(ctx, raw_request))
+
+    @router.post(
+        "/messages/count_tokens",
+        response_model=None,
+        responses={200: {"model": CountTokensResponse}, **errors},
+        openapi_extra=_body(CountTokensRequest),
+    )
+    async def messages_count_tokens(
+        raw_request: Request, x_api_key: XApiKey, bearer: Bearer
+    ) -> Response:
+        given = _given_key(x_api_key, bearer)
+        return await answer_anthropic(given, api_key, lambda: count_tokens(ctx, raw_request))
+
+    return router
+
+
+def add_responses_routes(
+    router: APIRouter, ctx: ServerContext, errors: dict[int | str, dict[str, Any]]
+) -> None:
+    """/responses on the /v1 router (its bearer key check, OpenAI's errors); one store."""
+    store = ResponseStore()
+    not_found = {404: {"model": ErrorResponse, "description": "No such stored response"}}
+    streamed = {200: {"description": "The response, or with `stream: true` its events",
+                      "content": SSE}}  # fmt: skip
+
+    @router.post("/responses", response_model=None, responses={**streamed, **errors})
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await create_response(ctx, store, request, raw_request)
+
+    @router.get(
+        "/responses/{response_id}",
+        response_model=None,
+        responses={200: {"description": "The stored response"}, **errors, **not_found},
+    )
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return retrieve_response(store, response_id)
+
+    @router.delete(
+        "/responses/{response_id}",
+        response_model=None,
+        responses={200: {"description": "Deleted"}, **errors, **not_found},
+    )
+    async def remove_response(response_id: str) -> dict[str, Any]:
+        return delete_response(store, response_id)

@@ -1,0 +1,138 @@
+"""A chat request's `tools` and `tool_choice` -> what the reply may be, as vLLM decides it.
+
+- `none` (or no tools): plain text; the tools still reach the chat template, as in vLLM.
+- `auto`: the model writes calls its own way; `--tool-call-parser` reads them out of the text
+  (refused without `--enable-auto-tool-choice` and a parser, as vLLM refuses it).
+- `required`: the reply is constrained (structured outputs) to a JSON array of
+  `{"name", "parameters"}` whose items match one tool each (one item without
+  `parallel_tool_calls`).
+- a named function: the reply is constrained to that function's arguments.
+
+The engine never hears of tools: it sees a prompt and, for the last two, a JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from tokenmill.entrypoints.openai.tool_parsers import ExtractedToolCalls, ParsedCall, ToolParser
+from tokenmill.structured_output import StructuredOutputsParams
+
+ToolMode = Literal["none", "auto", "required", "named"]
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request's reply relates to its tools."""
+
+    mode: ToolMode
+    function_name: str | None = None  # the named function
+    constraint: StructuredOutputsParams | None = None
+    parser: ToolParser | None = None  # auto only
+
+    def parse(self, text: str) -> ExtractedToolCalls:
+        """A finished reply (after any reasoning) as calls and content."""
+        if self.mode == "named":
+            assert self.function_name is not None
+            return ExtractedToolCalls([ParsedCall(self.function_name, text)])
+        if self.mode == "required":
+            return _required_calls(text)
+        if self.mode == "auto" and self.parser is not None:
+            return self.parser.extract_tool_calls(text)
+        return ExtractedToolCalls(content=text)
+
+
+def plan_tools(
+    request: ChatCompletionRequest, enable_auto_tool_choice: bool, parser: ToolParser | None
+) -> ToolPlan:
+    """The request's plan; a 400 for a tool_choice the tools or the server cannot honour."""
+    tools, choice = request.tools or [], request.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    _check_unique_names(tools)
+    if choice == "none":
+        return ToolPlan("none")
+    if choice == "auto":
+        if not (enable_auto_tool_choice and parser is not None):
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                param="tool_choice",
+            )
+        return ToolPlan("auto", parser=parser)
+    if request.response_format is not None or request.structured_outputs is not None:
+        raise bad_request(
+            "tool_choice 'required' or a named function cannot be combined with "
+            "response_format or structured_outputs (one output constraint per request)",
+            param="tool_choice",
+        )
+    if choice == "required":
+        schema = _required_schema(tools, bool(request.parallel_tool_calls))
+        return ToolPlan("required", constraint=_constraint(schema))
+    assert isinstance(choice, NamedToolChoice)
+    tool = next((t for t in tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        raise bad_request(
+            f"Tool '{choice.function.name}' has not been passed in `tools`.",
+            param="tool_choice",
+        )
+    return ToolPlan(
+        "named", tool.function.name, _constraint(tool.function.parameters or NO_ARGUMENTS)
+    )
+
+
+def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (OpenAI's shape, as dicts)."""
+    if not request.tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in request.tools]
+
+
+def _check_unique_names(tools: list[ChatTool]) -> None:
+    names = [tool.function.name for tool in tools]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise bad_request(f"tools has two functions named {duplicate!r}", param="tools")
+
+
+def _required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": tool.function.parameters or NO_ARGUMENTS,
+            },
+            "required": ["name", "parameters"],
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    # Compact, as OpenAI's calls are: free whitespace lets a small model pad to max_tokens.
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True, param="tools")
+
+
+def _required_calls(text: str) -> ExtractedToolCalls:
+    """The constrained array; a reply cut short (max_tokens) does not parse and stays text."""
+    try:
+        items = json.loads(text)
+        calls = [
+            ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+            for item in items
+        ]
+    except (ValueError, TypeError, KeyError):
+        return ExtractedToolCalls(content=text)
+    return ExtractedToolCalls(calls)
