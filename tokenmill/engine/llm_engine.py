@@ -300,6 +300,7 @@ class LLMEngine:
             self.config.linear_backend_for(self.device),
             self.attention_backend,
             tp=self.executor.tp if self.executor else SINGLE,
+            quantization=self.config.quantization,
         )
 
     def _scheduler(self, num_blocks: int, spec_lookahead: bool) -> Scheduler:

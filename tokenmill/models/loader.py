@@ -13,10 +13,17 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
-from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
+from tokenmill.layers.linear import (
+    Linear,
+    WeightShapeError,
+    check_shape,
+    process_linears_after_loading,
+    replace_linears,
+)
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
+from tokenmill.quantization.selection import LinearPlan, log_plan, online_format
 
 # Architectures (config.json `architectures`) -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -143,47 +150,79 @@ def load_model(
     linear_backend: str = "auto",
     attention_backend: str = "auto",
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """The model, or under tensor parallelism this rank's shard of it (`tp`)."""
+    """The model, or under tensor parallelism this rank's shard of it (`tp`). Each linear's
+    method (how its weight is stored and multiplied) is chosen before the weights load
+    (`quantization/selection.py`) and converted after."""
     with torch.device(device):
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype, tp)
     model.to(dtype=dtype)
-    load_weights(model, Path(model_dir))
+    plan = LinearPlan(dtype, device, linear_backend, default=online_format(quantization))
+    linears = replace_linears(model, plan.choose)
+    load_weights(model, Path(model_dir), linears)
+    process_linears_after_loading(model)
     model.eval().requires_grad_(False)
-    if (
-        linear_backend == "auto"
-        and device.type == "cpu"
-        and dtype == torch.float32
-        and onednn_linear_available()
-    ):
-        use_onednn_linears(model)
+    log_plan(plan, model)
     attention = resolve_attention_backend(attention_backend, device)
     if attention != "torch":
         use_attention_backend(model, attention)
     return model
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(
+    model: LlamaForCausalLM, model_dir: Path, linears: dict[str, Linear] | None = None
+) -> None:
+    """Copy the checkpoint's tensors into the model: parameters directly, the weights of
+    linears that hold their own storage (quantized ones) through their method."""
     params = dict(model.named_parameters())
+    quantized = {
+        f"{name}.weight": layer
+        for name, layer in (linears or {}).items()
+        if not layer.quant_method.holds_float_weight
+    }
     loaded: set[tuple[str, int | None]] = set()
     for name, read in _iter_checkpoint_tensors(model_dir):
         if _is_ignored(name, model):
             continue
         target, shard = _param_target(name)
-        param = params.get(target)
-        if param is None:
+        if target in quantized:
+            _load_into_linear(model, quantized[target], target, shard, read, name)
+        elif target in params:
+            tensor = read(rank_slice(model, target, shard))
+            _copy_into(model, params[target], target, shard, tensor, name)
+        else:
             raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint at {model_dir}")
-        _copy_into(model, param, target, shard, read(rank_slice(model, target, shard)), name)
         loaded.add((target, shard))
-    missing = {target for target, shard in _expected_parts(params) if (target, shard) not in loaded}
+    expected = _expected_parts([*params, *quantized])
+    missing = {target for target, shard in expected if (target, shard) not in loaded}
     if model.shape.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"the checkpoint at {model_dir} lacks tensors for {sorted(missing)}")
 
 
-def _expected_parts(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str, int | None]]:
-    for target in params:
+def _load_into_linear(
+    model: LlamaForCausalLM,
+    layer: Linear,
+    target: str,
+    shard: int | None,
+    read: TensorReader,
+    name: str,
+) -> None:
+    sizes = [layer.out_features] if shard is None else fused_part_sizes(model, target)
+    part = 0 if shard is None else shard
+    tensor = read(rank_slice(model, target, shard))
+    expected = (sizes[part], layer.in_features)
+    try:
+        check_shape(tensor.shape, expected)
+        layer.quant_method.load_weight(layer, tensor, sum(sizes[:part]))
+    except WeightShapeError as e:
+        raise ModelLoadError(f"tensor {name!r} has {e}") from e
+
+
+def _expected_parts(targets: list[str]) -> Iterator[tuple[str, int | None]]:
+    for target in targets:
         if ".qkv_proj." in target:
             yield from ((target, shard) for shard in range(3))
         elif ".gate_up_proj." in target:
