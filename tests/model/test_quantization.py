@@ -23,10 +23,10 @@ from tokenmill.testing.quantized_checkpoints import save_dequantized_checkpoint
 MAX_TOKENS = 10
 PROMPT_LENS = [1, 6, 19, 40]
 # Round trips of the weights: what each scheme's kernel multiplies by.
-ROUND_TRIPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "int8": lambda w: quantize_int8(w).dequantize(),
-    "int4": lambda w: quantize_int4(w, 32).dequantize(),
-    "int4-g128": lambda w: quantize_int4(w, 128).dequantize(),
+ROUND_TRIPS: dict[str, Callable[[str, torch.Tensor], torch.Tensor]] = {
+    "int8": lambda name, w: quantize_int8(w).dequantize(),
+    "int4": lambda name, w: quantize_int4(w, 32).dequantize(),
+    "int4-g128": lambda name, w: quantize_int4(w, 128).dequantize(),
 }
 # |logprob - reference| of the top tokens: the kernels compute in bfloat16 (inputs and
 # outputs rounded to 8 bits), the reference in float32. Measured 0.02-0.09 (logits' std 4).

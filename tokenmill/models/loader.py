@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
 from tokenmill.layers.linear import (
     Linear,
@@ -23,6 +24,7 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
+from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.selection import LinearPlan, log_plan, online_format
 
 # Architectures (config.json `architectures`) -> model class.
@@ -50,13 +52,15 @@ _FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 TensorReader = Callable[[RankSlice | None], torch.Tensor]
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ConfigError):
     """The checkpoint directory is missing something or holds something unexpected."""
 
 
 def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
     """The checkpoint's transformers config and its (supported) architecture name."""
     path = Path(model_dir)
+    if is_gguf(path):
+        return GGUFCheckpoint(path).hf_config(), "LlamaForCausalLM"
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")
     try:
@@ -77,6 +81,8 @@ def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerBase:
     """The directory's tokenizer; a one-line `ModelLoadError` when it has none or a broken one
     (transformers would suggest installing sentencepiece for a directory with no files)."""
     path = Path(tokenizer_dir)
+    if is_gguf(path):
+        return _gguf_tokenizer(path)
     has_vocabulary = any((path / name).is_file() for name in _TOKENIZER_FILES)
     if not has_vocabulary and not any(path.glob("*.tiktoken")):
         raise ModelLoadError(
@@ -90,6 +96,21 @@ def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from e
 
 
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer in a GGUF file's metadata, which transformers reads (offline)."""
+    if not GGUFCheckpoint(path).reader.tensors:  # a missing or truncated file: a clear error
+        raise ModelLoadError(f"{path} holds no tensors")
+    try:
+        return AutoTokenizer.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
+    except Exception as e:  # transformers raises several types, with multi-line messages
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(
+            f"cannot read the tokenizer in {path}: {reason}; give --tokenizer DIR"
+        ) from e
+
+
 def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
@@ -99,6 +120,9 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
 
 def eos_token_ids(model_dir: str | Path, hf_config: Any) -> set[int]:
     """EOS ids from generation_config.json (which may list several), else from config.json."""
+    if is_gguf(model_dir):
+        eos = getattr(hf_config, "eos_token_id", None)
+        return set() if eos is None else {eos}
     try:
         eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
     except OSError:
@@ -159,8 +183,9 @@ def load_model(
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype, tp)
     model.to(dtype=dtype)
     plan = LinearPlan(dtype, device, linear_backend, default=online_format(quantization))
+    tensors = _checkpoint_tensors(Path(model_dir), model, plan, quantization)
     linears = replace_linears(model, plan.choose)
-    load_weights(model, Path(model_dir), linears)
+    load_weights(model, tensors, linears, Path(model_dir))
     process_linears_after_loading(model)
     model.eval().requires_grad_(False)
     log_plan(plan, model)
@@ -170,8 +195,29 @@ def load_model(
     return model
 
 
+def _checkpoint_tensors(
+    path: Path, model: LlamaForCausalLM, plan: LinearPlan, quantization: str | None
+) -> Iterator[tuple[str, TensorReader]]:
+    """The checkpoint's tensors; for a GGUF file, also each linear's format into `plan`."""
+    if not is_gguf(path):
+        return _iter_checkpoint_tensors(path)
+    if quantization is not None:
+        raise ConfigError(
+            f"--quantization {quantization} is for float checkpoints; {path} is a GGUF file, "
+            "whose own types are used"
+        )
+    if model.tp.size > 1:
+        raise ConfigError("GGUF files load on one rank for now: use tensor_parallel_size 1")
+    gguf = GGUFCheckpoint(path)
+    plan.formats = gguf.linear_formats()
+    return gguf.iter_tensors(plan.formats, model.shape.num_heads, model.shape.num_kv_heads)
+
+
 def load_weights(
-    model: LlamaForCausalLM, model_dir: Path, linears: dict[str, Linear] | None = None
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, TensorReader]],
+    linears: dict[str, Linear] | None = None,
+    model_dir: Path | None = None,
 ) -> None:
     """Copy the checkpoint's tensors into the model: parameters directly, the weights of
     linears that hold their own storage (quantized ones) through their method."""
@@ -182,7 +228,7 @@ def load_weights(
         if not layer.quant_method.holds_float_weight
     }
     loaded: set[tuple[str, int | None]] = set()
-    for name, read in _iter_checkpoint_tensors(model_dir):
+    for name, read in tensors:
         if _is_ignored(name, model):
             continue
         target, shard = _param_target(name)

@@ -25,15 +25,15 @@ def copy_checkpoint_files(source: Path, destination: Path) -> None:
 
 
 def save_dequantized_checkpoint(
-    source: Path, destination: Path, round_trip: Callable[[torch.Tensor], torch.Tensor]
+    source: Path, destination: Path, round_trip: Callable[[str, torch.Tensor], torch.Tensor]
 ) -> Path:
-    """`source` with every decoder linear weight `w` replaced by `round_trip(w)` (quantize
-    then dequantize), in float32."""
+    """`source` with every decoder linear weight `w` (named `name`) replaced by
+    `round_trip(name, w)` (quantize then dequantize), in float32."""
     copy_checkpoint_files(source, destination)
     for file in sorted(source.glob("*.safetensors")):
         tensors = load_file(file)
         for name, tensor in tensors.items():
             if DECODER_LINEAR.search(name):
-                tensors[name] = round_trip(tensor.float()).contiguous()
+                tensors[name] = round_trip(name, tensor.float()).contiguous()
         save_file(tensors, destination / file.name, metadata={"format": "pt"})
     return destination
