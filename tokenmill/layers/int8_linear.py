@@ -89,6 +89,10 @@ class Int8LinearMethod(LinearMethod):
         if self.fallback is not None:
             self.fallback.load_weight(layer, loaded, row_start)
             return  # quantized from the float weight once loaded
+        if not isinstance(loaded, torch.Tensor | Int8ChannelWeight) and hasattr(
+            loaded, "dequantize"
+        ):
+            loaded = loaded.dequantize()  # int4 groups for a layer the int4 kernel cannot take
         if isinstance(loaded, torch.Tensor):
             loaded = quantize_int8(loaded)
         if not isinstance(loaded, Int8ChannelWeight):

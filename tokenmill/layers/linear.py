@@ -60,6 +60,8 @@ class LinearMethod:
     def load_weight(self, layer: Linear, loaded: object, row_start: int) -> None:
         """Copy checkpoint rows `[row_start, row_start + rows)` of the weight into the layer
         (a fused layer's part: q, k, v or gate, up)."""
+        if not isinstance(loaded, torch.Tensor) and hasattr(loaded, "dequantize"):
+            loaded = loaded.dequantize()  # a quantized checkpoint's weight for a float layer
         if not isinstance(loaded, torch.Tensor):
             raise TypeError(f"a {self.weight_format} linear takes float weights, not {loaded}")
         destination = layer.weight.data.narrow(0, row_start, loaded.shape[0])

@@ -25,6 +25,7 @@ from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
+from tokenmill.quantization.hf_quantized import detect as detect_quantized
 from tokenmill.quantization.selection import LinearPlan, log_plan, online_format
 
 # Architectures (config.json `architectures`) -> model class.
@@ -183,7 +184,7 @@ def load_model(
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype, tp)
     model.to(dtype=dtype)
     plan = LinearPlan(dtype, device, linear_backend, default=online_format(quantization))
-    tensors = _checkpoint_tensors(Path(model_dir), model, plan, quantization)
+    tensors = _checkpoint_tensors(Path(model_dir), model, plan, hf_config, quantization)
     linears = replace_linears(model, plan.choose)
     load_weights(model, tensors, linears, Path(model_dir))
     process_linears_after_loading(model)
@@ -196,18 +197,28 @@ def load_model(
 
 
 def _checkpoint_tensors(
-    path: Path, model: LlamaForCausalLM, plan: LinearPlan, quantization: str | None
+    path: Path,
+    model: LlamaForCausalLM,
+    plan: LinearPlan,
+    hf_config: Any,
+    quantization: str | None,
 ) -> Iterator[tuple[str, TensorReader]]:
-    """The checkpoint's tensors; for a GGUF file, also each linear's format into `plan`."""
-    if not is_gguf(path):
+    """The checkpoint's tensors; for a pre-quantized one (a GGUF file, a quantization_config)
+    also its linears' formats, into `plan`."""
+    scheme = None if is_gguf(path) else detect_quantized(hf_config)
+    if scheme is None and not is_gguf(path):
         return _iter_checkpoint_tensors(path)
+    kind = "a GGUF file" if scheme is None else f"a {scheme.method} checkpoint"
     if quantization is not None:
         raise ConfigError(
-            f"--quantization {quantization} is for float checkpoints; {path} is a GGUF file, "
-            "whose own types are used"
+            f"--quantization {quantization} is for float checkpoints; {path} is {kind}, "
+            "whose own quantization is used"
         )
     if model.tp.size > 1:
-        raise ConfigError("GGUF files load on one rank for now: use tensor_parallel_size 1")
+        raise ConfigError(f"{kind} loads on one rank for now: use tensor_parallel_size 1")
+    if scheme is not None:
+        plan.default = scheme.weight_format
+        return scheme.gather(_iter_checkpoint_tensors(path))
     gguf = GGUFCheckpoint(path)
     plan.formats = gguf.linear_formats()
     return gguf.iter_tensors(plan.formats, model.shape.num_heads, model.shape.num_kv_heads)
@@ -235,7 +246,7 @@ def load_weights(
         if target in quantized:
             _load_into_linear(model, quantized[target], target, shard, read, name)
         elif target in params:
-            tensor = read(rank_slice(model, target, shard))
+            tensor = _as_float(read(rank_slice(model, target, shard)))
             _copy_into(model, params[target], target, shard, tensor, name)
         else:
             raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint at {model_dir}")
@@ -265,6 +276,11 @@ def _load_into_linear(
         layer.quant_method.load_weight(layer, tensor, sum(sizes[:part]))
     except WeightShapeError as e:
         raise ModelLoadError(f"tensor {name!r} has {e}") from e
+
+
+def _as_float(tensor: Any) -> torch.Tensor:
+    """A quantized tensor (an LM head a checkpoint quantized) for a float parameter."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
 def _expected_parts(targets: list[str]) -> Iterator[tuple[str, int | None]]:
