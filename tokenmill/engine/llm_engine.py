@@ -34,6 +34,7 @@ from tokenmill.models.loader import (
     sampling_defaults,
 )
 from tokenmill.openmp import forget_openmp_wait_policy
+from tokenmill.quantization.selection import weight_format_summary
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
@@ -72,6 +73,7 @@ class LLMEngine:
         # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1.
         self.executor = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
         model = self._load_target()
+        self.weight_format = weight_format_summary(model)  # /v1/models, the start-up log
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
@@ -321,13 +323,14 @@ class LLMEngine:
     def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:
         block_size = self.config.block_size
         logger.info(
-            "loaded %s (%s, %s on %s, attention %s); KV cache (%s): %d blocks of %d tokens = "
-            "%d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
+            "loaded %s (%s, %s on %s, attention %s, weights %s); KV cache (%s): %d blocks of "
+            "%d tokens = %d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
             self.model_dir,
             self.architecture,
             self.dtype,
             self.device,
             self.attention_backend,
+            self.weight_format,
             kv_spec.dtype,
             num_blocks,
             block_size,
