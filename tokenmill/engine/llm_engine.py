@@ -34,8 +34,8 @@ from tokenmill.models.loader import (
     sampling_defaults,
 )
 from tokenmill.openmp import forget_openmp_wait_policy
-from tokenmill.quantization.selection import weight_format_summary
 from tokenmill.outputs import RequestOutput
+from tokenmill.quantization.selection import weight_format_summary
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
