@@ -12,19 +12,19 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from tests.model.test_quantization import (
-    agreed_lengths,
-    greedy,
-    random_prompts,
-    reference_run,
-)
 from tokenmill import LLM
 from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod
 from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
 from tokenmill.testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
-from tokenmill.testing.quantized_checkpoints import save_dequantized_checkpoint
+from tokenmill.testing.quantized_checkpoints import (
+    agreed_lengths,
+    greedy,
+    random_prompts,
+    reference_run,
+    save_dequantized_checkpoint,
+)
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
 # |logprob - reference| allowed, per type. F16 is dequantized (measured 0.000). Q4_0 / Q4_K

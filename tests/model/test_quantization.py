@@ -5,78 +5,35 @@ independently of the kernels), for every architecture of the random test checkpo
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
 from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
 from tokenmill.layers.linear import Linear
-from tokenmill.testing.quantized_checkpoints import save_dequantized_checkpoint
+from tokenmill.testing.quantized_checkpoints import (
+    LOGPROB_TOLERANCE,
+    agreed_lengths,
+    greedy,
+    random_prompts,
+    reference_run,
+    save_dequantized_checkpoint,
+)
 
-MAX_TOKENS = 10
-PROMPT_LENS = [1, 6, 19, 40]
 # Round trips of the weights: what each scheme's kernel multiplies by.
 ROUND_TRIPS: dict[str, Callable[[str, torch.Tensor], torch.Tensor]] = {
     "int8": lambda name, w: quantize_int8(w).dequantize(),
     "int4": lambda name, w: quantize_int4(w, 32).dequantize(),
     "int4-g128": lambda name, w: quantize_int4(w, 128).dequantize(),
 }
-# |logprob - reference| of the top tokens: the kernels compute in bfloat16 (inputs and
-# outputs rounded to 8 bits), the reference in float32. Measured 0.02-0.09 (logits' std 4).
-LOGPROB_TOLERANCE = 0.25
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
-
-
-def reference_run(checkpoint: Path, prompts: list[list[int]]):
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
-    return tokens, logprobs
-
-
-def random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def agreed_lengths(
-    got: list[list[int]], expected: list[list[int]], ref_logprobs: list[torch.Tensor]
-) -> list[int]:
-    """How many greedy tokens of each sequence equal the reference's. A sequence may part
-    from it only where the reference's own top two are closer than the tolerance (a tie for
-    bfloat16 arithmetic; after it the two continue from different tokens, so only the
-    tokens up to and including that one compare). Most tokens must match."""
-    lengths = []
-    for ours, theirs, ref in zip(got, expected, ref_logprobs, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))
-        if same < len(theirs):
-            margin = ref[same, theirs[same]] - ref[same, ours[same]]
-            assert margin < LOGPROB_TOLERANCE, f"parted at {same} with margin {margin:.3f}"
-        lengths.append(same)
-    assert sum(lengths) >= 0.75 * sum(len(t) for t in expected)
-    return lengths
+# LOGPROB_TOLERANCE (0.25) bounds |logprob - reference| of the top tokens: the kernels compute
+# in bfloat16 (inputs and outputs rounded to 8 bits), the reference in float32. Measured
+# 0.04-0.16 (logits' std 4).
 
 
 # hidden 128 so that int4-g128 has whole groups; llama tied, qwen2 with biases, qwen3 norms.

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.model.test_quantization import agreed_lengths, greedy, random_prompts, reference_run
 from tokenmill import LLM
 from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod
 from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
 from tokenmill.testing.hf_quantized_checkpoints import SCHEMES, save_quantized_checkpoint
+from tokenmill.testing.quantized_checkpoints import (
+    agreed_lengths,
+    greedy,
+    random_prompts,
+    reference_run,
+)
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512}
 # bfloat16 scales, zeros and activations in the kernels (measured 0.03-0.06 on these).
