@@ -27,12 +27,12 @@ from tokenmill.testing.quantized_checkpoints import (
 )
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
-# |logprob - reference| allowed, per type. F16 is dequantized (measured 0.000). Q4_0 / Q4_K
-# blocks go into the int4 layout exactly but for bfloat16 scales, zeros and activations
-# (measured 0.04 / 0.05). Q8_0's blocks of 32 are requantized per output row, the int8
-# kernel's layout, which adds a rounding of its own (measured 0.11).
-TOLERANCE = {Q.F16: 0.02, Q.Q8_0: 0.5, Q.Q4_0: 0.25, Q.Q4_K: 0.25}
-EXPECTED_METHOD = {Q.F16: None, Q.Q8_0: Int8LinearMethod, Q.Q4_0: Int4LinearMethod}
+# |logprob - reference| allowed, per type. F16 and BF16 are dequantized (measured 0.000).
+# Q4_0 / Q4_K blocks go into the int4 layout exactly but for bfloat16 scales, zeros and
+# activations (measured 0.04 / 0.05). Q8_0's blocks of 32 are requantized per output row,
+# the int8 kernel's layout, which adds a rounding of its own (measured 0.11).
+TOLERANCE = {Q.F16: 0.02, Q.BF16: 0.02, Q.Q8_0: 0.5, Q.Q4_0: 0.25, Q.Q4_K: 0.25}
+EXPECTED_METHOD = {Q.F16: None, Q.BF16: None, Q.Q8_0: Int8LinearMethod, Q.Q4_0: Int4LinearMethod}
 EXPECTED_METHOD[Q.Q4_K] = Int4LinearMethod
 
 
@@ -60,7 +60,7 @@ def gguf_round_trip(qtype: Q, num_heads: int, num_kv_heads: int):
     return round_trip
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
 def test_gguf_matches_the_dequantized_float_model(checkpoint, tmp_path: Path, qtype) -> None:
     path = save_gguf(checkpoint, tmp_path / "model.gguf", qtype)
     reference_dir = save_dequantized_checkpoint(
