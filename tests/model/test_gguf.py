@@ -31,7 +31,7 @@ SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
 # Q4_0 / Q4_K blocks go into the int4 layout exactly but for bfloat16 scales, zeros and
 # activations (measured 0.04 / 0.05). Q8_0's blocks of 32 are requantized per output row,
 # the int8 kernel's layout, which adds a rounding of its own (measured 0.11).
-TOLERANCE = {Q.F16: 0.02, Q.BF16: 0.02, Q.Q8_0: 0.5, Q.Q4_0: 0.25, Q.Q4_K: 0.25}
+TOLERANCE = {Q.F16: 0.02, Q.BF16: 0.02, Q.Q8_0: 0.3, Q.Q4_0: 0.25, Q.Q4_K: 0.25}
 EXPECTED_METHOD = {Q.F16: None, Q.BF16: None, Q.Q8_0: Int8LinearMethod, Q.Q4_0: Int4LinearMethod}
 EXPECTED_METHOD[Q.Q4_K] = Int4LinearMethod
 
