@@ -239,6 +239,15 @@ class EngineConfig:
         "else F.linear; torch: always F.linear",
         choices=("auto", "torch"),
     )
+    quantization: str | None = config_field(
+        None,
+        "quantize the decoder's linear weights at load time: int8 (per output channel) or "
+        "int4 (asymmetric groups of 32; int4-g128: of 128), weight-only, CPU; the embedding "
+        "and LM head keep the model's dtype. Pre-quantized checkpoints (a .gguf file) are "
+        "detected without it (docs/quantization.md)",
+        choices=("int8", "int4", "int4-g128"),
+        flags=("--quantization", "-q"),
+    )
     attention_backend: str = config_field(
         "auto",
         "auto: the Triton paged-attention kernel on CUDA when triton is installed, else "
@@ -349,7 +358,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.metadata["choices"] is not None:
+            if f.metadata["choices"] is not None and getattr(self, f.name) is not None:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:

@@ -1,6 +1,6 @@
 """Weight-only int8 linears compute nn.Linear's product up to the quantization of their weight
-(each row to 127 steps of its largest entry) and of their input (bfloat16), for a few rows;
-more rows are the float layer's product itself."""
+(each row to 127 steps of its largest entry) and of their input (bfloat16); a draft's layer,
+which keeps its float weight, gives more rows the float layer's product itself."""
 
 from __future__ import annotations
 
@@ -8,9 +8,21 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.layers.int8_linear import MAX_INT8_ROWS, Int8Linear, int8_linear_available
+from tokenmill.layers.int8_linear import (
+    MAX_INT8_ROWS,
+    Int8ChannelWeight,
+    Int8LinearMethod,
+    int8_linear,
+    int8_linear_available,
+    quantize_int8,
+)
+from tokenmill.layers.linear import DenseLinearMethod, Linear
 
 pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="no int8 kernel in this torch")
+
+
+def draft_linear(linear: nn.Linear) -> Linear:
+    return int8_linear(linear.weight, linear.bias, DenseLinearMethod())
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -21,7 +33,7 @@ def test_matches_nn_linear_up_to_quantization(bias: bool, rows: int) -> None:
     x = torch.randn(rows, 256)
     with torch.inference_mode():
         expected = linear(x)
-        got = Int8Linear.from_linear(linear)(x)
+        got = draft_linear(linear)(x)
     assert got.shape == expected.shape and got.dtype == torch.float32
     # Rounding each weight by at most half a step: |error| <= sum_i |x_i| * step / 2 per row.
     step = linear.weight.abs().amax(dim=1) / 127
@@ -36,4 +48,36 @@ def test_many_rows_take_the_float_layer(rows: int) -> None:
     linear = nn.Linear(256, 160)
     x = torch.randn(rows, 256)
     with torch.inference_mode():
-        assert torch.equal(Int8Linear.from_linear(linear)(x), linear(x))
+        assert torch.equal(draft_linear(linear)(x), linear(x))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_without_a_fallback_every_row_count_is_the_dequantized_product(rows: int) -> None:
+    """The target's int8 layers: any row count runs the int8 kernel, which equals the product
+    with the dequantized weight up to bfloat16 rounding of the input and output."""
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 128)
+    layer = int8_linear(weight, None)
+    x = torch.randn(rows, 128)
+    reference = x @ quantize_int8(weight).dequantize().T
+    # bfloat16 keeps 8 bits: outputs of magnitude ~10 round by up to ~0.06.
+    torch.testing.assert_close(layer(x), reference, rtol=2e-2, atol=0.1)
+
+
+def test_loads_fused_parts_quantized_or_prequantized_alike() -> None:
+    """Rows arriving as floats (online quantization) and as int8 + scales (a checkpoint's)
+    end as the same layer."""
+    torch.manual_seed(0)
+    top, bottom = torch.randn(32, 64), torch.randn(16, 64)
+    layers = []
+    for prequantized in (False, True):
+        layer = Linear(64, 48, Int8LinearMethod())
+        for start, rows in ((0, top), (32, bottom)):
+            part = quantize_int8(rows) if prequantized else rows
+            layer.quant_method.load_weight(layer, part, start)
+        layer.quant_method.process_weights_after_loading(layer)
+        layers.append(layer)
+    assert torch.equal(layers[0].qweight, layers[1].qweight)
+    expected = torch.cat([quantize_int8(top).values, quantize_int8(bottom).values])
+    assert torch.equal(layers[0].qweight, expected)
+    assert isinstance(quantize_int8(top), Int8ChannelWeight)

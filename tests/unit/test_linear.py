@@ -1,4 +1,5 @@
-"""oneDNN-reordered linear layers compute what nn.Linear computes, and replace every one."""
+"""The dense linear methods: oneDNN-reordered weights compute what nn.Linear computes, and
+replace every one; a tied weight stays shared."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ import torch
 from torch import nn
 
 from tokenmill.layers.linear import (
-    OneDNNLinear,
+    DenseLinearMethod,
+    Linear,
+    OneDNNLinearMethod,
     onednn_linear_available,
     padded_rows,
+    replace_linears,
     use_onednn_linears,
 )
+
+
+def onednn_linear(linear: nn.Linear) -> Linear:
+    layer = Linear.from_module(linear, OneDNNLinearMethod())
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN in this torch")
 
@@ -29,7 +40,7 @@ def test_matches_nn_linear(bias: bool, rows: int) -> None:
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         expected = linear(x)
-        got = OneDNNLinear(linear)(x)
+        got = onednn_linear(linear)(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -46,6 +57,16 @@ def test_every_linear_is_replaced_and_the_output_kept() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_dense_method_keeps_a_tied_weight_shared() -> None:
+    embedding = nn.Embedding(32, 8)
+    model = nn.ModuleDict({"embed": embedding, "head": nn.Linear(8, 32, bias=False)})
+    model["head"].weight = embedding.weight
+    layers = replace_linears(model, lambda name, linear: DenseLinearMethod())
+    assert layers["head"].weight is embedding.weight
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model["head"](x), x @ embedding.weight.T)
+
+
 def test_padded_row_counts_are_few_and_waste_little() -> None:
     sizes = {padded_rows(n) for n in range(1, 2049)}
     assert len(sizes) <= 72
@@ -55,13 +76,16 @@ def test_padded_row_counts_are_few_and_waste_little() -> None:
 _RSS_PROBE = """
 import torch
 from torch import nn
-from tokenmill.layers.linear import OneDNNLinear
+from tokenmill.layers.linear import Linear, OneDNNLinearMethod
 
 def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
-layers = [OneDNNLinear(nn.Linear(576, 1536)), OneDNNLinear(nn.Linear(1536, 576))]
+layers = [Linear.from_module(nn.Linear(576, 1536), OneDNNLinearMethod()),
+          Linear.from_module(nn.Linear(1536, 576), OneDNNLinearMethod())]
+for layer in layers:
+    layer.quant_method.process_weights_after_loading(layer)
 start = rss_mb()
 with torch.inference_mode():
     for rows in range(2, 150):

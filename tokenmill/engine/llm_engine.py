@@ -38,6 +38,7 @@ from tokenmill.models.loader import (
 )
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
+from tokenmill.quantization.selection import weight_format_summary
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
@@ -75,6 +76,7 @@ class LLMEngine:
         # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1.
         self.executor = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
         model = self._load_target()
+        self.weight_format = weight_format_summary(model)  # /v1/models, the start-up log
         self.max_model_len = self._resolve_max_model_len(model.shape.max_position)
         self.vocab_size = model.shape.vocab_size
         self.eos_token_ids = eos_token_ids(model_dir, self.hf_config)
@@ -309,6 +311,7 @@ class LLMEngine:
             self.config.linear_backend_for(self.device),
             self.attention_backend,
             tp=self.executor.tp if self.executor else SINGLE,
+            quantization=self.config.quantization,
         )
 
     def _scheduler(self, num_blocks: int, spec_lookahead: bool) -> Scheduler:
@@ -341,13 +344,14 @@ class LLMEngine:
     def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:
         block_size = self.config.block_size
         logger.info(
-            "loaded %s (%s, %s on %s, attention %s); KV cache (%s): %d blocks of %d tokens = "
-            "%d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
+            "loaded %s (%s, %s on %s, attention %s, weights %s); KV cache (%s): %d blocks of "
+            "%d tokens = %d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
             self.model_dir,
             self.architecture,
             self.dtype,
             self.device,
             self.attention_backend,
+            self.weight_format,
             kv_spec.dtype,
             num_blocks,
             block_size,

@@ -1,11 +1,18 @@
-"""Linear layers with weights reordered once for oneDNN, for float32 on the CPU.
+"""Linear layers: one `Linear` module, and one `LinearMethod` per layer that decides how its
+weight is stored and multiplied (vLLM's `LinearMethodBase`).
 
-`F.linear` on float32 CPU tensors goes to a BLAS whose kernels here (AMD Zen 5, AVX-512)
-reached 200 GFLOP/s at 2048 rows and far less at a few rows (5 rows of a 1536 x 256 weight:
-68 us, vs 25 us for one row). oneDNN with the weight reordered into its blocked layout ran
-the same products 2.2-3x faster at every row count from 5 to 2048; at one row it wins for
-large weights only (below). The reorder is what `torch.compile` with freezing does to a
-CPU model; doing it at load time needs no compiler. Outputs agree with `F.linear` to float32
+A method is chosen once, at load time, for each layer (`quantization/selection.py`: from the
+weight format, the device and the dtype); the model calls `layer(x)`, which is the method's
+`apply`, and the loader fills the weight through `load_weight`. The methods here are the
+dense ones: `DenseLinearMethod` (`F.linear`) and `OneDNNLinearMethod` (below); the int8 and
+int4 ones are in `int8_linear.py` and `int4_linear.py`.
+
+OneDNN: `F.linear` on float32 CPU tensors goes to a BLAS whose kernels here (AMD Zen 5,
+AVX-512) reached 200 GFLOP/s at 2048 rows and far less at a few rows (5 rows of a 1536 x 256
+weight: 68 us, vs 25 us for one row). oneDNN with the weight reordered into its blocked layout
+ran the same products 2.2-3x faster at every row count from 5 to 2048; at one row it wins for
+large weights only (below). The reorder is what `torch.compile` with freezing does to a CPU
+model; doing it at load time needs no compiler. Outputs agree with `F.linear` to float32
 rounding (different summation order).
 
 Row counts are padded up to a few sizes (`padded_rows`). oneDNN JIT-compiles a primitive per
@@ -16,6 +23,8 @@ compilation inside a step. Padding bounds both: 72 shapes per weight up to 2048 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +44,125 @@ _SMALL_WEIGHT_ELEMENTS = 600_000
 _SMALL_WEIGHT_ROWS = 3
 
 
+class LinearMethod:
+    """How one linear layer holds and multiplies its weight. Subclasses set `weight_format`
+    (what the start-up log and /v1/models report, e.g. "float32", "int8", "int4-g32")."""
+
+    weight_format: str = "?"
+    # Whether the layer holds a float `weight` parameter (dense methods) or its own storage.
+    holds_float_weight: bool = True
+
+    def create_weights(self, layer: Linear, weight: nn.Parameter | None) -> None:
+        """Make the layer's weight storage; `weight`, when given, is an existing float
+        parameter to hold (a tied LM head shares the embedding's)."""
+        layer.weight = weight if weight is not None else nn.Parameter(layer.empty_weight())
+
+    def load_weight(self, layer: Linear, loaded: object, row_start: int) -> None:
+        """Copy checkpoint rows `[row_start, row_start + rows)` of the weight into the layer
+        (a fused layer's part: q, k, v or gate, up)."""
+        if not isinstance(loaded, torch.Tensor) and hasattr(loaded, "dequantize"):
+            loaded = loaded.dequantize()  # a quantized checkpoint's weight for a float layer
+        if not isinstance(loaded, torch.Tensor):
+            raise TypeError(f"a {self.weight_format} linear takes float weights, not {loaded}")
+        destination = layer.weight.data.narrow(0, row_start, loaded.shape[0])
+        check_shape(loaded.shape, destination.shape)
+        destination.copy_(loaded)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Convert the loaded weight into the layout `apply` multiplies with."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor's shape disagrees with the layer it is loaded into."""
+
+
+def check_shape(got: torch.Size | tuple[int, ...], expected: torch.Size | tuple[int, ...]) -> None:
+    if tuple(got) != tuple(expected):
+        raise WeightShapeError(f"shape {tuple(got)}, the model expects {tuple(expected)}")
+
+
+class DenseLinearMethod(LinearMethod):
+    """The weight in the model's dtype, multiplied by `F.linear`."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.weight_format = str(dtype).removeprefix("torch.")
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class OneDNNLinearMethod(DenseLinearMethod):
+    """float32 on the CPU with the weight reordered for oneDNN (module docstring). A small
+    weight is also kept in torch's layout for products of a few rows; a large one is dropped
+    after the reorder (`layer.weight` is then None)."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        weight = layer.weight.detach()
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+        if weight.numel() >= _SMALL_WEIGHT_ELEMENTS:
+            layer.weight = None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        num_rows = x.shape[0]
+        if layer.weight is not None and num_rows <= _SMALL_WEIGHT_ROWS:
+            return F.linear(x, layer.weight, layer.bias)
+        padding = padded_rows(num_rows) - num_rows
+        if padding:
+            x = F.pad(x, (0, 0, 0, padding))
+        out = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+        return out[:num_rows] if padding else out
+
+
+class Linear(nn.Module):
+    """`y = x W^T + b`, W stored and multiplied as `quant_method` decides. `bias` stays a float
+    parameter (loaded as any other); the weight's storage belongs to the method."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        quant_method: LinearMethod,
+        bias: nn.Parameter | None = None,
+        weight: nn.Parameter | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
+        self.quant_method = quant_method
+        self.bias = bias
+        quant_method.create_weights(self, weight)
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, quant_method: LinearMethod) -> Linear:
+        """A `Linear` in place of `linear`, keeping its bias parameter (and its weight, for a
+        dense method: a tied weight stays tied)."""
+        dense = quant_method.holds_float_weight
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            quant_method,
+            bias=linear.bias,
+            weight=linear.weight if dense else None,
+            dtype=linear.weight.dtype,
+        )
+
+    def empty_weight(self) -> torch.Tensor:
+        return torch.empty(self.out_features, self.in_features, dtype=self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{type(self.quant_method).__name__} ({self.quant_method.weight_format})"
+        )
+
+
 def padded_rows(num_rows: int) -> int:
     """`num_rows` as it is up to 8 (8 shapes; padding 5 rows to 8 cost 1.24x on an Intel Xeon
     with AVX-512, where 1-6 rows cost the same), above that rounded up to a multiple of an
@@ -51,38 +179,35 @@ def onednn_linear_available() -> bool:
     )
 
 
-class OneDNNLinear(nn.Module):
-    """`nn.Linear` inference with the weight held in oneDNN's layout (no gradient)."""
+# (the layer's name in the model, the float layer it replaces) -> its method
+MethodChooser = Callable[[str, nn.Linear], LinearMethod]
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.small_weight = weight if weight.numel() < _SMALL_WEIGHT_ELEMENTS else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_rows = x.shape[0]
-        if self.small_weight is not None and num_rows <= _SMALL_WEIGHT_ROWS:
-            return F.linear(x, self.small_weight, self.bias)
-        padding = padded_rows(num_rows) - num_rows
-        if padding:
-            x = F.pad(x, (0, 0, 0, padding))
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return out[:num_rows] if padding else out
+def replace_linears(model: nn.Module, choose: MethodChooser) -> dict[str, Linear]:
+    """Replace every `nn.Linear` of `model` by a `Linear` whose method `choose(name, linear)`
+    picks (before or after the weights load: a dense method keeps the loaded weight). Returns
+    the new layers by name."""
+    replaced: dict[str, Linear] = {}
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                full_name = f"{parent_name}.{name}" if parent_name else name
+                layer = Linear.from_module(child, choose(full_name, child))
+                setattr(parent, name, layer)
+                replaced[full_name] = layer
+    return replaced
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
+
+def process_linears_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quant_method.process_weights_after_loading(module)
 
 
 def use_onednn_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a `OneDNNLinear`; returns how many. For
-    float32 models on the CPU, after the weights are loaded."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, OneDNNLinear(child))
-                replaced += 1
-    return replaced
+    """Replace every `nn.Linear` of `model` (its weights loaded) by a oneDNN `Linear`; returns
+    how many. For float32 models on the CPU."""
+    layers = replace_linears(model, lambda name, linear: OneDNNLinearMethod())
+    for layer in layers.values():
+        layer.quant_method.process_weights_after_loading(layer)
+    return len(layers)

@@ -12,11 +12,21 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
-from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
+from tokenmill.layers.linear import (
+    Linear,
+    WeightShapeError,
+    check_shape,
+    process_linears_after_loading,
+    replace_linears,
+)
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
+from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
+from tokenmill.quantization.hf_quantized import detect as detect_quantized
+from tokenmill.quantization.selection import LinearPlan, log_plan, online_format
 
 # Architectures (config.json `architectures`) -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -43,13 +53,15 @@ _FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 TensorReader = Callable[[RankSlice | None], torch.Tensor]
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ConfigError):
     """The checkpoint directory is missing something or holds something unexpected."""
 
 
 def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
     """The checkpoint's transformers config and its (supported) architecture name."""
     path = Path(model_dir)
+    if is_gguf(path):
+        return GGUFCheckpoint(path).hf_config(), "LlamaForCausalLM"
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")
     try:
@@ -70,6 +82,8 @@ def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerBase:
     """The directory's tokenizer; a one-line `ModelLoadError` when it has none or a broken one
     (transformers would suggest installing sentencepiece for a directory with no files)."""
     path = Path(tokenizer_dir)
+    if is_gguf(path):
+        return _gguf_tokenizer(path)
     has_vocabulary = any((path / name).is_file() for name in _TOKENIZER_FILES)
     if not has_vocabulary and not any(path.glob("*.tiktoken")):
         raise ModelLoadError(
@@ -83,6 +97,21 @@ def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from e
 
 
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer in a GGUF file's metadata, which transformers reads (offline)."""
+    if not GGUFCheckpoint(path).reader.tensors:  # a missing or truncated file: a clear error
+        raise ModelLoadError(f"{path} holds no tensors")
+    try:
+        return AutoTokenizer.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True
+        )
+    except Exception as e:  # transformers raises several types, with multi-line messages
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(
+            f"cannot read the tokenizer in {path}: {reason}; give --tokenizer DIR"
+        ) from e
+
+
 def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
@@ -92,6 +121,9 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
 
 def eos_token_ids(model_dir: str | Path, hf_config: Any) -> set[int]:
     """EOS ids from generation_config.json (which may list several), else from config.json."""
+    if is_gguf(model_dir):
+        eos = getattr(hf_config, "eos_token_id", None)
+        return set() if eos is None else {eos}
     try:
         eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
     except OSError:
@@ -143,47 +175,116 @@ def load_model(
     linear_backend: str = "auto",
     attention_backend: str = "auto",
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """The model, or under tensor parallelism this rank's shard of it (`tp`)."""
+    """The model, or under tensor parallelism this rank's shard of it (`tp`). Each linear's
+    method (how its weight is stored and multiplied) is chosen before the weights load
+    (`quantization/selection.py`) and converted after."""
     with torch.device(device):
         model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype, tp)
     model.to(dtype=dtype)
-    load_weights(model, Path(model_dir))
+    plan = LinearPlan(dtype, device, linear_backend, default=online_format(quantization))
+    tensors = _checkpoint_tensors(Path(model_dir), model, plan, hf_config, quantization)
+    linears = replace_linears(model, plan.choose)
+    load_weights(model, tensors, linears, Path(model_dir))
+    process_linears_after_loading(model)
     model.eval().requires_grad_(False)
-    if (
-        linear_backend == "auto"
-        and device.type == "cpu"
-        and dtype == torch.float32
-        and onednn_linear_available()
-    ):
-        use_onednn_linears(model)
+    log_plan(plan, model)
     attention = resolve_attention_backend(attention_backend, device)
     if attention != "torch":
         use_attention_backend(model, attention)
     return model
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def _checkpoint_tensors(
+    path: Path,
+    model: LlamaForCausalLM,
+    plan: LinearPlan,
+    hf_config: Any,
+    quantization: str | None,
+) -> Iterator[tuple[str, TensorReader]]:
+    """The checkpoint's tensors; for a pre-quantized one (a GGUF file, a quantization_config)
+    also its linears' formats, into `plan`."""
+    scheme = None if is_gguf(path) else detect_quantized(hf_config)
+    if scheme is None and not is_gguf(path):
+        return _iter_checkpoint_tensors(path)
+    kind = "a GGUF file" if scheme is None else f"a {scheme.method} checkpoint"
+    if quantization is not None:
+        raise ConfigError(
+            f"--quantization {quantization} is for float checkpoints; {path} is {kind}, "
+            "whose own quantization is used"
+        )
+    if model.tp.size > 1:
+        raise ConfigError(f"{kind} loads on one rank for now: use tensor_parallel_size 1")
+    if scheme is not None:
+        plan.default = scheme.weight_format
+        return scheme.gather(_iter_checkpoint_tensors(path))
+    gguf = GGUFCheckpoint(path)
+    plan.formats = gguf.linear_formats()
+    return gguf.iter_tensors(plan.formats, model.shape.num_heads, model.shape.num_kv_heads)
+
+
+def load_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, TensorReader]],
+    linears: dict[str, Linear] | None = None,
+    model_dir: Path | None = None,
+) -> None:
+    """Copy the checkpoint's tensors into the model: parameters directly, the weights of
+    linears that hold their own storage (quantized ones) through their method."""
     params = dict(model.named_parameters())
+    quantized = {
+        f"{name}.weight": layer
+        for name, layer in (linears or {}).items()
+        if not layer.quant_method.holds_float_weight
+    }
     loaded: set[tuple[str, int | None]] = set()
-    for name, read in _iter_checkpoint_tensors(model_dir):
+    for name, read in tensors:
         if _is_ignored(name, model):
             continue
         target, shard = _param_target(name)
-        param = params.get(target)
-        if param is None:
+        if target in quantized:
+            _load_into_linear(model, quantized[target], target, shard, read, name)
+        elif target in params:
+            tensor = _as_float(read(rank_slice(model, target, shard)))
+            _copy_into(model, params[target], target, shard, tensor, name)
+        else:
             raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint at {model_dir}")
-        _copy_into(model, param, target, shard, read(rank_slice(model, target, shard)), name)
         loaded.add((target, shard))
-    missing = {target for target, shard in _expected_parts(params) if (target, shard) not in loaded}
+    expected = _expected_parts([*params, *quantized])
+    missing = {target for target, shard in expected if (target, shard) not in loaded}
     if model.shape.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"the checkpoint at {model_dir} lacks tensors for {sorted(missing)}")
 
 
-def _expected_parts(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str, int | None]]:
-    for target in params:
+def _load_into_linear(
+    model: LlamaForCausalLM,
+    layer: Linear,
+    target: str,
+    shard: int | None,
+    read: TensorReader,
+    name: str,
+) -> None:
+    sizes = [layer.out_features] if shard is None else fused_part_sizes(model, target)
+    part = 0 if shard is None else shard
+    tensor = read(rank_slice(model, target, shard))
+    expected = (sizes[part], layer.in_features)
+    try:
+        check_shape(tensor.shape, expected)
+        layer.quant_method.load_weight(layer, tensor, sum(sizes[:part]))
+    except WeightShapeError as e:
+        raise ModelLoadError(f"tensor {name!r} has {e}") from e
+
+
+def _as_float(tensor: Any) -> torch.Tensor:
+    """A quantized tensor (an LM head a checkpoint quantized) for a float parameter."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+
+
+def _expected_parts(targets: list[str]) -> Iterator[tuple[str, int | None]]:
+    for target in targets:
         if ".qkv_proj." in target:
             yield from ((target, shard) for shard in range(3))
         elif ".gate_up_proj." in target:

@@ -24,8 +24,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.int8_linear import Int8Linear, int8_linear_available
-from tokenmill.layers.linear import onednn_linear_available, use_onednn_linears
+from tokenmill.layers.int8_linear import int8_linear, int8_linear_available
+from tokenmill.layers.linear import (
+    DenseLinearMethod,
+    OneDNNLinearMethod,
+    onednn_linear_available,
+    use_onednn_linears,
+)
 from tokenmill.models.llama import LlamaForCausalLM, ModelShape
 from tokenmill.spec_decode.eagle import EagleDraft
 from tokenmill.spec_decode.medusa import MedusaHeads
@@ -173,21 +178,20 @@ def _int8_drafts(draft_weights: str, dtype: torch.dtype, device: torch.device) -
 def _quantize(draft: EagleDraft, target: LlamaForCausalLM) -> None:
     """The draft layer's linears and a copy of the target's LM head as weight-only int8: a
     draft at batch 1 streams every weight once per token (`layers/int8_linear.py`)."""
+    fallback = OneDNNLinearMethod() if onednn_linear_available() else DenseLinearMethod()
     for parent in list(draft.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Int8Linear.from_linear(child))
+                setattr(parent, name, int8_linear(child.weight, child.bias, fallback))
     weight = _lm_head_weight(target)
     if weight is not None and target.tp.size == 1:  # a sharded LM head stays the target's
-        draft.draft_lm_head = Int8Linear(weight[: target.shape.vocab_size])
+        draft.draft_lm_head = int8_linear(weight[: target.shape.vocab_size], None)
 
 
 def _lm_head_weight(target: LlamaForCausalLM) -> torch.Tensor | None:
     """The target's LM head weight, where it is still held in torch's layout (oneDNN's
     packed layout keeps it only for small weights) or tied to the embedding."""
     weight = getattr(target.lm_head, "weight", None)
-    if weight is None:
-        weight = getattr(target.lm_head, "small_weight", None)
     if weight is None and target.shape.tie_word_embeddings:
         weight = target.embed_tokens.weight
     return weight

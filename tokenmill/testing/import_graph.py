@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("tokenmill.metrics",),  # stats records, Prometheus, the stats line
     ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
+    ("tokenmill.quantization",),  # which method each linear gets; GGUF files
     ("tokenmill.models",),
     ("tokenmill.structured_output",),  # grammars (xgrammar) and the step's bitmask
     # scheduler, KV-cache manager, block pool; the KV connectors the scheduler and runner call

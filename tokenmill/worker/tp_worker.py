@@ -111,6 +111,7 @@ def _load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) 
         config.linear_backend_for(device),
         config.attention_backend,
         tp=tp,
+        quantization=config.quantization,
     )
 
 

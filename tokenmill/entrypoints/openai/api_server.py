@@ -275,7 +275,11 @@ def _api_key_check(api_key: str | None) -> Callable[..., Any]:
 
 def _model_card(ctx: ServerContext, name: str) -> ModelCard:
     return ModelCard(
-        id=name, created=ctx.created, root=ctx.model_root, max_model_len=ctx.max_model_len
+        id=name,
+        created=ctx.created,
+        root=ctx.model_root,
+        max_model_len=ctx.max_model_len,
+        weight_format=ctx.weight_format,
     )
 
 

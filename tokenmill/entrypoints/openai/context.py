@@ -81,6 +81,10 @@ class ServerContext:
         return self.engine.max_model_len
 
     @property
+    def weight_format(self) -> str:
+        return self.engine.engine.weight_format
+
+    @property
     def sampling_defaults(self) -> dict[str, float]:
         """The model's generation_config.json sampling fields, for requests that omit them."""
         return self.engine.default_sampling

@@ -378,6 +378,9 @@ class ModelCard(ResponseModel):
     owned_by: str = "tokenmill"
     root: str
     max_model_len: int
+    # tokenmill's extra (vLLM has no quantization field): how the linear weights are held,
+    # e.g. "int4-g32 (120 linears), bfloat16 lm_head" (docs/quantization.md).
+    weight_format: str = ""
 
 
 class ModelList(ResponseModel):

@@ -1,0 +1,80 @@
+"""Pre-quantized Hugging Face checkpoints (compressed-tensors W8A8 and W4A16, GPTQ, AWQ),
+written in their exact on-disk formats, against transformers' float32 model on the same
+dequantized weights; unsupported settings are one ConfigError line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM
+from tokenmill.config import ConfigError
+from tokenmill.layers.int4_linear import Int4LinearMethod
+from tokenmill.layers.int8_linear import Int8LinearMethod
+from tokenmill.layers.linear import Linear
+from tokenmill.testing.hf_quantized_checkpoints import SCHEMES, save_quantized_checkpoint
+from tokenmill.testing.quantized_checkpoints import (
+    agreed_lengths,
+    greedy,
+    random_prompts,
+    reference_run,
+)
+
+SHAPE = {"hidden_size": 256, "intermediate_size": 512}
+# bfloat16 scales, zeros and activations in the kernels (measured 0.03-0.06 on these).
+LOGPROB_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama", **SHAPE)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_prequantized_checkpoint_matches_its_dequantized_float_model(
+    checkpoint: Path, tmp_path: Path, scheme: str
+) -> None:
+    quantized, reference = save_quantized_checkpoint(
+        checkpoint, tmp_path / "q", tmp_path / "ref", scheme
+    )
+    llm = LLM(model=str(quantized), dtype="float32", max_model_len=128)
+    method = Int8LinearMethod if scheme == "ct-w8a8" else Int4LinearMethod
+    modules = llm.engine.runner.model.named_modules()
+    decoder = [m for n, m in modules if n.startswith("layers.") and isinstance(m, Linear)]
+    assert decoder and all(isinstance(m.quant_method, method) for m in decoder)
+    prompts = random_prompts(llm.engine.vocab_size)
+    expected, ref_logprobs = reference_run(reference, prompts)
+    outputs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
+    agreed = agreed_lengths([o.outputs[0].token_ids for o in outputs], expected, ref_logprobs)
+    max_diff = 0.0
+    for output, ref, length in zip(outputs, ref_logprobs, agreed, strict=True):
+        for position, logprobs in enumerate(output.outputs[0].logprobs[: length + 1]):
+            for candidate, logprob in logprobs.items():
+                max_diff = max(max_diff, abs(logprob.logprob - ref[position, candidate].item()))
+    print(f"{scheme}: max |logprob - reference| = {max_diff:.3f}")
+    assert max_diff < LOGPROB_TOLERANCE
+
+
+def with_quantization_config(checkpoint: Path, tmp_path: Path, config: dict) -> Path:
+    shutil.copytree(checkpoint, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": config}))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"quant_method": "bitsandbytes"}, "unknown quantization type 'bitsandbytes'"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
+    ],
+)
+def test_unsupported_quantization_config_is_one_config_error(
+    checkpoint: Path, tmp_path: Path, config: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LLM(model=str(with_quantization_config(checkpoint, tmp_path, config)), max_model_len=64)

@@ -1,0 +1,227 @@
+"""GGUF files (llama.cpp's format) as a checkpoint: the config from the metadata, and each
+tensor under its Hugging Face name, in the form its linear layer's method takes.
+
+llama.cpp's converter permutes the q and k rows of every head for its RoPE (pairs
+interleaved; HF rotates halves): the rows are permuted back here, which is exact for
+quantized tensors too (llama.cpp's blocks run along a row).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from tokenmill.config import ConfigError
+from tokenmill.quantization.gguf_blocks import INT4_TYPES, dequantize, int4_groups
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# tokenmill's fused linears and the GGUF tensors each is made of.
+_LINEAR_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+@dataclass
+class GGUFCheckpoint:
+    path: Path
+
+    @cached_property
+    def reader(self) -> GGUFReader:
+        if not self.path.is_file():
+            raise ConfigError(f"{self.path}: no such GGUF file")
+        try:
+            return GGUFReader(self.path)
+        except (ValueError, OSError, IndexError, KeyError) as e:
+            raise ConfigError(
+                f"{self.path} is not a complete GGUF file ({e}); it may be truncated by an "
+                "interrupted download: fetch it again"
+            ) from e
+
+    def field(self, key: str, default: Any = None) -> Any:
+        value = self.reader.fields.get(key)
+        if value is None:
+            return default
+        contents = value.contents()
+        return contents
+
+    @cached_property
+    def architecture(self) -> str:
+        architecture = self.field("general.architecture")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported GGUF architecture {architecture!r} in {self.path}; tokenmill reads "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files"
+            )
+        return architecture
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        return {t.name: t for t in self.reader.tensors}
+
+    def hf_config(self) -> Any:
+        """A transformers LlamaConfig from the metadata."""
+        from transformers import LlamaConfig
+
+        arch = self.architecture
+
+        def meta(key: str, default: Any = None) -> Any:
+            value = self.field(f"{arch}.{key}", default)
+            if value is None:
+                raise ConfigError(f"{self.path} lacks the metadata key {arch}.{key}")
+            return value
+
+        if self.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or (
+            "rope_freqs.weight" in self.tensors
+        ):
+            raise ConfigError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
+        num_heads = meta("attention.head_count")
+        hidden = meta("embedding_length")
+        embed = self.tensors.get("token_embd.weight")
+        if embed is None:
+            raise ConfigError(f"{self.path} has no token_embd.weight tensor")
+        vocab = self.field(f"{arch}.vocab_size") or int(embed.shape[1])
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=meta("feed_forward_length"),
+            num_hidden_layers=meta("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=meta("attention.head_count_kv", num_heads),
+            head_dim=meta("attention.key_length", hidden // num_heads),
+            rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=meta("context_length"),
+            rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 1e4)},
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+        )
+        config.architectures = ["LlamaForCausalLM"]
+        return config
+
+    def linear_formats(self) -> dict[str, str]:
+        """tokenmill's layer name -> the format its method takes: int4-g32 where every part
+        is Q4_0 / Q4_K, int8 where every part is Q8_0, float otherwise (dequantized; logged)."""
+        formats, dequantized = {}, []
+        for layer in range(self._num_blocks()):
+            for linear, parts in _LINEAR_PARTS.items():
+                types = {self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts}
+                formats[f"layers.{layer}.{linear}"] = fmt = _format_of(types)
+                if fmt == "float" and not types <= set(_FLOAT_TYPES):
+                    names = "/".join(parts)
+                    dequantized.append(f"blk.{layer}.{names} ({'+'.join(t.name for t in types)})")
+        if dequantized:
+            logger.info(
+                "dequantized to floats (no int8/int4 form for these types or mixes): %s",
+                ", ".join(dequantized),
+            )
+        return formats
+
+    def iter_tensors(
+        self, formats: dict[str, str], num_heads: int, num_kv_heads: int
+    ) -> Iterator[tuple[str, Callable[[Any], object]]]:
+        """(Hugging Face name, reader) per tensor; a reader takes the tensor-parallel slice,
+        which must be None (GGUF files load on one rank)."""
+        for name, tensor in self.tensors.items():
+            hf_name = _hf_name(name)
+            if hf_name is None:
+                raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
+            heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else 0
+            int4 = formats.get(_layer_of(hf_name)) == "int4-g32"
+            yield hf_name, _reader(tensor, int4, heads)
+
+    def _num_blocks(self) -> int:
+        return int(self.field(f"{self.architecture}.block_count", 0))
+
+    def _tensor(self, name: str) -> Any:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ConfigError(f"{self.path} lacks the tensor {name}")
+        return tensor
+
+
+def _format_of(types: set[GGMLQuantizationType]) -> str:
+    if types <= set(INT4_TYPES):
+        return "int4-g32"
+    if types == {GGMLQuantizationType.Q8_0}:
+        return "int8"
+    return "float"
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    match = _BLOCK_NAME.match(name)
+    if match is None or match.group(2) not in _GGUF_TO_HF:
+        return None
+    layer, module, suffix = match.groups()
+    return f"model.layers.{layer}.{_GGUF_TO_HF[module]}.{suffix}"
+
+
+def _layer_of(hf_name: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight -> layers.0.self_attn.qkv_proj"""
+    name = hf_name.removeprefix("model.").rsplit(".", 1)[0]
+    for fused, old in (("qkv_proj", r"[qkv]_proj"), ("gate_up_proj", r"(gate|up)_proj")):
+        name = re.sub(rf"\.{old}$", f".{fused}", name)
+    return name
+
+
+def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation (HF row r = GGUF row order[r])."""
+    return torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).flatten()
+
+
+def _reader(tensor: Any, int4: bool, num_heads: int) -> Callable[[Any], object]:
+    def read(part: Any) -> object:
+        if part is not None:
+            raise ConfigError("GGUF files load on one rank: use tensor_parallel_size 1")
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        data = np.asarray(tensor.data)
+        shape = [int(n) for n in reversed(tensor.shape)]  # GGML lists the fastest dimension first
+        if int4 and qtype in INT4_TYPES:
+            weight: Any = int4_groups(data.reshape(shape[0], -1), qtype)
+        elif len(shape) == 1:
+            weight = dequantize(data, qtype).reshape(shape)
+        else:
+            weight = dequantize(data.reshape(shape[0], -1), qtype)
+        if num_heads and shape[0] % (2 * num_heads) == 0:  # else the loader names the shape
+            order = _unpermute_order(shape[0], num_heads)
+            weight = weight.permute_rows(order) if int4 else weight[order]
+        return weight
+
+    return read
