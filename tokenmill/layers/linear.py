@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.linear import NATIVE_LINEAR_MAX_ROWS, native_few_row_linear
+from tokenmill.kernels.native import native_kernels
+
 # Rows the reordered layout is tuned for; measured the same from 16 to 256.
 _ROWS_HINT = 16
 # A oneDNN call costs ~12 us however small the product, where F.linear of one row through a
@@ -61,9 +64,15 @@ class OneDNNLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.small_weight = weight if weight.numel() < _SMALL_WEIGHT_ELEMENTS else None
+        # Few rows: the native GEMV (kernels/linear.py) reads torch's layout at the memory roof.
+        self.weight = weight if native_kernels() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
+        if self.weight is not None and num_rows <= NATIVE_LINEAR_MAX_ROWS:
+            out = native_few_row_linear(x, self.weight, self.bias)
+            if out is not None:
+                return out
         if self.small_weight is not None and num_rows <= _SMALL_WEIGHT_ROWS:
             return F.linear(x, self.small_weight, self.bias)
         padding = padded_rows(num_rows) - num_rows

@@ -153,7 +153,7 @@ def load_model(
     if (
         linear_backend == "auto"
         and device.type == "cpu"
-        and dtype == torch.float32
+        and dtype in (torch.float32, torch.bfloat16)
         and onednn_linear_available()
     ):
         use_onednn_linears(model)
