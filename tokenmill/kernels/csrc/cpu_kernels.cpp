@@ -279,20 +279,18 @@ struct AttentionArgs {
   void* out;  // [tokens, heads, d] contiguous
 };
 
+// `omp simd` lets the compiler reassociate the sum (vector partial sums, one horizontal add).
 template <typename T>
 __attribute__((always_inline)) inline float dot_row(const float* q, const T* k, int64_t d) {
-  float partial[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    for (int j = 0; j < 16; ++j) partial[j] += q[i + j] * load_float(k + i + j);
   float sum = 0;
-  for (int j = 0; j < 16; ++j) sum += partial[j];
-  for (; i < d; ++i) sum += q[i] * load_float(k + i);
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < d; ++i) sum += q[i] * load_float(k + i);
   return sum;
 }
 
 template <typename T>
 __attribute__((always_inline)) inline void axpy_row(float* acc, float p, const T* v, int64_t d) {
+#pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += p * load_float(v + i);
 }
 
@@ -321,10 +319,14 @@ __attribute__((always_inline)) inline void attend_task(const AttentionArgs& a, i
       const T* q = query + token * a.q_stride + (kv_head * group + g) * d;
       for (int64_t j = 0; j < d; ++j) qf[g * d + j] = load_float(q + j) * a.scale;
     }
-    for (int64_t pos = lo; pos < hi; ++pos) {
-      const T* key = cache + (table[pos / a.block_size] * a.block_size + pos % a.block_size) * row +
-                     kv_head * d;
-      for (int64_t g = 0; g < group; ++g) scores[g * seq_len + pos - lo] = dot_row(qf + g * d, key, d);
+    // Keys block by block: one table lookup per block, then consecutive slots.
+    for (int64_t pos = lo; pos < hi;) {
+      const int64_t offset = pos % a.block_size, run = std::min(a.block_size - offset, hi - pos);
+      const T* key = cache + (table[pos / a.block_size] * a.block_size + offset) * row + kv_head * d;
+      for (int64_t t = 0; t < run; ++t, key += row)
+        for (int64_t g = 0; g < group; ++g)
+          scores[g * seq_len + pos - lo + t] = dot_row(qf + g * d, key, d);
+      pos += run;
     }
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * seq_len;
@@ -339,11 +341,14 @@ __attribute__((always_inline)) inline void attend_task(const AttentionArgs& a, i
       for (int64_t j = 0; j < span; ++j) s[j] *= inverse;
     }
     std::fill(acc, acc + group * d, 0.0f);
-    for (int64_t pos = lo; pos < hi; ++pos) {
+    for (int64_t pos = lo; pos < hi;) {
+      const int64_t offset = pos % a.block_size, run = std::min(a.block_size - offset, hi - pos);
       const T* value = cache + value_offset +
-                       (table[pos / a.block_size] * a.block_size + pos % a.block_size) * row +
-                       kv_head * d;
-      for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * d, scores[g * seq_len + pos - lo], value, d);
+                       (table[pos / a.block_size] * a.block_size + offset) * row + kv_head * d;
+      for (int64_t t = 0; t < run; ++t, value += row)
+        for (int64_t g = 0; g < group; ++g)
+          axpy_row(acc + g * d, scores[g * seq_len + pos - lo + t], value, d);
+      pos += run;
     }
     for (int64_t g = 0; g < group; ++g) {
       T* o = out + (token * a.heads + kv_head * group + g) * d;
