@@ -162,6 +162,7 @@ def test_unbuildable_extension_warns_and_falls_back(monkeypatch: pytest.MonkeyPa
     def no_compiler() -> None:
         raise OSError("no C++ compiler")
 
+    monkeypatch.delenv("TOKENMILL_NATIVE_KERNELS", raising=False)
     monkeypatch.setattr(native, "_build", no_compiler)
     native.reset_for_tests()
     try:

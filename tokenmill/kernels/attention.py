@@ -13,6 +13,11 @@ from tokenmill.kernels.native import native_kernels
 # Queries per sequence up to which a group runs natively; longer chunks (prefill) go to
 # scaled_dot_product_attention, whose blocked kernel is faster there.
 NATIVE_ATTENTION_MAX_QUERY_LEN = 16
+# Sequences per group up to which it runs natively: per layer (SmolLM2-135M's heads, contexts
+# 130-260, fp32, thread CPU) it took 0.034 ms at 1 sequence against the portable 0.047-0.051,
+# but ~1.1 against 0.98-1.36 at 16, and decode steps of 16 rows cost 55-60 vs 65-70 ms CPU with
+# it (its dot products do not yet reach SDPA's blocked kernel). Between 1 and 16 unmeasured.
+NATIVE_ATTENTION_MAX_SEQS = 4
 
 
 def native_paged_attention(
