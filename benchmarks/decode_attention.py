@@ -8,6 +8,7 @@ thread CPU time per call, medians of interleaved repeats:
 
 - `portable`: `TorchPagedAttention` on the group (gather + SDPA with `enable_gqa`, bool mask);
 - `gather`: its `read_kv` alone; `sdpa`: its SDPA alone, on the gathered K/V;
+- `cpu`: `CpuPagedAttention` (the native kernel reading the blocks in place, issue #28);
 - `folded`: the alternative tried for issue #13: the G query heads of a KV head folded into the
   query length (`[seqs, kv_heads, G, dim]`, no `enable_gqa`) and the mask as 0/-inf addends
   made once (SDPA converts a boolean mask on every call).
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention import AttentionGroup, TorchPagedAttention
+from tokenmill.layers.attention_native import CpuPagedAttention
 from tokenmill.layers.kv_cache import read_kv
 from tokenmill.worker.step_layout import layout_step
 
@@ -61,9 +63,15 @@ def measure(seq_lens: list[int], repeats: int) -> dict[str, float]:
     q = query.view(batch, 1, HEADS, DIM).transpose(1, 2)
     portable, out = TorchPagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5), torch.empty_like(query)
 
+    native, native_out = CpuPagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5), torch.empty_like(query)
+
     def portable_call() -> torch.Tensor:
         portable._attend_group(query, cache, group, out)
         return out
+
+    def native_call() -> torch.Tensor:
+        native._attend_group(query, cache, group, native_out)
+        return native_out
 
     calls: dict[str, Callable[[], object]] = {
         "portable": portable_call,
@@ -72,8 +80,10 @@ def measure(seq_lens: list[int], repeats: int) -> dict[str, float]:
             q, keys, values, attn_mask=mask, scale=DIM**-0.5, enable_gqa=True
         ),
         "folded": lambda: folded(query, cache, group, additive),
+        "cpu": native_call,
     }
     torch.testing.assert_close(calls["folded"](), calls["portable"]())
+    torch.testing.assert_close(calls["cpu"](), calls["portable"]())
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
@@ -88,12 +98,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     rng = np.random.default_rng(1)
-    print(f"{'batch':>5} {'portable':>9} {'gather':>7} {'sdpa':>7} {'folded':>7}  ms per layer")
+    header = f"{'batch':>5} {'portable':>9} {'gather':>7} {'sdpa':>7} {'folded':>7} {'cpu':>7}"
+    print(f"{header}  ms per layer")
     for batch in (1, 16, 64):
         ms = measure(rng.integers(130, 260, batch).tolist(), args.repeats)
         print(
             f"{batch:>5} {1e3 * ms['portable']:>9.3f} {1e3 * ms['gather']:>7.3f} "
-            f"{1e3 * ms['sdpa']:>7.3f} {1e3 * ms['folded']:>7.3f}",
+            f"{1e3 * ms['sdpa']:>7.3f} {1e3 * ms['folded']:>7.3f} {1e3 * ms['cpu']:>7.3f}",
             flush=True,
         )
 

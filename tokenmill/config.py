@@ -32,7 +32,7 @@ KV_CACHE_DTYPES = {
 
 
 # auto: triton on CUDA when installed, else torch (layers/attention_backends.py).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class ConfigError(ValueError):
@@ -250,8 +250,10 @@ class EngineConfig:
     )
     attention_backend: str = config_field(
         "auto",
-        "auto: the Triton paged-attention kernel on CUDA when triton is installed, else "
-        "torch (the portable reference: gather + scaled_dot_product_attention)",
+        "auto: the Triton paged-attention kernel on CUDA when triton is installed, cpu on "
+        "the CPU (native kernels reading the paged cache in place for short queries, "
+        "kernels/), else torch (the portable reference: gather + "
+        "scaled_dot_product_attention)",
         choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool | None = config_field(

@@ -98,7 +98,7 @@ def test_fp8_cache_matches_the_reference() -> None:
 
 
 def test_auto_picks_triton_only_on_cuda() -> None:
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"
     assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
     assert resolve_attention_backend("torch", torch.device("cuda")) == "torch"
     with pytest.raises(ConfigError, match="unknown attention backend"):

@@ -3,8 +3,9 @@
 Every backend is a `PagedAttention` (layers/attention.py): the same inputs (a step's flat
 queries, its new keys and values, one layer's paged cache and the step's `AttentionMetadata`),
 `[num_tokens, heads, head_dim]` out, and its own `_attend_group`. `torch`
-(`TorchPagedAttention`) runs anywhere and is the reference; `triton` (`TritonPagedAttention`)
-reads K/V through the block tables inside one kernel, for CUDA.
+(`TorchPagedAttention`) runs anywhere and is the reference; `cpu` (`CpuPagedAttention`) runs
+short queries through the native CPU kernel (kernels/attention.py) and the rest as `torch`;
+`triton` (`TritonPagedAttention`) reads K/V through the block tables inside one kernel, for CUDA.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
     if requested not in ATTENTION_BACKENDS:
         raise ConfigError(f"unknown attention backend {requested!r}; one of {ATTENTION_BACKENDS}")
     if requested == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if device.type == "cpu" else "torch"
+    if requested == "cpu" and device.type != "cpu":
+        raise ConfigError("attention backend 'cpu' runs on the CPU")
     if requested == "triton" and not triton_available():
         raise ConfigError("attention backend 'triton' needs the triton package")
     if requested == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
@@ -43,6 +48,10 @@ def make_attention_backend(
         from tokenmill.layers.attention_triton import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    if name == "cpu":
+        from tokenmill.layers.attention_native import CpuPagedAttention
+
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     raise ConfigError(f"unknown attention backend {name!r}")

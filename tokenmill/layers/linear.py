@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.linear import NATIVE_LINEAR_MAX_ROWS, native_few_row_linear
+from tokenmill.kernels.native import native_kernels
+
 # Rows the reordered layout is tuned for; measured the same from 16 to 256.
 _ROWS_HINT = 16
 # A oneDNN call costs ~12 us however small the product, where F.linear of one row through a
@@ -95,19 +98,28 @@ class DenseLinearMethod(LinearMethod):
 
 
 class OneDNNLinearMethod(DenseLinearMethod):
-    """float32 on the CPU with the weight reordered for oneDNN (module docstring). A small
-    weight is also kept in torch's layout for products of a few rows; a large one is dropped
-    after the reorder (`layer.weight` is then None)."""
+    """float32 or bfloat16 on the CPU with the weight reordered for oneDNN (module docstring).
+    Products of up to `NATIVE_LINEAR_MAX_ROWS` rows go to the native GEMV (kernels/linear.py),
+    which reads torch's layout at the memory roof, so where the native kernels exist the
+    weight is kept in both layouts. Without them a small weight is kept in torch's layout for
+    products of a few rows and a large one is dropped after the reorder (`layer.weight` is
+    then None)."""
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
-        if weight.numel() >= _SMALL_WEIGHT_ELEMENTS:
+        layer.few_rows_by_f_linear = weight.numel() < _SMALL_WEIGHT_ELEMENTS
+        layer.few_rows_native = native_kernels() is not None
+        if not (layer.few_rows_by_f_linear or layer.few_rows_native):
             layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if layer.weight is not None and num_rows <= _SMALL_WEIGHT_ROWS:
+        if layer.few_rows_native and num_rows <= NATIVE_LINEAR_MAX_ROWS:
+            out = native_few_row_linear(x, layer.weight, layer.bias)
+            if out is not None:
+                return out
+        if layer.few_rows_by_f_linear and num_rows <= _SMALL_WEIGHT_ROWS:
             return F.linear(x, layer.weight, layer.bias)
         padding = padded_rows(num_rows) - num_rows
         if padding:

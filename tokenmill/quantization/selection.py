@@ -67,10 +67,10 @@ class LinearPlan:
         if (
             self.linear_backend == "auto"
             and self.device.type == "cpu"
-            and self.dtype == torch.float32
+            and self.dtype in (torch.float32, torch.bfloat16)
             and onednn_linear_available()
         ):
-            return OneDNNLinearMethod()
+            return OneDNNLinearMethod(self.dtype)
         return DenseLinearMethod(self.dtype)
 
     def _check_device(self, wanted: str) -> None:

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "tokenmill.structured_output.request_grammar",  # a request's matcher
     ),
     ("tokenmill.metrics",),  # stats records, Prometheus, the stats line
+    ("tokenmill.kernels",),  # native CPU kernels (C++ built at first use) and their loader
     ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
     ("tokenmill.quantization",),  # which method each linear gets; GGUF files
     ("tokenmill.models",),

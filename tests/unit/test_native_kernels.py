@@ -1,0 +1,180 @@
+"""The native CPU kernels against their torch references, at every ISA level this CPU runs
+(the AVX2 and portable paths through `set_isa`, as TOKENMILL_CPU_ISA does), and the fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import native
+from tokenmill.kernels.attention import native_paged_attention
+from tokenmill.kernels.linear import native_few_row_linear
+from tokenmill.layers.attention import TorchPagedAttention, build_attention_group
+from tokenmill.layers.kv_cache import write_kv
+
+module = native.native_kernels()
+needs_native = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
+LEVELS = list(range(module.detect_isa() + 1)) if module is not None else []
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
+def isa(request: pytest.FixtureRequest):
+    assert module is not None
+    best = module.get_isa()
+    assert module.set_isa(request.param) == request.param
+    yield request.param
+    module.set_isa(best)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 33), (130, 64), (5, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_row_linear_matches_f_linear(
+    isa: int, dtype: torch.dtype, rows: int, out_features: int, in_features: int, bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    got = native_few_row_linear(x, weight, b)
+    assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
+    reference = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    scale = reference.abs().max().item()
+    assert (got.float() - reference).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@needs_native
+def test_few_row_linear_declines_what_it_does_not_run() -> None:
+    weight = torch.randn(8, 16)
+    assert native_few_row_linear(torch.randn(5, 16), weight, None) is None  # too many rows
+    assert native_few_row_linear(torch.randn(1, 16).double(), weight.double(), None) is None
+    assert native_few_row_linear(torch.randn(1, 16), weight.t().contiguous().t(), None) is None
+
+
+def _paged_case(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_lens: list[int],
+    seq_lens: list[int],
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache filled at scattered blocks, the queries, and the block tables."""
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    order = torch.randperm(num_blocks, generator=generator)
+    block_tables = order[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    for seq, length in enumerate(seq_lens):
+        positions = torch.arange(length)
+        slots = block_tables[seq, positions // block_size] * block_size + positions % block_size
+        kv = torch.randn(length, 2, num_kv_heads, head_dim, generator=generator).to(dtype)
+        write_kv(cache, slots, kv)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
+    return cache, query, block_tables
+
+
+CASES = [
+    # heads, kv heads, head_dim, block size, query lens, seq lens
+    (9, 3, 64, 16, [1], [129]),  # SmolLM2's heads, a context just past a block
+    (4, 4, 32, 16, [1, 1, 1], [1, 16, 17]),  # MHA, lengths at block edges
+    (8, 2, 80, 4, [1, 1], [37, 5]),  # GQA 4, head size not a multiple of 16
+    (6, 1, 24, 8, [3, 5], [20, 5]),  # MQA, verification rows (query_len > 1), tiny head
+    (2, 2, 128, 32, [16, 1], [40, 70]),  # a short chunk beside a decode
+]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_paged_attention_matches_the_torch_backend(
+    isa: int, dtype: torch.dtype, case: tuple, sliding_window: int | None
+) -> None:
+    num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens = case
+    cache, query, block_tables = _paged_case(
+        dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed=len(case)
+    )
+    group = build_attention_group(
+        0,
+        torch.tensor(query_lens),
+        torch.tensor(seq_lens),
+        block_tables,
+        block_size,
+        sliding_window,
+    )
+    scale = head_dim**-0.5
+    reference = torch.empty_like(query)
+    TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)._attend_group(
+        query, cache, group, reference
+    )
+    got = torch.full_like(query, float("nan"))
+    assert group.query_start_loc is not None and group.seq_lens is not None
+    assert native_paged_attention(
+        query,
+        cache,
+        group.block_tables,
+        group.query_start_loc,
+        group.seq_lens,
+        sliding_window,
+        scale,
+        got,
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), reference.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_native
+def test_paged_attention_reads_strided_queries() -> None:
+    """Queries as the fused QKV projection leaves them: a view with a wider token stride."""
+    cache, query, block_tables = _paged_case(torch.float32, 4, 2, 16, 4, [1, 1], [9, 3], seed=5)
+    fused = torch.cat([query.flatten(1), torch.randn(2, 40)], dim=1)
+    strided = fused[:, :64].view(2, 4, 16)
+    group = build_attention_group(0, torch.ones(2), torch.tensor([9, 3]), block_tables, 4, None)
+    expected, got = torch.empty_like(query), torch.empty_like(query)
+    TorchPagedAttention(4, 2, 16, 0.25)._attend_group(query, cache, group, expected)
+    assert native_paged_attention(
+        strided, cache, block_tables, group.query_start_loc, group.seq_lens, None, 0.25, got
+    )
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_forced_fallback_has_no_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", "0")
+    native.reset_for_tests()
+    try:
+        assert native.native_kernels() is None
+        assert native.active_isa() is None
+        assert native_few_row_linear(torch.randn(1, 4), torch.randn(3, 4), None) is None
+    finally:
+        monkeypatch.delenv("TOKENMILL_NATIVE_KERNELS")
+        native.reset_for_tests()
+
+
+def test_unbuildable_extension_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler() -> None:
+        raise OSError("no C++ compiler")
+
+    monkeypatch.delenv("TOKENMILL_NATIVE_KERNELS", raising=False)
+    monkeypatch.setattr(native, "_build", no_compiler)
+    native.reset_for_tests()
+    try:
+        with pytest.warns(RuntimeWarning, match="portable torch path"):
+            assert native.native_kernels() is None
+    finally:
+        native.reset_for_tests()
+
+
+def test_isa_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    assert native.requested_isa() == 1
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA"):
+        native.requested_isa()

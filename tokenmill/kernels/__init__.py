@@ -1,0 +1,1 @@
+"""Native CPU kernels (C++, built at first use) with their portable torch references."""
