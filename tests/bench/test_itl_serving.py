@@ -150,10 +150,12 @@ def test_a_small_run_against_tokenmill_serve_reports_a_complete_row(
 ) -> None:
     checkpoint = tiny_checkpoint("llama")
     vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    scenario = Scenario(streams=3, stream_prompt=8, stream_max_tokens=200, long_prompt=120,
+    # Streams long enough to outlast the run on a loaded machine (they are cancelled after it):
+    # with 200 tokens, a stream once finished before the long prompt's first token.
+    scenario = Scenario(streams=3, stream_prompt=8, stream_max_tokens=1500, long_prompt=120,
                         steady_steps=2, vocab_size=vocab_size)  # fmt: skip
     flags = ["--itl-target-ms", "1000", "--disable-log-stats"]
-    server = tokenmill_server(checkpoint, 256, flags, tmp_path / "s.log")
+    server = tokenmill_server(checkpoint, 2048, flags, tmp_path / "s.log")
     with server:
         run = asyncio.run(run_scenario(server.base_url, scenario))
     assert run.ttft > 0 and run.steady > 0 and run.throughput > 0
