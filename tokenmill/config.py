@@ -39,6 +39,22 @@ class ConfigError(ValueError):
     """An engine setting is invalid or inconsistent with the model."""
 
 
+def json_config_fields(value: str | dict[str, Any], name: str, cls: type) -> dict[str, Any]:
+    """A JSON-valued setting (`--speculative-config '{...}'` or a dict) as a dict whose keys are
+    fields of the dataclass `cls`; one ConfigError naming the setting otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{name} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object")
+    unknown = set(value) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ConfigError(f"unknown {name} keys: {sorted(unknown)}")
+    return value
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -73,16 +89,7 @@ class SpeculativeConfig:
     ) -> SpeculativeConfig | None:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ConfigError("speculative_config must be a JSON object")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown speculative_config keys: {sorted(unknown)}")
+        value = json_config_fields(value, "speculative_config", cls)
         if "method" not in value:
             raise ConfigError(
                 f"speculative_config needs a method: one of {', '.join(SPECULATIVE_METHODS)}"
@@ -154,16 +161,7 @@ class StructuredOutputsConfig:
     ) -> StructuredOutputsConfig:
         if value is None or isinstance(value, StructuredOutputsConfig):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"structured_outputs_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ConfigError("structured_outputs_config must be a JSON object")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown structured_outputs_config keys: {sorted(unknown)}")
+        value = json_config_fields(value, "structured_outputs_config", cls)
         return cls(**value)
 
     def __post_init__(self) -> None:
@@ -502,16 +500,7 @@ class KVTransferConfig:
     ) -> KVTransferConfig | None:
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ConfigError("kv_transfer_config must be a JSON object")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown kv_transfer_config keys: {sorted(unknown)}")
+        value = json_config_fields(value, "kv_transfer_config", cls)
         if "kv_connector" not in value:
             raise ConfigError("kv_transfer_config needs a kv_connector (its name)")
         return cls(**value)
