@@ -19,19 +19,19 @@ from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.core.request_queue import RequestQueue
-from tokenmill.core.scheduler_output import (
+from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
+from tokenmill.core.stop_check import advance_grammar, check_stop
+from tokenmill.kv_transfer.base import KVConnectorBase
+from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from tokenmill.core.step_cost import StepShape, chunk_context
-from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
-from tokenmill.core.stop_check import advance_grammar, check_stop
-from tokenmill.kv_transfer.base import KVConnectorBase
-from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
-from tokenmill.request import Request, RequestStatus
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
 
 # Cache-aware admission looks this far down the waiting queue for the request with the most

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.core.scheduler_output import EngineCoreOutput, PromptLogprobs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
 from tokenmill.outputs import (
     CompletionOutput,
@@ -18,6 +17,7 @@ from tokenmill.outputs import (
     RequestOutput,
 )
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.step.scheduler_output import EngineCoreOutput, PromptLogprobs
 
 
 @dataclass
