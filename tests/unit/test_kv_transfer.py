@@ -35,7 +35,8 @@ from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
 from tokenmill.metrics.stats_logger import format_stats_line
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
-from tokenmill.step.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 STORAGE = {
     "kv_connector": "SharedStorageConnector",

@@ -11,10 +11,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
-from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillLimits
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
@@ -46,7 +46,7 @@ from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.step.request import Request, RequestStatus
-from tokenmill.step.scheduler_output import ModelRunnerOutput
+from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar

@@ -17,10 +17,11 @@ from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
-from tokenmill.spec_decode.rejection_sampler import verify
+from tokenmill.spec_decode.verification import verify
 from tokenmill.step.layout import attention_group_key, layout_step
+from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
 from tokenmill.step.runner_request_state import CachedRequestState
-from tokenmill.step.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.captured_step import (
     Capture,
