@@ -14,8 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import repo_root  # noqa: F401 (tokenmill_testing/, demo_training/ on sys.path)
+
 from tokenmill.bench.server_process import HOST, ServerProcess
-from tokenmill.testing.random_checkpoint import cache_dir
+from tokenmill_testing.random_checkpoint import cache_dir
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 

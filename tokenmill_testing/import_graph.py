@@ -1,6 +1,6 @@
 """tokenmill's import graph, checked against its layering (docs/architecture.md, "Layers").
 
-    python -m tokenmill.testing.import_graph
+    python -m tokenmill_testing.import_graph
 
 prints the import circles, the upward imports, the modules over 400 lines and the functions
 over 60 lines. Every import counts, also those inside functions or under `TYPE_CHECKING`: each
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "tokenmill"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -44,11 +44,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tokenmill.spec_decode",),
     ("tokenmill.worker",),  # the runner, which uses proposers and verification
     ("tokenmill.engine", "tokenmill.structured_output.manager"),
-    ("tokenmill.testing",),  # random checkpoints, this checker
-    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their training
+    ("tokenmill_testing",),  # random checkpoints, this checker
+    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their eval
     # the offline API, which fills in the demo models where no model is given
     ("tokenmill.entrypoints.llm", "tokenmill.entrypoints.default_model"),
-    ("tokenmill.bench", "tokenmill.demo.acceptance"),  # measurements through the APIs
+    ("tokenmill.bench", "demo_training.acceptance"),  # measurements through the APIs
     # the CLI and the server
     ("tokenmill.entrypoints",),
     ("tokenmill",),  # the package's public names (`from tokenmill import LLM`)
