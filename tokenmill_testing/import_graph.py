@@ -19,40 +19,29 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "tokenmill"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
-# Lowest first. A module belongs to the layer of its longest matching prefix and may import
-# only from its own layer or the layers below it.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    # values every layer shares: settings, requests, sampling parameters, outputs
-    (
-        "tokenmill.version",
-        "tokenmill.openmp",
-        "tokenmill.config",
-        "tokenmill.sampling_params",
-        "tokenmill.outputs",
-        "tokenmill.structured_output.request_grammar",  # a request's matcher
-    ),
-    ("tokenmill.metrics",),  # stats records, Prometheus, the stats line
-    ("tokenmill.kernels",),  # native CPU kernels (C++ built at first use) and their loader
-    ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
-    ("tokenmill.quantization",),  # which method each linear gets; GGUF files
-    ("tokenmill.models",),
-    ("tokenmill.structured_output",),  # grammars (xgrammar) and the step's bitmask
-    # a step's vocabulary: requests as scheduler and runner see them, the scheduler's output
-    ("tokenmill.step",),
-    # scheduler, KV-cache manager, block pool; the KV connectors the scheduler and runner call
-    ("tokenmill.core", "tokenmill.kv_transfer"),
-    ("tokenmill.spec_decode",),
-    ("tokenmill.worker",),  # the runner, which uses proposers and verification
-    ("tokenmill.engine", "tokenmill.structured_output.manager"),
-    ("tokenmill_testing",),  # random checkpoints, this checker
-    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their eval
-    # the offline API, which fills in the demo models where no model is given
-    ("tokenmill.entrypoints.llm", "tokenmill.entrypoints.default_model"),
-    ("tokenmill.bench", "demo_training.acceptance"),  # measurements through the APIs
-    # the CLI and the server
-    ("tokenmill.entrypoints",),
-    ("tokenmill",),  # the package's public names (`from tokenmill import LLM`)
+# The layers, lowest first: each is one subpackage of tokenmill, which may import only from
+# its own layer and those below it. Below them all: the package's own modules (config,
+# sampling_params, outputs, version, openmp), values every layer shares; above them all:
+# the package itself (`from tokenmill import LLM`).
+LAYERS: tuple[str, ...] = (
+    "metrics",  # stats records, Prometheus, the stats line
+    "kernels",  # native CPU kernels (C++ built at first use) and their loader
+    "layers",  # KV-cache tensors, attention, linear, rotary, sampler
+    "quantization",  # which method each linear gets; GGUF and pre-quantized checkpoints
+    "models",  # the model code and its loader
+    "structured_output",  # grammars: validation, compiles, a request's matcher, the bitmask
+    "step",  # a step's vocabulary: requests as scheduler and runner see them, the seam values
+    "kv_transfer",  # KV connectors, which the scheduler and the runner call
+    "core",  # scheduler, KV-cache manager, block pool, speculation policy
+    "spec_decode",  # proposers and verification
+    "worker",  # the model runner (which calls proposers), tensor-parallel workers
+    "engine",  # the step loop, its assembly, the output processor, the async engine
+    "demo",  # the built-in demo models: where they are, their corpus, their eval
+    "bench",  # load generators and measurements (given an engine or a server)
+    "entrypoints",  # the offline LLM, the CLI, the OpenAI server, the router, the dashboard
 )
+BASE_LAYER = 0  # tokenmill's own modules
+TOP_LAYER = len(LAYERS) + 1  # tokenmill/__init__.py
 
 
 @dataclass(frozen=True)
@@ -95,15 +84,22 @@ def import_graph() -> list[Import]:
 
 
 def layer_of(module: str) -> int:
-    matches = [
-        (len(prefix), index)
-        for index, prefixes in enumerate(LAYERS)
-        for prefix in prefixes
-        if module == prefix or module.startswith(prefix + ".")
-    ]
-    if not matches:
-        raise ValueError(f"{module} is in no layer of LAYERS")
-    return max(matches)[1]
+    """1 + the index in LAYERS of the subpackage `module` is in; BASE_LAYER for the package's
+    own modules, TOP_LAYER for the package itself."""
+    parts = module.split(".")
+    if parts[0] != "tokenmill":
+        raise ValueError(f"{module} is not in tokenmill")
+    if len(parts) == 1:
+        return TOP_LAYER
+    if (PACKAGE_DIR / f"{parts[1]}.py").is_file():
+        return BASE_LAYER
+    if parts[1] not in LAYERS:
+        raise ValueError(f"{module} is in no layer: add tokenmill.{parts[1]} to LAYERS")
+    return LAYERS.index(parts[1]) + 1
+
+
+def subpackages() -> set[str]:
+    return {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()}
 
 
 def upward_imports(graph: list[Import]) -> list[Import]:

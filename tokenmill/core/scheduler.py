@@ -28,7 +28,7 @@ from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.request_step_output import RequestStepOutput
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from tokenmill.structured_output.request_grammar import UNSATISFIABLE
+from tokenmill.structured_output.request_grammar import UNSATISFIABLE, RequestGrammar
 
 # Cache-aware admission looks this far down the waiting queue for the request with the most
 # prompt tokens already in the prefix cache...
@@ -197,6 +197,21 @@ class Scheduler:
         if self.itl_feedback is not None and total:
             self.itl_feedback.planned(self._step_shape(plan), plan.prefill)
         return output
+
+    def sampling_grammars(
+        self, output: SchedulerOutput
+    ) -> dict[str, tuple[RequestGrammar, list[int]]]:
+        """The grammar and drafts of each constrained request that samples in the step
+        `output` plans (its scheduled tokens reach its end): the rows the bitmask covers."""
+        sampling = {}
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.grammar is None:
+                continue
+            drafts = output.scheduled_spec_tokens.get(req_id, [])
+            if request.num_computed_tokens + num_new - len(drafts) == request.num_tokens:
+                sampling[req_id] = (request.grammar, drafts)
+        return sampling
 
     def _num_decode_tokens_running(self) -> int:
         """Tokens the running decodes will compute this step, drafts included (at most)."""

@@ -200,7 +200,7 @@ class LLMEngine:
         num_prompt_tokens_before = self.scheduler.num_prompt_tokens_scheduled
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
-            self.scheduler.requests, scheduler_output
+            self.scheduler.sampling_grammars(scheduler_output)
         )
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

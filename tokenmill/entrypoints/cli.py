@@ -133,8 +133,11 @@ def _add_bench_serving(kinds: argparse._SubParsersAction) -> None:
 
 def _bench_throughput(args: argparse.Namespace) -> int:
     from tokenmill.bench.throughput import run_throughput
+    from tokenmill.entrypoints.llm import LLM
 
-    run_throughput(args, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    config.max_num_seqs = args.batch_size
+    run_throughput(args, LLM(**vars(config)))
     return 0
 
 
