@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.attention import AttentionMetadata, KVCache
+from tokenmill.layers.attention_backends import make_attention_backend
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
 
@@ -106,7 +107,13 @@ class LlamaAttention(nn.Module):
     """This rank's heads: q/k/v column-parallel, o row-parallel (its bias on rank 0 only, so
     the all-reduce adds it once)."""
 
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        traits: ArchitectureTraits,
+        tp: TensorParallel,
+        attention_backend: str = "torch",
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads = tp.split(shape.num_heads, "number of attention heads")
@@ -121,8 +128,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
-        self.attn = TorchPagedAttention(
-            self.num_heads, self.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5
+        self.attn = make_attention_backend(
+            attention_backend,
+            self.num_heads,
+            self.num_kv_heads,
+            shape.head_dim,
+            scale=shape.head_dim**-0.5,
         )
 
     def forward(
@@ -169,10 +180,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        traits: ArchitectureTraits,
+        tp: TensorParallel,
+        attention_backend: str = "torch",
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, traits, tp)
+        self.self_attn = LlamaAttention(shape, traits, tp, attention_backend)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape, traits, tp)
 
@@ -198,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
         architecture: str,
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
+        attention_backend: str = "torch",
     ) -> None:
+        """`attention_backend`: every layer's (resolved: torch, cpu or triton)."""
         super().__init__()
         self.shape = shape = ModelShape.from_hf_config(hf_config)
         self.tp = tp
@@ -208,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits, tp) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape, traits, tp, attention_backend) for _ in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         vocab_rows = self.embed_tokens.weight.shape[0]

@@ -12,11 +12,10 @@ import torch
 
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
+from tokenmill.spec_decode.proposer import HiddenStateProposer
 from tokenmill.spec_decode.verification import verify
 from tokenmill.step.layout import attention_group_key, layout_step
 from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
@@ -29,6 +28,7 @@ from tokenmill.worker.captured_step import (
     DecodeBatch,
     build_decode_step,
 )
+from tokenmill.worker.runner_spec import RunnerSpec
 
 
 @dataclass
@@ -51,16 +51,12 @@ class StepInputs:
 class ModelRunner:
     kv_connector: KVConnectorBase | None = None  # the worker half of a KV connector
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_cache_spec: KVCacheSpec,
-        num_kv_blocks: int,
-        device: torch.device,
-        seed: int = 0,
-        num_swap_blocks: int = 0,
-        proposer: Proposer | None = None,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device) -> None:
+        kv_cache_spec, num_kv_blocks, num_swap_blocks = (
+            spec.kv_cache_spec,
+            spec.num_kv_blocks,
+            spec.num_swap_blocks,
+        )
         self.model = model
         self.block_size = kv_cache_spec.block_size
         self.device = device
@@ -78,13 +74,15 @@ class ModelRunner:
             else []
         )
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
+        generator.manual_seed(spec.seed)
         self.sampler = Sampler(generator=generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
-        self.proposer = proposer  # speculative decoding: n-gram, draft model, EAGLE, Medusa
+        self.proposer = spec.proposer  # speculative decoding: n-gram, draft model, EAGLE, Medusa
         # A proposer drafting from the target's hidden states gets them after every step.
-        self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
+        self.hidden_consumer = (
+            spec.proposer if isinstance(spec.proposer, HiddenStateProposer) else None
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
