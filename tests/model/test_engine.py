@@ -64,8 +64,8 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llm: LLM) -> None:
     full = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0]
     eos = full.token_ids[3]
     first_at = full.token_ids.index(eos)
-    saved = llm.engine.eos_token_ids
-    llm.engine.eos_token_ids = {eos}
+    saved = llm.engine.intake.eos_token_ids  # the stop tokens requests are resolved with
+    llm.engine.intake.eos_token_ids = {eos}
     try:
         stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         ignored = llm.generate(PROMPT, greedy(), use_tqdm=False)
@@ -73,7 +73,7 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llm: LLM) -> None:
             PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=12), use_tqdm=False
         )
     finally:
-        llm.engine.eos_token_ids = saved
+        llm.engine.intake.eos_token_ids = saved
     assert stopped[0].outputs[0].token_ids == full.token_ids[: first_at + 1]
     assert stopped[0].outputs[0].finish_reason == "stop"
     assert ignored[0].outputs[0].token_ids == full.token_ids

@@ -186,7 +186,7 @@ def test_a_request_whose_data_cannot_be_hashed_fails_alone(
 ) -> None:
     """Past the boundary's validation (turned off here), a cache_salt that cannot be hashed
     fails its own add, not the engine step every running request shares."""
-    monkeypatch.setattr("tokenmill.engine.llm_engine._validate_cache_salt", lambda salt: None)
+    monkeypatch.setattr("tokenmill.engine.intake.check_cache_salt", lambda salt: None)
     engine = make_engine()
     [expected] = [o.outputs[0].text for o in _offline(engine, "Hello there")]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -187,13 +186,6 @@ def test_a_prompt_recomputed_after_preemption_counts_once_as_prompt() -> None:
     num_prompt_tokens = sum(r.num_prompt_tokens for r in requests)
     assert scheduler.num_prompt_tokens_prefilled == num_prompt_tokens
     assert scheduler.num_prompt_tokens_scheduled > num_prompt_tokens  # recomputed prompts
-
-
-def test_a_prompt_longer_than_max_model_len_is_rejected() -> None:
-    scheduler = make_scheduler(max_model_len=16)
-    with pytest.raises(ValueError, match="max_model_len"):
-        scheduler.add_request(make_request("big", 17, max_tokens=1))
-    assert not scheduler.has_unfinished_requests()
 
 
 def test_a_sequence_never_grows_past_max_model_len() -> None:

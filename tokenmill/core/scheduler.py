@@ -111,13 +111,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id} has {request.num_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """`request` is checked (engine/intake.py): fits the context, a new id."""
+        assert request.request_id not in self.requests and request.num_tokens <= self.max_model_len
         if self.kv_cache_manager.enable_caching:
             # Hash the prompt now: data that cannot be hashed fails this call alone, not a
             # later step that every running request is part of.

@@ -10,20 +10,17 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.assembly import assemble
+from tokenmill.engine.intake import PromptType, RequestIntake, ResolvedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_records import StepRecord, new_step_ring
 from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferStats
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
-from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.request_grammar import RequestGrammar
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int]
 
 
 class LLMEngine:
@@ -31,6 +28,13 @@ class LLMEngine:
         forget_openmp_wait_policy()  # torch is loaded: child processes get the user's environment
         self.config = config
         parts = assemble(config)
+        self.intake = RequestIntake(
+            parts.tokenizer,
+            parts.vocab_size,
+            parts.max_model_len,
+            parts.eos_token_ids,
+            parts.structured_output,
+        )
         self.model_dir = parts.model_dir
         self.architecture = parts.architecture
         self.tokenizer: PreTrainedTokenizerBase = parts.tokenizer
@@ -65,46 +69,47 @@ class LLMEngine:
         add_special_tokens: bool = True,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
-        """Queue a request. Raises `InvalidRequestError` for a prompt the engine can't take.
-
-        `add_special_tokens=False` is for text that already carries them, such as a rendered
-        chat template (which starts with BOS itself).
-        """
-        if request_id in self.output_processor.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        if isinstance(params.structured_outputs, StructuredOutputsParams):
-            self.structured_output.validate(params.structured_outputs)
-        prompt_text, prompt_token_ids = self._tokenize(prompt, add_special_tokens)
-        self._validate_prompt(prompt_token_ids)
-        _validate_cache_salt(cache_salt)
-        self._validate_token_ids(params)
-        params = params.clone()
-        params.all_stop_token_ids = set(self.eos_token_ids)
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        max_tokens = self.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        child_ids = self.output_processor.add_request(
-            request_id, prompt_text, prompt_token_ids, params, arrival_time
+        """Queue a request. Raises `InvalidRequestError` for one the engine can't take
+        (`RequestIntake.resolve` says what is checked). `params` is not written."""
+        self.add_resolved(
+            self.intake.resolve(
+                request_id,
+                prompt,
+                params,
+                arrival_time,
+                add_special_tokens,
+                priority,
+                cache_salt,
+                output_kind,
+            )
         )
+
+    def add_resolved(self, request: ResolvedRequest) -> None:
+        """Queue a request the intake has checked: one scheduler request per sample."""
+        if request.request_id in self.output_processor.requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        child_ids = self.output_processor.add_request(request)
         try:
-            for index, child_id in enumerate(child_ids):
-                child_params = _child_params(params, index)
+            for child_id, params in zip(child_ids, request.sample_params(), strict=True):
+                grammar = None
+                if params.structured_outputs is not None:
+                    grammar = self.structured_output.request_grammar(params)
                 self.scheduler.add_request(
                     Request(
                         child_id,
-                        prompt_token_ids,
-                        child_params,
-                        max_tokens,
-                        arrival_time,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        grammar=self._request_grammar(child_params),
+                        request.prompt_token_ids,
+                        params,
+                        request.max_tokens,
+                        request.arrival_time,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                        grammar=grammar,
                     )
                 )
         except Exception:  # none of it is queued then: the caller's error is the caller's alone
-            self.abort_request(request_id)
+            self.abort_request(request.request_id)
             raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -201,31 +206,7 @@ class LLMEngine:
         while the engine steps (the dashboard does, a few times a second)."""
         return self.kv_cache_manager.block_states(max_cells)
 
-    # ---- helpers -----------------------------------------------------------------------------
-
-    def _tokenize(
-        self, prompt: PromptType, add_special_tokens: bool
-    ) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidRequestError("prompt", "must be a string or a list of token ids")
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"has {len(token_ids)} tokens, more than this model's maximum context length "
-                f"(max_model_len={self.max_model_len})",
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+    # ---- lifecycle ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Stop the grammar compiles and the tensor-parallel workers, if any (the workers are
@@ -237,43 +218,3 @@ class LLMEngine:
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """`SamplingParams` with the model's defaults, then `overrides`."""
         return SamplingParams(**{**self.default_sampling, **overrides})
-
-    def _request_grammar(self, params: SamplingParams) -> RequestGrammar | None:
-        if params.structured_outputs is None:
-            return None
-        return self.structured_output.request_grammar(params)
-
-    def _validate_token_ids(self, params: SamplingParams) -> None:
-        for field, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("stop_token_ids", params.stop_token_ids or []),
-        ):
-            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-                )
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of a request with `n` samples: one sample, its own seed."""
-    if params.n == 1:
-        return params
-    child_params = params.clone()
-    child_params.n = 1
-    if params.seed is not None:
-        child_params.seed = params.seed + index
-    return child_params
-
-
-def _validate_cache_salt(cache_salt: str | None) -> None:
-    """As vLLM: a salt, if given, is a non-empty string; it must also be valid Unicode, since
-    the prefix cache hashes its UTF-8 bytes (a lone surrogate would fail the engine step)."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise InvalidRequestError("cache_salt", "must be a non-empty string if provided")
-    try:
-        cache_salt.encode()
-    except UnicodeEncodeError:
-        raise InvalidRequestError("cache_salt", "must be valid Unicode text") from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
+from tokenmill.engine.intake import ResolvedRequest
 from tokenmill.outputs import (
     CompletionOutput,
     Logprob,
@@ -66,22 +67,17 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.child_to_sample: dict[str, tuple[RequestState, SampleState]] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-    ) -> list[str]:
-        """Registers a request; returns the engine-core ids of its samples."""
+    def add_request(self, request: ResolvedRequest) -> list[str]:
+        """Registers a request; returns the scheduler's ids of its samples."""
+        request_id, params = request.request_id, request.params
+        prompt_token_ids = list(request.prompt_token_ids)
         state = RequestState(
             request_id=request_id,
-            prompt=prompt,
+            prompt=request.prompt,
             prompt_token_ids=prompt_token_ids,
             params=params,
             samples=[],
-            metrics=RequestMetrics(arrival_time=arrival_time),
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         child_ids = []
