@@ -1,4 +1,4 @@
-"""What the scheduler learns from a step once its time is measured.
+"""What the step observer (step_observer.py) learns from a step once its time is measured.
 
 The engine times each step after `schedule()` has planned it, so what a plan was must wait
 for its time: `SpeculationFeedback` keeps what the speculation policy needs to price a

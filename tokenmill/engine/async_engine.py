@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.step_records import StepRecord
 from tokenmill.engine.intake import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.step_records import StepRecord
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.ring import Ring
 from tokenmill.metrics.stats import EngineStats, KVBlockStates

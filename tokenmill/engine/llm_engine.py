@@ -9,10 +9,10 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.engine.assembly import assemble
 from tokenmill.engine.intake import PromptType, RequestIntake, ResolvedRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.step_records import StepRecord, new_step_ring
 from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferStats
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
@@ -53,10 +53,9 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.structured_output = parts.structured_output
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.num_steps = 0
-        self.num_generation_tokens = 0
-        self.step_seconds = 0.0  # wall time inside step() since start
-        self.step_records = new_step_ring()  # the last steps, for the dashboard
+        self.observer = self.scheduler.observer  # feedback loops, counters, step records
+        self.step_records = self.observer.step_records  # the last steps, for the dashboard
+        self.output_applier = OutputApplier(self.scheduler, self.output_processor.detokenize)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -122,7 +121,17 @@ class LLMEngine:
     @property
     def speculates(self) -> bool:
         """Whether this engine runs speculative decoding (and so has spec-decode stats)."""
-        return self.scheduler.spec_stats is not None
+        return self.observer.spec_stats is not None
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that scheduled tokens, since start."""
+        return self.observer.num_steps
+
+    @property
+    def step_seconds(self) -> float:
+        """Wall time inside those steps, since start."""
+        return self.observer.step_seconds
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -135,8 +144,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        core_outputs = self.scheduler.finish_without_output()
-        num_prompt_tokens_before = self.scheduler.num_prompt_tokens_scheduled
+        step_outputs = self.output_applier.finish_unrunnable()
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
             self.scheduler.sampling_grammars(scheduler_output)
@@ -148,28 +156,10 @@ class LLMEngine:
         else:
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
-            self.scheduler.observe_step_time(time.perf_counter() - run_start, runner_output)
-        core_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if not scheduler_output.is_empty:
-            self.num_steps += 1
-            seconds = time.perf_counter() - start
-            self.step_seconds += seconds
-            self.scheduler.observe_step_cost(seconds)
-            num_prefill = self.scheduler.num_prompt_tokens_scheduled - num_prompt_tokens_before
-            self.step_records.append(
-                StepRecord(
-                    time.time(),
-                    seconds,
-                    num_prefill,
-                    scheduler_output.total_num_scheduled_tokens - num_prefill,
-                    len(scheduler_output.num_scheduled_tokens),
-                    scheduler_output.num_spec_tokens_to_propose,
-                    len(scheduler_output.preempted_req_ids),
-                )
-            )
-        self.num_generation_tokens += sum(len(t) for t in runner_output.sampled_token_ids)
+            self.observer.ran(time.perf_counter() - run_start, runner_output)
+        step_outputs += self.output_applier.update_from_output(scheduler_output, runner_output)
+        outputs = self.output_processor.process_outputs(step_outputs)
+        self.observer.stepped(time.perf_counter() - start, runner_output, time.time())
         return outputs
 
     def set_itl_target_ms(self, itl_target_ms: float) -> None:
@@ -180,13 +170,13 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return EngineStats(
             scheduler=self.scheduler.get_stats(),
-            num_steps=self.num_steps,
-            num_prompt_tokens=self.scheduler.num_prompt_tokens_prefilled,
-            num_generation_tokens=self.num_generation_tokens,
-            step_seconds=self.step_seconds,
+            num_steps=self.observer.num_steps,
+            num_prompt_tokens=self.observer.num_prompt_tokens_prefilled,
+            num_generation_tokens=self.observer.num_generation_tokens,
+            step_seconds=self.observer.step_seconds,
             forward_seconds=self.runner.forward_seconds,
-            num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens_prefilled,
-            num_computed_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
+            num_cached_prompt_tokens=self.observer.num_cached_prompt_tokens_prefilled,
+            num_computed_prompt_tokens=self.observer.num_prompt_tokens_scheduled,
             kv_transfer=None
             if self.kv_connectors is None
             else sum((c.stats() for c in self.kv_connectors), KVTransferStats()),

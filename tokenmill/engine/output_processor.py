@@ -1,5 +1,7 @@
-"""Engine-core outputs -> `RequestOutput`s: detokenize, apply stop strings, gather the `n`
-samples of a prompt, and shape the result as the caller asked (delta, cumulative, final)."""
+"""What each step did for each request -> `RequestOutput`s: the text (each sample's
+detokenizer, which the output applier feeds as it appends tokens, so that a stop string ends
+a request where a stop token would), logprobs, metrics, the `n` samples of a prompt gathered,
+shaped as the caller asked (delta, cumulative, final)."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ class RequestState:
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
-    """The engine-core id of sample `index` of a request (the request's own id when n == 1)."""
+    """The scheduler's id of sample `index` of a request (the request's own id when n == 1)."""
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
@@ -101,7 +103,7 @@ class OutputProcessor:
         return child_ids
 
     def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request; returns the engine-core ids to abort."""
+        """Forget a request; returns the scheduler's ids of its samples, to abort."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
@@ -110,21 +112,22 @@ class OutputProcessor:
             self.child_to_sample.pop(child_id, None)
         return child_ids
 
-    def process_outputs(
-        self, core_outputs: list[RequestStepOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to hand to callers and the engine-core ids that a stop string
-        finished (the scheduler must stop them)."""
+    def detokenize(self, req_id: str, token_ids: list[int]) -> str | None:
+        """Feed a sample's new tokens to its detokenizer (`OutputApplier.text_stops`): the
+        stop string they complete, if any."""
+        entry = self.child_to_sample.get(req_id)
+        return None if entry is None else entry[1].detokenizer.update(token_ids)
+
+    def process_outputs(self, step_outputs: list[RequestStepOutput]) -> list[RequestOutput]:
+        """The outputs to hand to callers."""
         now = time.time()
-        stopped_by_string: list[str] = []
         touched: dict[str, RequestState] = {}
-        for core_output in core_outputs:
-            entry = self.child_to_sample.get(core_output.req_id)
+        for step_output in step_outputs:
+            entry = self.child_to_sample.get(step_output.req_id)
             if entry is None:
                 continue
             state, sample = entry
-            if self._apply(state, sample, core_output, now):
-                stopped_by_string.append(core_output.req_id)
+            self._apply(state, sample, step_output, now)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -133,11 +136,11 @@ class OutputProcessor:
                 outputs.append(output)
             if state.finished:
                 self.abort_request(state.request_id)
-        return outputs, stopped_by_string
+        return outputs
 
     def _apply(
         self, state: RequestState, sample: SampleState, out: RequestStepOutput, now: float
-    ) -> bool:
+    ) -> None:
         metrics = state.metrics
         metrics.first_scheduled_time = metrics.first_scheduled_time or out.first_scheduled_time
         if out.new_prompt_logprobs is not None:
@@ -151,25 +154,11 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
             self._append_logprobs(state.params, sample, out)
-        stop_string = sample.detokenizer.update(self._token_ids_to_detokenize(state.params, out))
-        hit_stop_string = stop_string is not None and out.finish_reason is None
-        if stop_string is not None:
-            sample.finish_reason, sample.stop_reason = "stop", stop_string
-        elif out.finish_reason is not None:
+        if out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-        if sample.finish_reason is not None and state.finished:
-            metrics.finished_time = now
+            if state.finished:
+                metrics.finished_time = now
         state.changed.add(sample.index)
-        return hit_stop_string
-
-    @staticmethod
-    def _token_ids_to_detokenize(params: SamplingParams, out: RequestStepOutput) -> list[int]:
-        """The EOS or stop token that ended a request is not part of its text (as in vLLM),
-        unless the caller asked for stop strings in the output."""
-        stopped_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        if stopped_by_token and out.new_token_ids and not params.include_stop_str_in_output:
-            return out.new_token_ids[:-1]
-        return out.new_token_ids
 
     def _append_prompt_logprobs(self, state: RequestState, new: PromptLogprobs) -> None:
         """Positions already known (a sibling sample or a recompute after preemption computed

@@ -7,7 +7,7 @@ verified since its last proposal; within a budget per step, so a request far beh
 a step or a few later), then it proposes k tokens greedily, one batched decode step per
 token. Steps where the policy drafts nothing therefore cost the draft model nothing, so
 speculation switched down to k = 0 under load costs what no speculation costs. Proposals are
-deterministic, which is what the verifier assumes (see rejection_sampler.py).
+deterministic, which is what the verifier assumes (see verification.py).
 """
 
 from __future__ import annotations
