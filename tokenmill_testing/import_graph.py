@@ -20,10 +20,11 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # The layers, lowest first: each is one subpackage of tokenmill, which may import only from
-# its own layer and those below it. Below them all: the package's own modules (config,
-# sampling_params, outputs, version, openmp), values every layer shares; above them all:
+# its own layer and those below it. Below them all: the package's own modules
+# (sampling_params, outputs, version, openmp), values every layer shares; above them all:
 # the package itself (`from tokenmill import LLM`).
 LAYERS: tuple[str, ...] = (
+    "config",  # EngineConfig and the JSON-valued settings: every knob, validated
     "metrics",  # stats records, Prometheus, the stats line
     "kernels",  # native CPU kernels (C++ built at first use) and their loader
     "layers",  # KV-cache tensors, attention, linear, rotary, sampler

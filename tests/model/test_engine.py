@@ -222,7 +222,7 @@ def test_running_request_ids_name_requests_not_their_samples(llm: LLM) -> None:
 def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) -> None:
     checkpoint = tiny_checkpoint("llama", dtype=torch.bfloat16)
     llm = LLM(model=str(checkpoint), max_model_len=64)
-    from tokenmill.config import _cpu_has_fast_half_matmul
+    from tokenmill.config.engine import _cpu_has_fast_half_matmul
 
     expected = torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32
     assert llm.engine.dtype == expected
