@@ -98,45 +98,18 @@ def assemble(config: EngineConfig) -> EngineParts:
     default_sampling = _default_sampling(config, model_dir)
     max_model_len = _max_model_len(config, model.shape.max_position)
     kv_spec = _kv_spec(config, model, settings.dtype)
-    draft = None
-    if config.speculative_config is not None:
-        draft = _load_draft(config, model, settings, device, max_model_len)
-    # A draft model and an EAGLE layer keep KV in the paged pool; Medusa heads need none.
-    draft_spec = (
-        None
-        if draft is None or isinstance(draft, MedusaHeads)
-        else _kv_spec(config, draft, settings.dtype)
+    runner, kv_cache_manager, draft_has_kv = _runner(
+        config, model, settings, device, executor, kv_spec, max_model_len
     )
-    num_blocks = num_kv_blocks(config, kv_spec, max_model_len, device, draft_spec)
-    swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
-    kv_cache_manager = KVCacheManager(
-        num_blocks,
-        config.block_size,
-        enable_caching=config.enable_prefix_caching,
-        num_swap_blocks=swap_blocks,
-    )
-    proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
-    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
-    runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
-    if config.captures_decode(device):
-        runner.use_captured_decode(config.max_num_seqs, max_model_len)
-    kv_connectors = None
-    if config.kv_transfer_config is not None:
-        fingerprint = model_fingerprint(model_dir, str(settings.dtype), kv_spec)
-        context = KVConnectorContext(kv_spec, fingerprint, kv_cache_manager.block_hashes)
-        kv_connectors = create_connector_pair(config.kv_transfer_config, context)
+    kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
+    if kv_connectors is not None:
         runner.use_kv_connector(kv_connectors[1])
-    scheduler = Scheduler(
+    scheduler = _scheduler(
+        config,
+        runner,
         kv_cache_manager,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        policy=config.scheduling_policy,
-        preemption_mode=config.preemption_mode,
-        spec_policy=_speculation_policy(config.speculative_config),
-        spec_lookahead=draft_spec is not None,
-        prefill_limits=_prefill_limits(config, runner, num_blocks, max_model_len),
+        max_model_len,
+        spec_lookahead=draft_has_kv,
         kv_connector=kv_connectors[0] if kv_connectors else None,
     )
     vocab_size = model.shape.vocab_size
@@ -162,8 +135,82 @@ def assemble(config: EngineConfig) -> EngineParts:
             tokenizer, vocab_size, eos_ids, config.structured_outputs_config
         ),
     )
-    _log_start(parts, kv_spec, num_blocks, config.block_size)
+    _log_start(parts, kv_spec, kv_cache_manager.num_blocks, config.block_size)
     return parts
+
+
+def _runner(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    settings: LoadSettings,
+    device: torch.device,
+    executor: TensorParallelExecutor | None,
+    kv_spec: KVCacheSpec,
+    max_model_len: int,
+) -> tuple[ModelRunner, KVCacheManager, bool]:
+    """The runner, over a KV cache sized for the target and the draft (if it keeps KV), and
+    the manager of that cache's blocks; whether the draft keeps KV (proposals need slots)."""
+    draft = None
+    if config.speculative_config is not None:
+        draft = _load_draft(config, model, settings, device, max_model_len)
+    # A draft model and an EAGLE layer keep KV in the paged pool; Medusa heads need none.
+    draft_spec = (
+        None
+        if draft is None or isinstance(draft, MedusaHeads)
+        else _kv_spec(config, draft, settings.dtype)
+    )
+    num_blocks = num_kv_blocks(config, kv_spec, max_model_len, device, draft_spec)
+    swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
+    kv_cache_manager = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        enable_caching=config.enable_prefix_caching,
+        num_swap_blocks=swap_blocks,
+    )
+    proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
+    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
+    runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
+    if config.captures_decode(device):
+        runner.use_captured_decode(config.max_num_seqs, max_model_len)
+    return runner, kv_cache_manager, draft_spec is not None
+
+
+def _kv_connectors(
+    config: EngineConfig,
+    model_dir: Path,
+    settings: LoadSettings,
+    kv_spec: KVCacheSpec,
+    kv_cache_manager: KVCacheManager,
+) -> tuple[KVConnectorBase, ...] | None:
+    """The configured KV connector's scheduler and worker halves."""
+    if config.kv_transfer_config is None:
+        return None
+    fingerprint = model_fingerprint(model_dir, str(settings.dtype), kv_spec)
+    context = KVConnectorContext(kv_spec, fingerprint, kv_cache_manager.block_hashes)
+    return create_connector_pair(config.kv_transfer_config, context)
+
+
+def _scheduler(
+    config: EngineConfig,
+    runner: ModelRunner,
+    kv_cache_manager: KVCacheManager,
+    max_model_len: int,
+    spec_lookahead: bool,
+    kv_connector: KVConnectorBase | None,
+) -> Scheduler:
+    return Scheduler(
+        kv_cache_manager,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        policy=config.scheduling_policy,
+        preemption_mode=config.preemption_mode,
+        spec_policy=_speculation_policy(config.speculative_config),
+        spec_lookahead=spec_lookahead,
+        prefill_limits=_prefill_limits(config, runner, kv_cache_manager.num_blocks, max_model_len),
+        kv_connector=kv_connector,
+    )
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:
