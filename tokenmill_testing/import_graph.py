@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "tokenmill"
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 450  # issue 30: no module in tokenmill/ over this
 MAX_FUNCTION_LINES = 60
 
 # The layers, lowest first: each is one subpackage of tokenmill, which may import only from

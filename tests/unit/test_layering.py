@@ -14,6 +14,7 @@ from tokenmill_testing.import_graph import (
     import_circles,
     import_graph,
     layer_of,
+    long_modules,
     module_paths,
     subpackages,
     upward_imports,
@@ -73,3 +74,8 @@ def test_the_checker_sees_upward_imports_and_circles() -> None:
 def test_the_graph_includes_imports_inside_functions(graph: list[Import]) -> None:
     # entrypoints/cli.py imports the bench and demo commands lazily, inside functions.
     assert any(i.importer == "tokenmill.entrypoints.cli" and "bench" in i.imported for i in graph)
+
+
+def test_no_module_is_over_450_lines() -> None:
+    """A module has one job and fits in a few screens (issue 30)."""
+    assert long_modules(450) == {}
