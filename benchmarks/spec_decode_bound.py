@@ -55,7 +55,7 @@ def oracle_engine(k: int) -> tuple[LLM, OracleProposer]:
     spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
     llm = LLM(model=None, max_num_seqs=1, speculative_config=spec)
     oracle = OracleProposer({})
-    llm.engine.runner.proposer = oracle
+    llm.engine.use_proposer(oracle)
     return llm, oracle
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.output_applier import OutputApplier
 from tokenmill.engine.assembly import assemble
 from tokenmill.engine.intake import PromptType, RequestIntake, ResolvedRequest
@@ -17,6 +17,7 @@ from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferStats
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
 
@@ -132,6 +133,16 @@ class LLMEngine:
     def step_seconds(self) -> float:
         """Wall time inside those steps, since start."""
         return self.observer.step_seconds
+
+    def use_proposer(self, proposer: Proposer) -> None:
+        """Draft with a proposer of one's own (research, benchmarks: an oracle), in place of
+        the configured one. The engine must speculate (`speculative_config`) and run on one
+        rank; a proposer that needs KV of its own must bring it."""
+        if not self.speculates:
+            raise ConfigError("use_proposer needs an engine started with a speculative_config")
+        if self.executor is not None:
+            raise ConfigError("use_proposer runs on one rank (tensor_parallel_size 1)")
+        self.runner.use_proposer(proposer)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -15,7 +15,7 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import HiddenStateProposer
+from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
 from tokenmill.spec_decode.verification import verify
 from tokenmill.step.layout import attention_group_key, layout_step
 from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
@@ -78,11 +78,7 @@ class ModelRunner:
         self.sampler = Sampler(generator=generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
-        self.proposer = spec.proposer  # speculative decoding: n-gram, draft model, EAGLE, Medusa
-        # A proposer drafting from the target's hidden states gets them after every step.
-        self.hidden_consumer = (
-            spec.proposer if isinstance(spec.proposer, HiddenStateProposer) else None
-        )
+        self.use_proposer(spec.proposer)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -118,6 +114,12 @@ class ModelRunner:
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         return output
+
+    def use_proposer(self, proposer: Proposer | None) -> None:
+        """Draft with `proposer` (speculative decoding: n-gram, draft model, EAGLE, Medusa);
+        one drafting from the target's hidden states gets them after every step."""
+        self.proposer = proposer
+        self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
 
     def use_kv_connector(self, connector: KVConnectorBase) -> None:
         """Load and save KV blocks around each step's forward through `connector`."""
