@@ -1,8 +1,9 @@
-"""The step loop: schedule -> run -> update -> outputs. Everything happens inside `step()`."""
+"""The step loop: schedule -> run -> apply -> outputs. Everything happens inside `step()`.
+
+Its parts are built by `assembly.py`; requests come in through the intake (`intake.py`)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -20,8 +21,6 @@ from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind, Sa
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
-
-logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
