@@ -113,13 +113,36 @@ def batched_bench(
     gen_len: int,
     threads: int,
     flags: tuple[str, ...] = (),
+    attempts: int = 6,
 ) -> BatchedBenchRun:
     """`llama-batched-bench -npp P -ntg G -npl B -t THREADS [flags]`, llama.cpp's defaults
-    otherwise, with a context of exactly B x (P + G)."""
+    otherwise, with a context of exactly B x (P + G). A run that exits 0 having printed
+    nothing at all is run again, up to `attempts` times: with OpenMP's threads spinning (no
+    OMP_WAIT_POLICY, its default) it lost its whole output, results included, in about
+    half the runs of a tiny model (well under a second); never seen on the 135M model."""
     context = batch * (prompt_len + gen_len)
     command = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(context)]
     command += ["-t", str(threads), "-npp", str(prompt_len), "-ntg", str(gen_len)]
     command += ["-npl", str(batch), "--output-format", "jsonl", *flags]
+    for _ in range(attempts):
+        code, out, err, peak_rss = _run_measured(command)
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if code < 0:
+            name = signal.Signals(-code).name
+            raise LlamaCrash(f"llama-batched-bench died of {name}: {shlex.join(command)}\n{err}")
+        if code != 0 or rows or out or err:
+            break
+    if code != 0 or not rows:
+        raise RuntimeError(f"llama-batched-bench failed ({code}): {shlex.join(command)}\n{err}")
+    return BatchedBenchRun(
+        output_tok_s=batch * gen_len / rows[-1]["t"],
+        decode_steps_s=rows[-1]["speed_tg"] / batch,
+        peak_rss_bytes=peak_rss,
+    )
+
+
+def _run_measured(command: list[str]) -> tuple[int, str, str, int]:
+    """(exit code or -signal, stdout, stderr's tail, peak resident bytes) of `command`."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, env=peer_env())
         try:
@@ -131,19 +154,7 @@ def batched_bench(
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        rows = [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
-        if process.returncode < 0:
-            name = signal.Signals(-process.returncode).name
-            raise LlamaCrash(f"llama-batched-bench died of {name}: {shlex.join(command)}")
-        if process.returncode != 0 or not rows:
-            raise RuntimeError(f"llama-batched-bench failed ({process.returncode}):\n"
-                               f"{err.read()[-3000:]}")  # fmt: skip
-    row = rows[-1]
-    return BatchedBenchRun(
-        output_tok_s=batch * gen_len / row["t"],
-        decode_steps_s=row["speed_tg"] / batch,
-        peak_rss_bytes=usage.ru_maxrss * 1024,
-    )
+        return process.returncode, out.read(), err.read()[-2000:], usage.ru_maxrss * 1024
 
 
 def working_flags(bin_dir: Path, gguf: Path, threads: int) -> tuple[tuple[str, ...], str | None]:
@@ -156,7 +167,8 @@ def working_flags(bin_dir: Path, gguf: Path, threads: int) -> tuple[tuple[str, .
         return (), None
     except LlamaCrash as crash:
         batched_bench(bin_dir, gguf, 1, 8, 8, threads, ("--no-repack",))
-        return ("--no-repack",), f"ran with --no-repack: with its defaults {crash}"
+        died = str(crash).splitlines()[0]
+        return ("--no-repack",), f"ran with --no-repack: with its defaults {died}"
 
 
 def whole_character_bias(model: Path) -> dict[str, int]:
