@@ -159,16 +159,22 @@ def _run_measured(command: list[str]) -> tuple[int, str, str, int]:
 
 def working_flags(bin_dir: Path, gguf: Path, threads: int) -> tuple[tuple[str, ...], str | None]:
     """llama.cpp's defaults for `gguf`, or `--no-repack` if a tiny run with them dies of a
-    signal: (flags, a note saying why). Its AMX kernels (Q8_0, Q4_K, ... weights repacked
-    for AMX at load) died of SIGILL at their first tile instruction in a Firecracker VM
-    whose CPU reports AMX; `--no-repack` keeps the weights as the file has them."""
+    signal: (flags, a note saying why, or what failed). Its AMX kernels (Q8_0, K-quants:
+    weights repacked for AMX at load) died of SIGILL at their first tile instruction in a
+    Firecracker VM whose CPU reports AMX; `--no-repack` keeps the weights as the file has
+    them."""
     try:
         batched_bench(bin_dir, gguf, 1, 8, 8, threads)
         return (), None
     except LlamaCrash as crash:
-        batched_bench(bin_dir, gguf, 1, 8, 8, threads, ("--no-repack",))
         died = str(crash).splitlines()[0]
-        return ("--no-repack",), f"ran with --no-repack: with its defaults {died}"
+    except RuntimeError as error:
+        return (), f"its 8 + 8-token probe failed: {str(error).splitlines()[0]}"
+    try:
+        batched_bench(bin_dir, gguf, 1, 8, 8, threads, ("--no-repack",))
+    except RuntimeError as error:
+        return (), f"{died}; with --no-repack: {str(error).splitlines()[0]}"
+    return ("--no-repack",), f"ran with --no-repack: with its defaults {died}"
 
 
 def whole_character_bias(model: Path) -> dict[str, int]:

@@ -95,13 +95,18 @@ def engine_env(engine: Engine) -> dict[str, str]:
     """The environment of an engine's process: the user's, without tokenmill's
     OMP_WAIT_POLICY (each engine keeps its own OpenMP default); tokenmill with its tree on
     PYTHONPATH, vLLM with a 4 GiB KV space unless VLLM_CPU_KVCACHE_SPACE says otherwise."""
+    if engine.runner == "tokenmill":
+        return tokenmill_env(engine.tree or REPO)
     env = peer_env()
     env.pop("PYTHONPATH", None)
-    if engine.runner == "tokenmill":
-        env["PYTHONPATH"] = str(engine.tree or REPO)
-    elif engine.runner == "vllm":
+    if engine.runner == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     return env
+
+
+def tokenmill_env(tree: Path = REPO) -> dict[str, str]:
+    """For a tokenmill process (an engine, or bench serve) of the source tree `tree`."""
+    return {**peer_env(), "PYTHONPATH": str(tree)}
 
 
 def llamacpp_tree(args: argparse.Namespace) -> Path:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llamacpp import LlamaServerProcess
-from peers_engines import REPO, Engine, engine_env
+from peers_engines import Engine, engine_env, tokenmill_env
 
 from tokenmill.bench.server_process import HOST, ServerProcess
 
@@ -135,8 +135,9 @@ def bench_serve(
     command += ["--max-concurrency", str(concurrency), "--request-rate", "inf"]
     command += ["--percentiles", "50,99", "--seed", str(seed), "--disable-tqdm"]
     command += ["--extra-body", json.dumps({"logit_bias": bias}), "--save-result", str(result)]
-    env = engine_env(Engine("bench", "tokenmill", args.model, tree=REPO))
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    run = subprocess.run(
+        command, env=tokenmill_env(), capture_output=True, text=True, timeout=args.timeout
+    )
     if run.returncode != 0:
         raise RuntimeError(f"bench serve failed ({run.returncode}):\n{run.stderr[-3000:]}")
     data = json.loads(result.read_text())

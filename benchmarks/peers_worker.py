@@ -40,7 +40,7 @@ class _Engine:
     measure the load alone)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+        self.args, self.runner = args, args.runner
         if args.runner == "vllm":
             from vllm import LLM, SamplingParams
         else:
@@ -55,7 +55,6 @@ class _Engine:
             kwargs["tokenizer"] = self.args.tokenizer
         if kv_bytes is not None:  # tokenmill's name; vLLM's CPU KV space is set in GiB
             kwargs["kv_cache_memory"] = kv_bytes
-        self.runner = self.args.runner
         self.llm = self.llm_class(model=self.args.weights, **kwargs)
 
     def float_bytes(self) -> int:

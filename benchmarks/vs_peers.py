@@ -251,7 +251,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    engines = resolve_engines(args)
+    try:
+        engines = resolve_engines(args)  # converts and quantizes the weights on first use
+    except FAILURES as e:
+        raise SystemExit(f"vs_peers.py: could not prepare the engines' weights: {e}") from None
     model, flags = lscpu_summary()
     table = online(engines, args) if args.online else offline(engines, args)
     command = shlex.join(["python", "benchmarks/vs_peers.py", *(argv or sys.argv[1:])])
