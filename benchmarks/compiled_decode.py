@@ -26,8 +26,8 @@ from transformers import AutoConfig
 
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.loader import load_model
+from tokenmill.step.layout import layout_step
 from tokenmill.worker.capture_backends import compile_forward
-from tokenmill.worker.step_layout import layout_step
 
 CONTEXT = 200
 BLOCK = 16

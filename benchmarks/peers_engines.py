@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import repo_root  # noqa: F401 (tokenmill_testing/ on sys.path)
 from llamacpp import gguf_cache, gguf_file, peer_env, source_tree, working_flags
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def w8a8_checkpoint(model: Path) -> Path:
     """`model` as a compressed-tensors W8A8 checkpoint (made once, cached beside the GGUFs)."""
     out = gguf_cache().parent / f"{model.name}-ct-w8a8"
     if not out.is_dir():
-        from tokenmill.testing.hf_quantized_checkpoints import save_quantized_checkpoint
+        from tokenmill_testing.hf_quantized_checkpoints import save_quantized_checkpoint
 
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

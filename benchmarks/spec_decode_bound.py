@@ -27,7 +27,7 @@ from spec_decode import drafts_since, generate_greedy, task_prompts, timed
 from tokenmill import LLM
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats
-from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.step.runner_request_state import CachedRequestState
 
 
 class OracleProposer:

@@ -21,7 +21,7 @@ from tokenmill.engine.async_engine import (
     EngineStepError,
 )
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams

@@ -14,7 +14,7 @@ from tokenmill.config import ConfigError
 from tokenmill.layers.attention import TorchPagedAttention
 from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
 from tokenmill.layers.attention_triton import TritonPagedAttention
-from tokenmill.worker.step_layout import layout_step, query_length_class
+from tokenmill.step.layout import layout_step, query_length_class
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.cuda  # natively on a GPU under `pytest -m cuda`

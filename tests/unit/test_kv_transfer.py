@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
@@ -34,8 +33,10 @@ from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
 from tokenmill.metrics.stats_logger import format_stats_line
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 STORAGE = {
     "kv_connector": "SharedStorageConnector",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.testing.import_graph import (
+from tokenmill_testing.import_graph import (
     Import,
     import_circles,
     import_graph,

@@ -13,8 +13,8 @@ from test_scheduler import expected_output, fake_run, make_request
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PREFILL_FLOOR_SHARE, PredictionError, PrefillLimits
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 
 @dataclass

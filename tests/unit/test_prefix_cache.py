@@ -8,9 +8,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import ModelRunnerOutput
 
 BLOCK = 4
 

@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 
 def make_scheduler(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
-from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput
-from tokenmill.request import Request
+from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request
+from tokenmill.step.runner_output import ModelRunnerOutput
 
 
 def simulated_step(num_decodes: int, k: int, rng: random.Random) -> tuple[int, float]:

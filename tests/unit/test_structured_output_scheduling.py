@@ -8,8 +8,8 @@ from concurrent.futures import Future
 import pytest
 from test_scheduler import make_request, make_scheduler
 
-from tokenmill.request import RequestStatus
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.step.request import RequestStatus
 from tokenmill.structured_output.request_grammar import RequestGrammar
 
 

@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from tokenmill.request import Request
+from tokenmill.step.request import Request
 
 
 class RequestQueue:

@@ -15,23 +15,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tokenmill.config import PREEMPTION_MODES
-from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.core.request_queue import RequestQueue
-from tokenmill.core.scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.core.step_cost import StepShape, chunk_context
 from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
 from tokenmill.core.stop_check import advance_grammar, check_stop
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
-from tokenmill.request import Request, RequestStatus
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.request_step_output import RequestStepOutput
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE
 
 # Cache-aware admission looks this far down the waiting queue for the request with the most
@@ -421,7 +417,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
+    ) -> list[RequestStepOutput]:
         """Advance each scheduled request by what was computed and append sampled tokens."""
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -429,7 +425,7 @@ class Scheduler:
                 self._count_prefill(request, num_tokens)
                 request.num_computed_tokens += num_tokens
 
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[RequestStepOutput] = []
         finished_ids: set[str] = set()
         prompt_logprobs = dict(runner_output.prompt_logprobs or {})
         for row, req_id in enumerate(runner_output.req_ids):
@@ -444,7 +440,7 @@ class Scheduler:
                 finished_ids.add(req_id)
         for req_id, logprobs in prompt_logprobs.items():  # prompt chunks that sampled nothing
             if req_id in self.requests:
-                outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=logprobs))
+                outputs.append(RequestStepOutput(req_id, [], new_prompt_logprobs=logprobs))
         # The step has written its KV (rejected drafts rolled back above): only now may other
         # requests find these blocks in the prefix cache.
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -457,7 +453,7 @@ class Scheduler:
                 self._free(self.requests.pop(req_id))
         return outputs
 
-    def finish_without_output(self) -> list[EngineCoreOutput]:
+    def finish_without_output(self) -> list[RequestStepOutput]:
         """Requests that must end before computing anything: `max_tokens == 0` without
         prompt logprobs (with them, the prompt is computed and nothing sampled), and those
         whose grammar failed to compile (finish_reason "error", the reason in stop_reason)."""
@@ -475,8 +471,8 @@ class Scheduler:
             return []
         self.finish_requests([r.request_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(r.request_id, [], finish_reason="length") for r in done] + [
-            EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=r.grammar.error)
+        return [RequestStepOutput(r.request_id, [], finish_reason="length") for r in done] + [
+            RequestStepOutput(r.request_id, [], finish_reason="error", stop_reason=r.grammar.error)
             for r in failed
             if r.grammar is not None
         ]
@@ -515,7 +511,7 @@ class Scheduler:
         runner_output: ModelRunnerOutput,
         row: int,
         drafts: list[int],
-    ) -> EngineCoreOutput:
+    ) -> RequestStepOutput:
         generated = runner_output.sampled_token_ids[row]
         if drafts:
             # Roll back the rejected drafts: their KV slots will be overwritten.
@@ -550,7 +546,7 @@ class Scheduler:
         if grammar is not None and spec and not request.is_finished:
             spec = grammar.valid_prefix(spec)  # drafts the grammar rejects are not verified
         request.spec_token_ids = spec
-        output = EngineCoreOutput(
+        output = RequestStepOutput(
             req_id=request.request_id,
             new_token_ids=new_token_ids,
             finish_reason=request.status.finish_reason,

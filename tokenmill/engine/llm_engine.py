@@ -11,11 +11,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
-from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillLimits
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
@@ -39,7 +38,6 @@ from tokenmill.models.loader import (
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
 from tokenmill.quantization.selection import weight_format_summary
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.eagle import EagleDraft, EagleProposer
@@ -47,6 +45,8 @@ from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
 from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.core.scheduler_output import EngineCoreOutput, PromptLogprobs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
 from tokenmill.outputs import (
     CompletionOutput,
@@ -18,6 +17,8 @@ from tokenmill.outputs import (
     RequestOutput,
 )
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.step.request_step_output import RequestStepOutput
+from tokenmill.step.runner_output import PromptLogprobs
 
 
 @dataclass
@@ -114,7 +115,7 @@ class OutputProcessor:
         return child_ids
 
     def process_outputs(
-        self, core_outputs: list[EngineCoreOutput]
+        self, core_outputs: list[RequestStepOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to hand to callers and the engine-core ids that a stop string
         finished (the scheduler must stop them)."""
@@ -139,7 +140,7 @@ class OutputProcessor:
         return outputs, stopped_by_string
 
     def _apply(
-        self, state: RequestState, sample: SampleState, out: EngineCoreOutput, now: float
+        self, state: RequestState, sample: SampleState, out: RequestStepOutput, now: float
     ) -> bool:
         metrics = state.metrics
         metrics.first_scheduled_time = metrics.first_scheduled_time or out.first_scheduled_time
@@ -166,7 +167,7 @@ class OutputProcessor:
         return hit_stop_string
 
     @staticmethod
-    def _token_ids_to_detokenize(params: SamplingParams, out: EngineCoreOutput) -> list[int]:
+    def _token_ids_to_detokenize(params: SamplingParams, out: RequestStepOutput) -> list[int]:
         """The EOS or stop token that ended a request is not part of its text (as in vLLM),
         unless the caller asked for stop strings in the output."""
         stopped_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
@@ -205,7 +206,7 @@ class OutputProcessor:
         return position
 
     def _append_logprobs(
-        self, params: SamplingParams, sample: SampleState, out: EngineCoreOutput
+        self, params: SamplingParams, sample: SampleState, out: RequestStepOutput
     ) -> None:
         num_top = params.logprobs or 0
         assert out.new_logprob_token_ids is not None and out.new_sampled_token_ranks is not None

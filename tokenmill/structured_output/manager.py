@@ -28,18 +28,18 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import StructuredOutputsConfig
-from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     StructuredOutputsParams,
 )
+from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.structured_output import backend
 from tokenmill.structured_output.bitmask import GrammarBitmask
 from tokenmill.structured_output.request_grammar import RequestGrammar
 
 if TYPE_CHECKING:
-    from tokenmill.request import Request
+    from tokenmill.step.request import Request
 
 # Distinct grammars kept compiled, at most (the byte budget usually binds first).
 MAX_CACHED_GRAMMARS = 512

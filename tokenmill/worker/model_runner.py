@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec
@@ -18,7 +17,11 @@ from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
-from tokenmill.spec_decode.rejection_sampler import verify
+from tokenmill.spec_decode.verification import verify
+from tokenmill.step.layout import attention_group_key, layout_step
+from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
+from tokenmill.step.runner_request_state import CachedRequestState
+from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.captured_step import (
     Capture,
@@ -26,8 +29,6 @@ from tokenmill.worker.captured_step import (
     DecodeBatch,
     build_decode_step,
 )
-from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.step_layout import attention_group_key, layout_step
 
 
 @dataclass

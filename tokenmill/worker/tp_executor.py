@@ -28,11 +28,12 @@ from typing import Any, NoReturn
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.tp_worker import STOP, WorkerSetup, report_parameter_bytes

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tokenmill.testing.quantized_checkpoints import DECODER_LINEAR, copy_checkpoint_files
+from tokenmill_testing.quantized_checkpoints import DECODER_LINEAR, copy_checkpoint_files
 
 SCHEMES = ("ct-w8a8", "ct-w4a16", "ct-w4a16-asym", "gptq", "awq")
 _AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -1,6 +1,6 @@
 """tokenmill's import graph, checked against its layering (docs/architecture.md, "Layers").
 
-    python -m tokenmill.testing.import_graph
+    python -m tokenmill_testing.import_graph
 
 prints the import circles, the upward imports, the modules over 400 lines and the functions
 over 60 lines. Every import counts, also those inside functions or under `TYPE_CHECKING`: each
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "tokenmill"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -28,7 +28,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "tokenmill.openmp",
         "tokenmill.config",
         "tokenmill.sampling_params",
-        "tokenmill.request",
         "tokenmill.outputs",
         "tokenmill.structured_output.request_grammar",  # a request's matcher
     ),
@@ -38,20 +37,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tokenmill.quantization",),  # which method each linear gets; GGUF files
     ("tokenmill.models",),
     ("tokenmill.structured_output",),  # grammars (xgrammar) and the step's bitmask
+    # a step's vocabulary: requests as scheduler and runner see them, the scheduler's output
+    ("tokenmill.step",),
     # scheduler, KV-cache manager, block pool; the KV connectors the scheduler and runner call
     ("tokenmill.core", "tokenmill.kv_transfer"),
-    # what a proposer sees of the runner (its requests' state, a step's layout)...
-    ("tokenmill.worker.request_state", "tokenmill.worker.step_layout"),
     ("tokenmill.spec_decode",),
-    ("tokenmill.worker",),  # ...so the runner can use proposers and verification
+    ("tokenmill.worker",),  # the runner, which uses proposers and verification
     ("tokenmill.engine", "tokenmill.structured_output.manager"),
-    ("tokenmill.testing",),  # random checkpoints, this checker
-    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their training
+    ("tokenmill_testing",),  # random checkpoints, this checker
+    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their eval
     # the offline API, which fills in the demo models where no model is given
     ("tokenmill.entrypoints.llm", "tokenmill.entrypoints.default_model"),
-    ("tokenmill.bench", "tokenmill.demo.acceptance"),  # measurements through the APIs
-    # the CLI and the server; `eval` is a CLI command that lives beside the demo models
-    ("tokenmill.entrypoints", "tokenmill.demo.commands"),
+    ("tokenmill.bench", "demo_training.acceptance"),  # measurements through the APIs
+    # the CLI and the server
+    ("tokenmill.entrypoints",),
     ("tokenmill",),  # the package's public names (`from tokenmill import LLM`)
 )
 
