@@ -79,7 +79,7 @@ def ratio_pairs(engines: list[Engine], quantized: bool) -> list[tuple[Engine, En
 
 
 def offline(engines: list[Engine], args: argparse.Namespace) -> str:
-    batches = [int(b) for b in args.batches.split(",")]
+    """Every round of every engine, then (quantized) each one's memory: the tables."""
     roof = read_bandwidth_gbs()
     runs: dict[str, list[OfflineResult]] = {e.name: [] for e in engines}
     errors: dict[str, str] = {}
@@ -102,6 +102,22 @@ def offline(engines: list[Engine], args: argparse.Namespace) -> str:
             except FAILURES as e:
                 errors.setdefault(engine.name, str(e))
     roof = max(roof, read_bandwidth_gbs())
+    lines = offline_table(engines, args, runs, memory)
+    if args.quantization:
+        lines += ["", *weight_files(engines)]
+    if 1 in {int(b) for b in args.batches.split(",")}:
+        lines += ["", *roofline(engines, runs, roof)]
+    return "\n".join(lines + notes(engines, errors))
+
+
+def offline_table(
+    engines: list[Engine],
+    args: argparse.Namespace,
+    runs: dict[str, list[OfflineResult]],
+    memory: dict[str, int | None],
+) -> list[str]:
+    """Medians of output tok/s per engine and batch size (and memory), then the ratios."""
+    batches = [int(b) for b in args.batches.split(",")]
     rate = {
         (e.name, b): median_or_none([r.rates[b] for r in runs[e.name] if b in r.rates])
         for e in engines
@@ -122,11 +138,7 @@ def offline(engines: list[Engine], args: argparse.Namespace) -> str:
         ratios = [(rate[(a.name, n)], rate[(b.name, n)]) for n in batches]
         text = ", ".join(f"{x / y:.2f}x" if x and y else "-" for x, y in ratios)
         lines.append(f"- {a.name} / {b.name}: {text} (B = {', '.join(map(str, batches))})")
-    if args.quantization:
-        lines += ["", *weight_files(engines)]
-    if 1 in batches:
-        lines += ["", *roofline(engines, runs, roof)]
-    return "\n".join(lines + notes(engines, errors))
+    return lines
 
 
 def weight_files(engines: list[Engine]) -> list[str]:
@@ -165,10 +177,10 @@ def roofline(engines: list[Engine], runs: dict[str, list[OfflineResult]], roof: 
 
 
 def online(engines: list[Engine], args: argparse.Namespace) -> str:
+    """Every round of every engine's server at every concurrency: the table."""
     from llamacpp import whole_character_bias
 
     bias = whole_character_bias(Path(args.model))
-    levels = concurrencies(args)
     runs: dict[tuple[str, int], list[OnlineResult]] = {}
     errors: dict[str, str] = {}
     out = Path(args.log_dir or tempfile.mkdtemp(prefix="vs-peers-"))
@@ -186,6 +198,16 @@ def online(engines: list[Engine], args: argparse.Namespace) -> str:
                 runs.setdefault((engine.name, c), []).append(result)
                 print(f"round {round_index} {engine.name} C={c}: {result.output_tok_s:.1f} "
                       f"tok/s, ITL p50 {result.itl_p50:.1f} ms", flush=True)  # fmt: skip
+    return "\n".join(online_table(engines, args, runs) + notes(engines, errors))
+
+
+def online_table(
+    engines: list[Engine],
+    args: argparse.Namespace,
+    runs: dict[tuple[str, int], list[OnlineResult]],
+) -> list[str]:
+    """Medians per engine and concurrency, then tokenmill's ratios to each peer."""
+    levels = concurrencies(args)
     fields = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50")
     columns = "out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | tok/chunk"
     lines = ["Latencies in ms:", "", f"| engine | C | {columns} |", "|---" * 9 + "|"]
@@ -204,7 +226,7 @@ def online(engines: list[Engine], args: argparse.Namespace) -> str:
             pairs = [(medians[(a.name, c, name)], medians[(b.name, c, name)]) for c in levels]
             text = ", ".join(f"{x / y:.2f}x" if x and y else "-" for x, y in pairs)
             lines.append(f"- {label}, {a.name} / {b.name}: {text} (C = {args.concurrency})")
-    return "\n".join(lines + notes(engines, errors))
+    return lines
 
 
 def notes(engines: list[Engine], errors: dict[str, str]) -> list[str]:
