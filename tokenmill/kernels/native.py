@@ -1,4 +1,4 @@
-"""Building, caching and loading the C++ CPU kernels (`csrc/cpu_kernels.cpp`).
+"""Building, caching and loading the C++ CPU kernels (`csrc/*.cpp`, one module).
 
 The extension is compiled at first use with `torch.utils.cpp_extension.load` (gcc and ninja),
 into a directory under the user's cache keyed by the source's hash, torch's version and the
@@ -9,8 +9,8 @@ Where it cannot be built (no compiler, no ninja, an unsupported CPU) every calle
 the portable torch code, with one warning. Environment:
 
 - `TOKENMILL_NATIVE_KERNELS=0`: never build or use the extension (the portable path).
-- `TOKENMILL_CPU_ISA=portable|avx2|avx512|avx512_bf16`: run a lower instruction set than the
-  CPU's best (tests run the AVX2 path on an AVX-512 machine this way); never a higher one.
+- `TOKENMILL_CPU_ISA=portable|avx2|avx512|avx512_bf16|amx`: run a lower instruction set than
+  the CPU's best (tests run the AVX2 path on an AVX-512 machine this way); never a higher one.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
+_SOURCE_DIR = Path(__file__).parent / "csrc"
 _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 _state: dict[str, ModuleType | None] = {}
 
@@ -38,8 +38,14 @@ def cache_root() -> Path:
     return Path(base) / "tokenmill" / "torch_extensions"
 
 
+def _sources() -> list[Path]:
+    return sorted(_SOURCE_DIR.glob("*.cpp"))
+
+
 def _build_name() -> str:
-    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in sorted(_SOURCE_DIR.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(f"{torch.__version__}|{' '.join(_CFLAGS)}".encode())
     return f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}"
 
@@ -59,7 +65,7 @@ def _build() -> ModuleType:
     start = time.perf_counter()
     module = load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(path) for path in _sources()],
         extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),

@@ -60,9 +60,22 @@ class AttentionGroup:
 
 
 @dataclass
+class StepAttention:
+    """The whole step at once, for kernels that read the cache through the block tables (the
+    CPU backend, the fused decoder stack): sequence i's queries are the step's tokens
+    [query_start_loc[i], query_start_loc[i + 1]), the last ones of its seq_lens[i] tokens."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    sliding_window: int | None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
     groups: list[AttentionGroup]
+    step: StepAttention | None = None  # on the CPU
 
 
 def build_attention_group(
