@@ -100,6 +100,8 @@ CASES = [
     (2, 2, 128, 32, [16, 1], [40, 70]),  # a short chunk beside a decode
     (9, 3, 64, 16, [1, 40, 9, 1], [300, 40, 60, 2]),  # prefill chunks across query tiles
     (16, 2, 64, 16, [17], [17]),  # GQA 8, a whole prompt at once
+    # Tasks enough for every KV head of a sequence in one task (head size 128)
+    (8, 2, 128, 16, [1] * 9, [5, 16, 17, 33, 64, 1, 2, 90, 31]),
 ]
 
 

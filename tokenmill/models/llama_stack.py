@@ -11,17 +11,15 @@ linears. `TOKENMILL_FUSED_STACK=0` turns it off (A/B measurements).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.attention_native import CpuPagedAttention
 from tokenmill.layers.linear import Linear, PackedLinearMethod
-
-if TYPE_CHECKING:
-    from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 STACK_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -54,8 +52,9 @@ class LlamaDecoderStack:
         )
 
 
-def build_decoder_stack(model: LlamaForCausalLM) -> LlamaDecoderStack | None:
-    """The stack running `model`'s layers, or None where it does not apply."""
+def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
+    """The stack running the layers of `model` (a `LlamaForCausalLM`), or None where it does
+    not apply."""
     module = native_kernels()
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
@@ -79,7 +78,9 @@ def build_decoder_stack(model: LlamaForCausalLM) -> LlamaDecoderStack | None:
     return LlamaDecoderStack(native)
 
 
-def _layer_tensors(layer: LlamaDecoderLayer) -> list[torch.Tensor | None] | None:
+def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
+    """A `LlamaDecoderLayer`'s tensors in `DecoderStack`'s order; None if a linear is not
+    packed or the attention is not the cpu backend."""
     attention, mlp = layer.self_attn, layer.mlp
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not isinstance(attention.attn, CpuPagedAttention) or not all(
@@ -89,7 +90,7 @@ def _layer_tensors(layer: LlamaDecoderLayer) -> list[torch.Tensor | None] | None
         return None
     qkv, o, gate_up, down = linears
 
-    def weight_of(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    def weight_of(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight.detach()
 
     return [

@@ -264,7 +264,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   const int64_t num_seqs = seq_lens.size(0);
   const std::vector<AttentionTask> tasks =
       attention_tasks(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), num_seqs,
-                      s.num_kv_heads);
+                      s.num_kv_heads, team_size());
   AttentionArgs attention{b.qkv.data_ptr(), false, ld_qkv, nullptr, cache_bf16, num_cache_blocks,
                           shape.block_size, s.num_kv_heads, s.head_dim, s.num_heads,
                           block_tables.data_ptr<int64_t>(), block_tables.size(1),

@@ -1,9 +1,11 @@
 // Paged attention over the cache's blocks in place, with an online softmax (one pass over the
-// keys). A task is up to `kQueryTile` queries of one sequence with every query head of one KV
-// head: each key and value row is widened to float32 once per task block and used by all
-// of the task's rows (queries x heads of the group). Query i of a sequence with n queries
-// and seq_len tokens sits at position seq_len - n + i and sees keys (position - window,
-// position].
+// keys). A task is up to `kQueryTile` queries of one sequence with the query heads of a range
+// of KV heads (all of them where there are tasks enough: a block's rows are then read
+// contiguously): each key and value row is widened to float32 once per task and used by all
+// of the task's rows (queries x heads). Decode attention is bound by reading the cache
+// (software prefetch of the next run only moved the stall: measured, removed). Query i of a
+// sequence with n queries and seq_len tokens sits at position seq_len - n + i and sees keys
+// (position - window, position].
 #include "paged_attention.h"
 
 #include "thread_pool.h"
@@ -28,8 +30,9 @@ __attribute__((always_inline)) inline void widen_rows(const C* src, int64_t stri
 }
 
 template <typename C>
-__attribute__((always_inline)) inline void attend_task(const AttentionArgs& a,
-                                                       const AttentionTask& task, float* scratch) {
+__attribute__((always_inline)) inline void attend_head(const AttentionArgs& a,
+                                                       const AttentionTask& task, int64_t kv_head,
+                                                       float* scratch) {
   const int64_t d = a.d, group = a.heads / a.kv_heads, bs = a.block_size;
   const int64_t seq_len = a.seq_lens[task.seq];
   const int64_t first_query = a.query_start_loc[task.seq];
@@ -51,7 +54,7 @@ __attribute__((always_inline)) inline void attend_task(const AttentionArgs& a,
   for (int64_t i = 0; i < tile; ++i) {
     const int64_t token = task.q_begin + i;
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t head = task.kv_head * group + g;
+      const int64_t head = kv_head * group + g;
       float* q = qf + (i * group + g) * d;
       if (a.query_bf16) {
         const bf16* src = static_cast<const bf16*>(a.query) + token * a.q_stride + head * d;
@@ -70,7 +73,7 @@ __attribute__((always_inline)) inline void attend_task(const AttentionArgs& a,
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, position(task.q_begin) + 1 - a.window) : 0;
   for (int64_t block_start = lo / bs * bs; block_start < hi; block_start += bs) {
     const int64_t t0 = std::max(lo, block_start), t1 = std::min(hi, block_start + bs);
-    const int64_t base = (table[block_start / bs] * bs + (t0 - block_start)) * slot + task.kv_head * d;
+    const int64_t base = (table[block_start / bs] * bs + (t0 - block_start)) * slot + kv_head * d;
     widen_rows(cache + base, slot, t1 - t0, d, keys);
     widen_rows(cache + value_offset + base, slot, t1 - t0, d, values);
     for (int64_t i = 0; i < tile; ++i) {
@@ -117,7 +120,7 @@ __attribute__((always_inline)) inline void attend_task(const AttentionArgs& a,
   for (int64_t i = 0; i < tile; ++i) {
     const int64_t token = task.q_begin + i;
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = i * group + g, head = task.kv_head * group + g;
+      const int64_t row = i * group + g, head = kv_head * group + g;
       const float inverse = row_sum[row] > 0.0f ? 1.0f / row_sum[row] : 0.0f;
       const float* o = acc + row * d;
       if (a.out_bf16) {
@@ -167,25 +170,28 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
   const int64_t seq_len = a.seq_lens[task.seq];
   const int64_t first_query = a.query_start_loc[task.seq];
   const int64_t num_queries = a.query_start_loc[task.seq + 1] - first_query;
-  const int64_t tile = task.q_end - task.q_begin, rows = tile * group;
+  const int64_t tile = task.q_end - task.q_begin, kv = task.kv_end - task.kv_begin;
+  const int64_t heads = kv * group, rows = tile * heads;  // row = query * heads + head
   float* qf = scratch;                // [rows, d]
   float* acc = qf + rows * d;         // [rows, d]
   float* row_max = acc + rows * d;    // [rows]
   float* row_sum = row_max + rows;    // [rows]
   float* probs = row_sum + rows;      // [16]
-  float* values = probs + 16;         // [16, d]
+  float* keys = probs + 16;           // [16, kv, d]
+  float* values = keys + 16 * kv * d; // [16, kv, d]
   const C* cache = static_cast<const C*>(a.cache);
   const int64_t slot = a.kv_heads * d;
   const int64_t value_offset = a.num_blocks * bs * slot;
   const int64_t* table = a.block_tables + task.seq * a.max_blocks;
+  const int64_t first_head = task.kv_begin * group;
   auto position = [&](int64_t token) { return seq_len - num_queries + (token - first_query); };
 
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t i = 0; i < tile; ++i) {
     const int64_t token = task.q_begin + i;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t offset = token * a.q_stride + (task.kv_head * group + g) * d;
-      float* q = qf + (i * group + g) * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = token * a.q_stride + (first_head + h) * d;
+      float* q = qf + (i * heads + h) * d;
       for (int c = 0; c < kChunks; ++c) {
         const __m512 v = a.query_bf16 ? widen16(static_cast<const bf16*>(a.query) + offset + c * 16)
                                       : widen16(static_cast<const float*>(a.query) + offset + c * 16);
@@ -197,42 +203,55 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
   std::fill(row_max, row_max + rows, -INFINITY);
   std::fill(row_sum, row_sum + rows, 0.0f);
 
+  // The cache rows of keys [t, t + n) of this task's heads (contiguous within a block).
+  auto key_row = [&](int64_t t) {
+    return cache + (table[t / bs] * bs + t % bs) * slot + task.kv_begin * d;
+  };
   const int64_t hi = position(task.q_end - 1) + 1;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, position(task.q_begin) + 1 - a.window) : 0;
   for (int64_t run_start = lo; run_start < hi;) {
     // A run: up to 16 consecutive keys inside one cache block.
-    const int64_t in_block = run_start % bs;
-    const int64_t t0 = run_start, t1 = std::min({hi, run_start + 16, run_start - in_block + bs});
+    const int64_t t0 = run_start;
+    const int64_t t1 = std::min({hi, t0 + 16, t0 - t0 % bs + bs});
     run_start = t1;
     const int64_t n = t1 - t0;
-    const C* key_rows = cache + (table[t0 / bs] * bs + in_block) * slot + task.kv_head * d;
+    const C* key_rows = key_row(t0);
     const C* value_rows = key_rows + value_offset;
+    // Widened once for all query heads of their KV head.
     for (int64_t t = 0; t < n; ++t)
-      for (int c = 0; c < kChunks; ++c)
-        _mm512_storeu_ps(values + t * d + c * 16, widen16(value_rows + t * slot + c * 16));
+      for (int64_t h = 0; h < kv; ++h)
+        for (int c = 0; c < kChunks; ++c) {
+          const int64_t at = (t * kv + h) * d + c * 16;
+          _mm512_storeu_ps(keys + at, widen16(key_rows + t * slot + h * d + c * 16));
+          _mm512_storeu_ps(values + at, widen16(value_rows + t * slot + h * d + c * 16));
+        }
     for (int64_t i = 0; i < tile; ++i) {
       const int64_t pos = position(task.q_begin + i);
       const int64_t first = a.window > 0 ? std::max(t0, pos + 1 - a.window) : t0;
       const int64_t last = std::min(t1, pos + 1);
       if (first >= last) continue;
       // Lanes of the run this query sees.
-      const __mmask16 visible = static_cast<__mmask16>(((1u << (last - t0)) - 1) & ~((1u << (first - t0)) - 1));
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t row = i * group + g;
+      const __mmask16 visible =
+          static_cast<__mmask16>(((1u << (last - t0)) - 1) & ~((1u << (first - t0)) - 1));
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = i * heads + h, kv_local = h / group;
         const float* q = qf + row * d;
+        __m512 qv[kChunks];
+        for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(q + c * 16);
         __m512 dots[16];
         for (int64_t t = 0; t < 16; ++t) {
           if (t >= n) {
             dots[t] = _mm512_setzero_ps();
             continue;
           }
-          const C* k = key_rows + t * slot;
-          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), widen16(k));
+          const float* k = keys + (t * kv + kv_local) * d;
+          __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
           for (int c = 1; c < kChunks; ++c)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), widen16(k + c * 16), sum);
+            sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), sum);
           dots[t] = sum;
         }
-        const __m512 scores = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), sum_lanes16(dots));
+        const __m512 scores =
+            _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), sum_lanes16(dots));
         const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(scores));
         const float correction = exp_approx(row_max[row] - new_max);
         row_max[row] = new_max;
@@ -248,8 +267,9 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
         for (int c = 0; c < kChunks; ++c) out[c] = _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), corr);
         for (int64_t t = first - t0; t < last - t0; ++t) {
           const __m512 pt = _mm512_set1_ps(probs[t]);
+          const float* v = values + (t * kv + kv_local) * d;
           for (int c = 0; c < kChunks; ++c)
-            out[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(values + t * d + c * 16), out[c]);
+            out[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + c * 16), out[c]);
         }
         for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + c * 16, out[c]);
       }
@@ -257,16 +277,16 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
   }
   for (int64_t i = 0; i < tile; ++i) {
     const int64_t token = task.q_begin + i;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = i * group + g, head = task.kv_head * group + g;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = i * heads + h;
       const float inverse = row_sum[row] > 0.0f ? 1.0f / row_sum[row] : 0.0f;
       const float* o = acc + row * d;
       if (a.out_bf16) {
-        bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + head * d;
+        bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + (first_head + h) * d;
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) store_float(dst + j, o[j] * inverse);
       } else {
-        float* dst = static_cast<float*>(a.out) + token * a.out_stride + head * d;
+        float* dst = static_cast<float*>(a.out) + token * a.out_stride + (first_head + h) * d;
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) dst[j] = o[j] * inverse;
       }
@@ -276,15 +296,15 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
 
 template <typename C>
 void attend_portable(const AttentionArgs& a, const AttentionTask& t, float* s) {
-  attend_task<C>(a, t, s);
+  for (int64_t h = t.kv_begin; h < t.kv_end; ++h) attend_head<C>(a, t, h, s);
 }
 template <typename C>
 TM_AVX2 void attend_avx2(const AttentionArgs& a, const AttentionTask& t, float* s) {
-  attend_task<C>(a, t, s);
+  for (int64_t h = t.kv_begin; h < t.kv_end; ++h) attend_head<C>(a, t, h, s);
 }
 template <typename C>
 TM_AVX512 void attend_avx512(const AttentionArgs& a, const AttentionTask& t, float* s) {
-  attend_task<C>(a, t, s);
+  for (int64_t h = t.kv_begin; h < t.kv_end; ++h) attend_head<C>(a, t, h, s);
 }
 
 template <typename C>
@@ -299,16 +319,23 @@ void attend_isa(const AttentionArgs& a, const AttentionTask& t, float* s, int is
 }  // namespace
 
 std::vector<AttentionTask> attention_tasks(const int32_t* query_start_loc, const int32_t* seq_lens,
-                                           int64_t num_seqs, int64_t kv_heads) {
+                                           int64_t num_seqs, int64_t kv_heads, int threads) {
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    tiles += (query_start_loc[s + 1] - query_start_loc[s] + kQueryTile - 1) / kQueryTile;
+  const int64_t heads_per_task = tiles >= 4 * threads ? kv_heads : 1;
   std::vector<std::pair<int64_t, AttentionTask>> costed;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int32_t begin = query_start_loc[s], end = query_start_loc[s + 1];
     for (int32_t q = begin; q < end; q += kQueryTile) {
       const int32_t q_end = std::min<int32_t>(end, q + kQueryTile);
       const int64_t keys = seq_lens[s] - (end - q_end);  // the tile's last query sees these
-      for (int64_t h = 0; h < kv_heads; ++h)
-        costed.push_back({keys * (q_end - q), AttentionTask{static_cast<int32_t>(s),
-                                                             static_cast<int32_t>(h), q, q_end}});
+      for (int64_t h = 0; h < kv_heads; h += heads_per_task) {
+        const int64_t h_end = std::min(kv_heads, h + heads_per_task);
+        costed.push_back({keys * (q_end - q) * (h_end - h),
+                          AttentionTask{static_cast<int32_t>(s), static_cast<int32_t>(h),
+                                        static_cast<int32_t>(h_end), q, q_end}});
+      }
     }
   }
   std::stable_sort(costed.begin(), costed.end(),
@@ -320,9 +347,9 @@ std::vector<AttentionTask> attention_tasks(const int32_t* query_start_loc, const
 }
 
 int64_t attention_scratch_floats(const AttentionArgs& a) {
-  const int64_t rows = kQueryTile * (a.heads / a.kv_heads);
+  const int64_t rows = kQueryTile * a.heads;
   const int64_t keys = std::max<int64_t>(a.block_size, 16);
-  return 2 * rows * a.d + 2 * rows + keys + 2 * keys * a.d + 16;
+  return 2 * rows * a.d + 2 * rows + keys + 2 * keys * a.kv_heads * a.d + 16;
 }
 
 void attend(const AttentionArgs& a, const AttentionTask& task, float* scratch, int isa) {
@@ -370,11 +397,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            out.data_ptr(),
                            out.scalar_type() == at::kBFloat16,
                            out.size(1) * out.size(2)};
+  const int threads = team_size();
   const std::vector<AttentionTask> tasks =
-      attention_tasks(args.query_start_loc, args.seq_lens, num_seqs, kv_heads);
+      attention_tasks(args.query_start_loc, args.seq_lens, num_seqs, kv_heads, threads);
   const int isa = current_isa();
   const int64_t scratch_floats = attention_scratch_floats(args);
-  const int threads = team_size();
   std::vector<float> scratch(scratch_floats * threads);
   parallel_chunks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int participant) {
     attend(args, tasks[i], scratch.data() + participant * scratch_floats, isa);

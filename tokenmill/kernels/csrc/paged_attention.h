@@ -27,14 +27,16 @@ struct AttentionArgs {
 };
 
 // One unit of work: queries [q_begin, q_end) (flat token indices) of sequence `seq`, for all
-// query heads of KV head `kv_head`.
+// query heads of KV heads [kv_begin, kv_end).
 struct AttentionTask {
-  int32_t seq, kv_head, q_begin, q_end;
+  int32_t seq, kv_begin, kv_end, q_begin, q_end;
 };
 
-// Tasks for a step, costliest first (so that threads taking them in turn end together).
+// Tasks for a step, costliest first (so that threads taking them in turn end together): all
+// KV heads of a sequence in one task (its cache rows are contiguous) unless there are too few
+// tasks for `threads` threads.
 std::vector<AttentionTask> attention_tasks(const int32_t* query_start_loc, const int32_t* seq_lens,
-                                           int64_t num_seqs, int64_t kv_heads);
+                                           int64_t num_seqs, int64_t kv_heads, int threads);
 
 // Scratch floats one thread needs for any task of `args`.
 int64_t attention_scratch_floats(const AttentionArgs& args);
