@@ -72,7 +72,7 @@ def layout_step(
     )
     metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
-        groups=_attention_groups(
+        groups=lambda: _attention_groups(
             query_lens, seq_lens, block_tables, starts, block_size, sliding_window, device
         ),
     )

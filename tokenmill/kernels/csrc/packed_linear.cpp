@@ -16,8 +16,10 @@ namespace {
 // Rows from which bf16 products go to AMX tiles where the CPU has them (below: vdpbf16ps, each
 // weight vector loaded once for up to four rows).
 constexpr int64_t kAmxMinRows = 5;
-// Blocks of 16 output columns whose weights one AMX sweep keeps in L2 while it walks all rows.
+// Blocks of 16 output columns whose weights AMX keeps in L2 while it walks all row groups.
 constexpr int64_t kAmxBlocksPerChunk = 16;
+// Weight tiles (1 KB each) AMX prefetches ahead of the one it loads.
+constexpr int64_t kPrefetchSteps = 4;
 
 inline int64_t block_elements(const PackedWeight& w) {
   return w.is_bf16 ? w.k_pad * 16 : w.k * 16;
@@ -253,9 +255,12 @@ void gemm_avx512bf16(const PackedWeight& w, const bf16* x, int64_t ldx, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX: C[rows, 32 columns] += A (16 rows of x, 32 k) x B (a packed 16 x 32 block), two row
-// blocks by two column blocks per sweep. Tiles: 0, 1 = A (row blocks), 2, 3 = B (column
-// blocks), 4..7 = C. A partial last row block runs with its tiles configured to fewer rows.
+// AMX: C[rows, 16 columns] += A (16 rows of x, 32 k) x B (a packed 16 x 32 block), for up to
+// four row blocks per sweep, so that each weight tile is read from memory once and used four
+// times (two row blocks by two column blocks read every other tile twice: 41 ms against 27 ms
+// for 16 rows over the 30 layers' weights, one thread). Tiles: 0..3 = C, 4 = B, 5 and 6 =
+// A of full row blocks (alternating), 7 = A of the group's last row block, whose rows (and
+// its C tile's) may be fewer than 16.
 
 struct TileConfig {
   uint8_t palette_id;
@@ -265,13 +270,14 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-TM_AMX void configure_tiles(int rows_first, int rows_second) {
+TM_AMX void configure_tiles(int blocks, int last_rows) {
   TileConfig config{};
   config.palette_id = 1;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64;
-  config.rows[0] = config.rows[4] = config.rows[5] = static_cast<uint8_t>(rows_first);
-  config.rows[1] = config.rows[6] = config.rows[7] = static_cast<uint8_t>(rows_second);
-  config.rows[2] = config.rows[3] = 16;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  config.rows[blocks - 1] = config.rows[7] = static_cast<uint8_t>(last_rows);
   _tile_loadconfig(&config);
 }
 
@@ -280,71 +286,95 @@ TM_AMX void store_tile_rows(const float* tile, int rows, const GemmOut& o, int64
   for (int i = 0; i < rows; ++i) store16_avx512(_mm512_load_ps(tile + i * 16), o, row + i, col);
 }
 
-// One sweep: rows [r, r + 16 * (1 + second)) by blocks b (and b + 1 where two_blocks).
-TM_AMX void amx_sweep(const PackedWeight& w, const bf16* x, int64_t ldx, int64_t r, int rows0,
-                      int rows1, const GemmOut& o, int64_t b, bool two_blocks, float* scratch) {
-  const int64_t per_block = block_elements(w), steps = w.k_pad / 32;
-  const bf16* b0 = static_cast<const bf16*>(w.data) + b * per_block;
-  const bf16* b1 = b0 + per_block;
-  const bf16* a0 = x + r * ldx;
-  const bf16* a1 = a0 + 16 * ldx;
+// Row blocks [r / 16, r / 16 + kBlocks) by column block b over all of k.
+template <int kBlocks>
+TM_AMX void amx_sweep(const PackedWeight& w, const bf16* x, int64_t ldx, int64_t r, int last_rows,
+                      const GemmOut& o, int64_t b, float* scratch) {
+  const int64_t steps = w.k_pad / 32;
+  const bf16* weights = static_cast<const bf16*>(w.data) + b * block_elements(w);
+  const bf16* a = x + r * ldx;
   const int64_t stride = ldx * static_cast<int64_t>(sizeof(bf16));
-  const bool second = rows1 > 0;
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  _tile_zero(0);
+  if (kBlocks > 1) _tile_zero(1);
+  if (kBlocks > 2) _tile_zero(2);
+  if (kBlocks > 3) _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(2, b0 + s * 512, 64);
-    _tile_loadd(0, a0 + s * 32, stride);
-    _tile_dpbf16ps(4, 0, 2);
-    if (two_blocks) {
-      _tile_loadd(3, b1 + s * 512, 64);
-      _tile_dpbf16ps(5, 0, 3);
-    }
-    if (second) {
-      _tile_loadd(1, a1 + s * 32, stride);
-      _tile_dpbf16ps(6, 1, 2);
-      if (two_blocks) _tile_dpbf16ps(7, 1, 3);
+    // The weight stream, kPrefetchSteps tiles ahead (past this block: the next block's start).
+    const char* ahead = reinterpret_cast<const char*>(weights + (s + kPrefetchSteps) * 512);
+    for (int line = 0; line < 1024; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    _tile_loadd(4, weights + s * 512, 64);
+    const bf16* a_step = a + s * 32;
+    if (kBlocks == 1) {
+      _tile_loadd(7, a_step, stride);
+      _tile_dpbf16ps(0, 7, 4);
+    } else if (kBlocks == 2) {
+      _tile_loadd(5, a_step, stride);
+      _tile_loadd(7, a_step + 16 * ldx, stride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 7, 4);
+    } else if (kBlocks == 3) {
+      _tile_loadd(5, a_step, stride);
+      _tile_loadd(6, a_step + 16 * ldx, stride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_loadd(7, a_step + 32 * ldx, stride);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_dpbf16ps(2, 7, 4);
+    } else {
+      _tile_loadd(5, a_step, stride);
+      _tile_loadd(6, a_step + 16 * ldx, stride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_loadd(5, a_step + 32 * ldx, stride);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_loadd(7, a_step + 48 * ldx, stride);
+      _tile_dpbf16ps(2, 5, 4);
+      _tile_dpbf16ps(3, 7, 4);
     }
   }
-  _tile_stored(4, scratch, 64);
-  store_tile_rows(scratch, rows0, o, r, b * 16);
-  if (two_blocks) {
-    _tile_stored(5, scratch, 64);
-    store_tile_rows(scratch, rows0, o, r, (b + 1) * 16);
+  // Full float32 tiles without a bias go straight to the output; others through `scratch`.
+  const bool direct = !o.is_bf16 && o.bias == nullptr && (b + 1) * 16 <= o.n;
+  float* out = direct ? static_cast<float*>(o.data) + r * o.ld + b * 16 : nullptr;
+  const int64_t out_stride = o.ld * static_cast<int64_t>(sizeof(float));
+  auto rows_of = [&](int block) { return block == kBlocks - 1 ? last_rows : 16; };
+#define TM_STORE_TILE(T)                                                      \
+  if (direct) {                                                             \
+    _tile_stored(T, out + 16 * (T)*o.ld, out_stride);                       \
+  } else {                                                                  \
+    _tile_stored(T, scratch, 64);                                           \
+    store_tile_rows(scratch, rows_of(T), o, r + 16 * (T), b * 16);          \
   }
-  if (second) {
-    _tile_stored(6, scratch, 64);
-    store_tile_rows(scratch, rows1, o, r + 16, b * 16);
-    if (two_blocks) {
-      _tile_stored(7, scratch, 64);
-      store_tile_rows(scratch, rows1, o, r + 16, (b + 1) * 16);
-    }
+  TM_STORE_TILE(0)
+  if (kBlocks > 1) {
+    TM_STORE_TILE(1)
   }
+  if (kBlocks > 2) {
+    TM_STORE_TILE(2)
+  }
+  if (kBlocks > 3) {
+    TM_STORE_TILE(3)
+  }
+#undef TM_STORE_TILE
 }
 
 TM_AMX void gemm_amx(const PackedWeight& w, const bf16* x, int64_t ldx, int64_t m,
                      const GemmOut& o, int64_t b0, int64_t b1) {
   alignas(64) float scratch[16 * 16];
-  const int64_t full = m / 16, tail = m % 16;
-  const int64_t paired = full / 2 * 2;  // full row blocks swept two at a time
+  const int64_t row_blocks = (m + 15) / 16;
+  const int tail = static_cast<int>(m - (row_blocks - 1) * 16);  // rows of the last block
   for (int64_t chunk = b0; chunk < b1; chunk += kAmxBlocksPerChunk) {
     const int64_t chunk_end = std::min(b1, chunk + kAmxBlocksPerChunk);
-    auto sweep_blocks = [&](int64_t r, int rows0, int rows1) {
-      for (int64_t b = chunk; b < chunk_end; b += 2)
-        amx_sweep(w, x, ldx, r, rows0, rows1, o, b, b + 1 < chunk_end, scratch);
-    };
-    if (paired > 0) {
-      configure_tiles(16, 16);
-      for (int64_t rb = 0; rb < paired; rb += 2) sweep_blocks(rb * 16, 16, 16);
-    }
-    if (full > paired) {  // one full row block, with the tail as its second
-      configure_tiles(16, tail > 0 ? static_cast<int>(tail) : 16);
-      sweep_blocks(paired * 16, 16, static_cast<int>(tail));
-    } else if (tail > 0) {
-      configure_tiles(static_cast<int>(tail), 16);
-      sweep_blocks(paired * 16, static_cast<int>(tail), 0);
+    for (int64_t group = 0; group < row_blocks; group += 4) {
+      const int blocks = static_cast<int>(std::min<int64_t>(4, row_blocks - group));
+      const int last_rows = group + blocks == row_blocks ? tail : 16;
+      configure_tiles(blocks, last_rows);
+      const int64_t r = group * 16;
+      for (int64_t b = chunk; b < chunk_end; ++b) {
+        switch (blocks) {
+          case 1: amx_sweep<1>(w, x, ldx, r, last_rows, o, b, scratch); break;
+          case 2: amx_sweep<2>(w, x, ldx, r, last_rows, o, b, scratch); break;
+          case 3: amx_sweep<3>(w, x, ldx, r, last_rows, o, b, scratch); break;
+          default: amx_sweep<4>(w, x, ldx, r, last_rows, o, b, scratch); break;
+        }
+      }
     }
   }
   _tile_release();
@@ -381,7 +411,7 @@ int64_t gemm_chunk_blocks(const PackedWeight& w, int64_t m, int threads) {
   const int64_t blocks = w.blocks();
   if (threads <= 1) return blocks;
   int64_t per = (blocks + 4 * threads - 1) / (4 * threads);
-  if (m >= kAmxMinRows) per = std::min(kAmxBlocksPerChunk, (per + 1) / 2 * 2);
+  if (m >= kAmxMinRows) per = std::min(kAmxBlocksPerChunk, per);
   return std::max<int64_t>(per, 1);
 }
 

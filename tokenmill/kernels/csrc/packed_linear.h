@@ -35,8 +35,8 @@ void packed_gemm(const PackedWeight& w, const void* x, int64_t ldx, int64_t m, c
                  int64_t block_begin, int64_t block_end, int isa);
 
 // Blocks per chunk when `threads` threads share a product of `m` rows: a few chunks per thread
-// (claimed in turn, so a descheduled thread leaves its share to the others), in pairs where
-// AMX sweeps two blocks at once; one chunk on one thread.
+// (claimed in turn, so a descheduled thread leaves its share to the others); one chunk on one
+// thread.
 int64_t gemm_chunk_blocks(const PackedWeight& w, int64_t m, int threads);
 
 PackedWeight packed_view(const at::Tensor& packed, int64_t n, int64_t k);
