@@ -230,6 +230,19 @@ def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) ->
     assert len(out.token_ids) == 3
 
 
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(
+    tiny_checkpoint,
+) -> None:
+    """As vLLM's CPU backend: bf16 where the CPU multiplies it natively (AVX512_BF16, AMX);
+    an explicit float32 is kept."""
+    from tokenmill.config import _cpu_has_fast_half_matmul
+
+    checkpoint = str(tiny_checkpoint("llama"))  # saved in float32
+    auto = LLM(model=checkpoint, max_model_len=64)
+    assert auto.engine.dtype == (torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32)
+    assert LLM(model=checkpoint, max_model_len=64, dtype="float32").engine.dtype == torch.float32
+
+
 def test_chat_prompt_has_exactly_one_bos(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     out = llm.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=1), use_tqdm=False)[0]
