@@ -3,7 +3,8 @@
 The extension is compiled at first use with `torch.utils.cpp_extension.load` (gcc and ninja),
 into a directory under the user's cache keyed by the source's hash, torch's version and the
 compiler flags: a restart, or another process, reuses it (torch holds a file lock while one
-process builds). Building takes ~1 minute of one core, once per machine; it is logged.
+process builds). Building takes ~50 s of CPU (six files, compiled in parallel), once per
+machine and source version; it is logged.
 
 Where it cannot be built (no compiler, no ninja, an unsupported CPU) every caller falls back to
 the portable torch code, with one warning. Environment:
@@ -59,7 +60,8 @@ def _build() -> ModuleType:
     built = any(build_dir.glob(f"{name}*.so"))
     if not built:
         logger.warning(
-            "building tokenmill's CPU kernels once (about 1 minute of one core; cached in %s)",
+            "building tokenmill's CPU kernels once (~50 s of CPU over the machine's cores: "
+            "~30 s on 2 idle cores; cached in %s)",
             build_dir,
         )
     start = time.perf_counter()
