@@ -480,13 +480,12 @@ class EngineConfig:
 
 
 def _cpu_has_fast_half_matmul() -> bool:
+    """AVX512_BF16 or AMX tiles (torch's own checks; torch._C._cpu lost them in torch 2.13,
+    which made this silently False)."""
     import torch
 
-    cpu = getattr(torch._C, "_cpu", None)
-    if cpu is None:
-        return False
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 # kv_producer: saves the KV it computes; kv_consumer: loads KV computed elsewhere; kv_both.
