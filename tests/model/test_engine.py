@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,6 +229,23 @@ def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) ->
     assert llm.engine.dtype == expected
     out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3
+
+
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(
+    tiny_checkpoint,
+) -> None:
+    """As vLLM's CPU backend: bf16 where the CPU multiplies it natively (AVX512_BF16, AMX:
+    read from /proc/cpuinfo here, not from the function under test); an explicit float32 is
+    kept."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or torch.cuda.is_available():
+        pytest.skip("reads the CPU's flags from Linux's /proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split())
+    fast = bool(flags & {"avx512_bf16", "amx_bf16"})
+    checkpoint = str(tiny_checkpoint("llama"))  # saved in float32
+    auto = LLM(model=checkpoint, max_model_len=64)
+    assert auto.engine.dtype == (torch.bfloat16 if fast else torch.float32)
+    assert LLM(model=checkpoint, max_model_len=64, dtype="float32").engine.dtype == torch.float32
 
 
 def test_chat_prompt_has_exactly_one_bos(llm: LLM) -> None:

@@ -8,7 +8,7 @@ only for the rows the runner will sample from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,12 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.attention_backends import make_attention_backend
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama_stack import LlamaDecoderStack
 
 # (cos, sin) of each token's position, `[num_tokens, 1, head_dim]`, shared by all layers.
 RopeCache = tuple[torch.Tensor, torch.Tensor]
@@ -234,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The layers as one native call (models/llama_stack.py), set once the weights are in.
+        self.decoder_stack: LlamaDecoderStack | None = None
 
     def forward(
         self,
@@ -243,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.decoder_stack is not None and self.decoder_stack.applies(metadata, kv_caches):
+            return self.decoder_stack(hidden, positions, kv_caches, metadata)
         rope = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, metadata)
@@ -255,5 +263,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Every rank gets the whole vocabulary's logits (all-gathered, padding cut off)."""
-        logits = self.tp.all_gather(self.lm_head(hidden).float())
+        head = self.lm_head
+        logits = head.forward_float32(hidden) if isinstance(head, Linear) else head(hidden).float()
+        logits = self.tp.all_gather(logits)
         return logits[:, : self.shape.vocab_size] if self.tp.size > 1 else logits

@@ -23,6 +23,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
@@ -201,6 +202,8 @@ def load_model(
     process_linears_after_loading(model)
     model.eval().requires_grad_(False)
     log_plan(plan, model)
+    if settings.attention_backend == "cpu":
+        model.decoder_stack = build_decoder_stack(model)
     return model
 
 
