@@ -298,7 +298,7 @@ class EngineConfig:
         (AVX512_BF16 or AMX; vLLM's CPU backend does the same), half ones in float32 where it
         does not. Measured on an Intel Xeon with AMX (SmolLM2-135M shape, process CPU ms per
         decode step, one thread, the native kernels): bfloat16 takes 0.67x, 0.53x and 0.48x of
-        float32's time at 1, 16 and 64 rows (benchmarks/results/2026-12-03-cpu-fused-stack.md).
+        float32's time at 1, 16 and 64 rows (docs/benchmarks.md, "dtype auto").
         An explicit `float32` stays exact."""
         import torch
 

@@ -4,8 +4,9 @@ The extension is compiled at first use with `torch.utils.cpp_extension.load` (gc
 into a directory under the user's cache keyed by the source's hash, torch's version and the
 compiler flags: a restart, or another process, reuses it. One process builds at a time, under
 an `flock` that the kernel releases if the builder dies; torch's own lock file, which a killed
-builder leaves behind (and torch then waits on forever), is cleared under it. Building takes ~50 s of CPU (six files, compiled in parallel), once per
-machine and source version; it is logged.
+builder leaves behind (and torch then waits on forever), is cleared under it. Building takes
+~50 s of CPU (six files, compiled in parallel), once per machine and source version; it is
+logged.
 
 Where it cannot be built (no compiler, no ninja, an unsupported CPU) every caller falls back to
 the portable torch code, with one warning. Environment:
