@@ -76,6 +76,11 @@ class StructuredOutputManager:
         self._compiles: OrderedDict[tuple, _Compile] = OrderedDict()
         self._cached_bytes = 0
         self._bitmask: torch.Tensor | None = None  # reused step to step, grown when needed
+        # A token's text, for finding the end of a reasoning (`reasoning_end`).
+        self._token_text = functools.lru_cache(maxsize=None)(self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise `InvalidRequestError` for a schema, regex or grammar that is too large or
@@ -123,6 +128,8 @@ class StructuredOutputManager:
             stop_token_ids,
             release=release,
             compile_timeout=self.config.compile_timeout,
+            reasoning_end=structured.reasoning_end,
+            token_text=self._token_text,
         )
 
     def _effective(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
@@ -214,7 +221,7 @@ class StructuredOutputManager:
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             grammar = request.grammar
-            if grammar is None or grammar.matcher is None:
+            if grammar is None or grammar.matcher is None or grammar.in_reasoning:
                 continue
             drafts = spec.get(req_id, [])
             if request.num_computed_tokens + num_new - len(drafts) == request.num_tokens:
