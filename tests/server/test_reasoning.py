@@ -1,7 +1,8 @@
 """`--reasoning-parser deepseek_r1` on the demo model: its template does not close a `<think>`,
 so as for an R1 model cut off mid-thought, the reply is reasoning_content, whole and streamed
 alike (recorded splits of every parser: tests/unit/test_reasoning_parsers.py; constrained
-replies after the reasoning: test_reasoning_grammar.py)."""
+replies after the reasoning: test_reasoning_grammar.py and
+tests/model/test_grammar_after_reasoning.py)."""
 
 from __future__ import annotations
 
