@@ -1,6 +1,6 @@
 """A constraint with `reasoning_end` leaves a reasoning model's thinking free and holds from
 the token after its end tag, as vLLM's grammar starts where its reasoning parser sees the
-reasoning end: on a model scripted to think before it answers (tokenmill.testing), with the
+reasoning end: on a model scripted to think before it answers (tokenmill_testing), with the
 end tag one added token (Qwen3) or several ordinary ones, with and without speculation."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.demo import demo_model_path
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.testing.scripted_checkpoint import save_scripted_checkpoint
+from tokenmill_testing.scripted_checkpoint import save_scripted_checkpoint
 
 CHAT = [{"role": "user", "content": "Repeat: I add two.</think>yes"}]
 CHOICE = ["no", "maybe"]

@@ -1,7 +1,7 @@
 """With `--reasoning-parser`, structured outputs and `required` / named tool choices hold for
 the reply after the reasoning, as vLLM's grammar starts after the end-of-reasoning token: the
 thinking stays free (`reasoning_content`), the rest is constrained and parsed. The model is
-scripted (tokenmill.testing) to write "I add two.</think>yes" to any chat, its end tag spelled
+scripted (tokenmill_testing) to write "I add two.</think>yes" to any chat, its end tag spelled
 in four ordinary tokens; the constrained part is whatever its argmax takes within the grammar.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from server_utils import API_KEY, MODEL, Server, start_server, stop_server
 
 from tokenmill.demo import demo_model_path
-from tokenmill.testing.scripted_checkpoint import save_scripted_checkpoint
+from tokenmill_testing.scripted_checkpoint import save_scripted_checkpoint
 
 THINKING = "I add two."
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]

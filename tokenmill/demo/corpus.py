@@ -15,13 +15,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from tokenmill.demo.example import Message
-from tokenmill.demo.tasks import ALL_TASKS, CHECKABLE_TASKS, Example
-from tokenmill.testing.special_tokens import (
+from tokenmill.demo.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
 )
+from tokenmill.demo.tasks import ALL_TASKS, CHECKABLE_TASKS, Example
 
 # Relative number of documents per task. Lookups are long (so few), the arithmetic tasks are
 # short and the hardest to learn (so many); stories keep the model's English fluent.
@@ -143,7 +143,7 @@ def chat_prompt(user_message: str, system: str | None = None) -> str:
     return render_chat([*system_turn, {"role": "user", "content": user_message}])
 
 
-# The Hermes tool preamble of the chat template (tokenmill.testing.random_checkpoint).
+# The Hermes tool preamble of the chat template (tokenmill_testing/random_checkpoint.py).
 _TOOLS_INTRO = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
