@@ -43,7 +43,7 @@ def chat_prompts(llm: LLM, tasks: list[str], count: int) -> list[str]:
     tokenizer = llm.get_tokenizer()
     return [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": e.prompt}], tokenize=False, add_generation_prompt=True
+            e.messages(), tools=list(e.tools) or None, tokenize=False, add_generation_prompt=True
         )
         for e in chosen
     ]

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill.demo import demo_model_path
-from tokenmill.demo.corpus import chat_prompt, heldout_examples
+from tokenmill.demo.corpus import heldout_examples, render
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 
 STORY_PROMPTS = (
@@ -67,9 +67,7 @@ def measure(num_per_task: int, max_tokens: int = 160) -> dict[str, dict[str, flo
 
     target_dir, draft_dir = demo_model_path("target"), demo_model_path("draft")
     llm = LLM(model=str(target_dir), dtype="float32")
-    cases: list[tuple[str, str]] = [
-        (e.task, chat_prompt(e.prompt or "")) for e in heldout_examples(num_per_task)
-    ]
+    cases: list[tuple[str, str]] = [(e.task, render(e)[0]) for e in heldout_examples(num_per_task)]
     cases += [("story", p) for p in STORY_PROMPTS]
     tokenizer = llm.get_tokenizer()
     prompt_ids = [
@@ -103,7 +101,7 @@ def engine_acceptance(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     by_task: dict[str, list[str]] = {}
     for e in heldout_examples(num_per_task):
-        by_task.setdefault(e.task, []).append(chat_prompt(e.prompt or ""))
+        by_task.setdefault(e.task, []).append(render(e)[0])
     by_task["story"] = list(STORY_PROMPTS)
     results = {}
     for task, prompts in by_task.items():

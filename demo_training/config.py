@@ -65,6 +65,8 @@ class DemoModelSpec:
     # A second schedule after `train` (fresh warmup and cosine) on `corpus.POLISH_WEIGHTS`, a mix
     # heavy in the tasks still improving when the first schedule ended.
     polish: TrainSpec | None = None
+    # A third schedule on `corpus.TOOL_WEIGHTS`: the polish mix plus the tool chats.
+    tools: TrainSpec | None = None
 
 
 # Sized so both train concurrently, one thread each, in under an hour on an otherwise idle
@@ -84,6 +86,8 @@ DEMO_MODELS: dict[str, DemoModelSpec] = {
         # After `train`, addition and subtraction (val loss 0.60 / 0.71, ~20 % exact) and lookup
         # (0.41, ~27 %) were still falling while everything else was near zero.
         polish=TrainSpec(num_tokens=6_000_000, lr=1e-3, warmup_steps=50),
+        # The tool (tool_tasks.py), learned last at a low rate, so the rest stays as it was.
+        tools=TrainSpec(num_tokens=4_000_000, lr=2e-4, warmup_steps=50),
     ),
     "draft": DemoModelSpec(
         name="tokenmill-demo-draft",

@@ -37,11 +37,16 @@ def plot_loss_curves(work_dir: Path, out_path: Path) -> None:
         for task in target["val"][-1]["losses"]:
             if task != "all":
                 right.plot(val_steps, [h["losses"].get(task) for h in target["val"]], label=task)
-    polish_start = DEMO_MODELS["target"].train.num_steps
-    if DEMO_MODELS["target"].polish is not None and val_steps and val_steps[-1] > polish_start:
-        for axis in (left, right):
-            axis.axvline(polish_start, color="gray", linestyle=":", linewidth=1)
-        right.annotate("polish", (polish_start, 1.0), xytext=(4, 0), textcoords="offset points")
+    spec = DEMO_MODELS["target"]
+    start = spec.train.num_steps
+    for name, schedule in (("polish", spec.polish), ("tools", spec.tools)):
+        if schedule is None:
+            continue
+        if val_steps and val_steps[0] < start < val_steps[-1]:  # a run that crossed it
+            for axis in (left, right):
+                axis.axvline(start, color="gray", linestyle=":", linewidth=1)
+            right.annotate(name, (start, 1.0), xytext=(4, 0), textcoords="offset points")
+        start += schedule.num_steps
     right.set(xlabel="step", ylabel="validation loss", yscale="log", title="target, per task")
     right.legend(fontsize=7, ncol=2)
     fig.tight_layout()

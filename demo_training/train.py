@@ -43,6 +43,7 @@ from tokenmill.demo.corpus import (
     CURRICULUM_WEIGHTS,
     POLISH_WEIGHTS,
     TASK_WEIGHTS,
+    TOOL_WEIGHTS,
     build_corpus,
     iter_corpus,
     render,
@@ -53,7 +54,11 @@ from tokenmill_testing.random_checkpoint import IM_END_TOKEN
 
 logger = logging.getLogger("demo_training.train")
 
-TASK_NAMES = list(TASK_WEIGHTS)
+TASK_NAMES = list({**TASK_WEIGHTS, **TOOL_WEIGHTS})
+# The mix and stream seed of each schedule after the first (DemoModelSpec.polish, .tools).
+LATER_SCHEDULES = {"polish": (POLISH_WEIGHTS, SEED + 2), "tools": (TOOL_WEIGHTS, SEED + 4)}
+NUM_TOOL_VAL_DOCS = 100  # validation documents of the tasks only the tools schedule has
+_PHASE_DIRS = {"train": "main", "polish": "polish"}  # <work-dir>/<model>/<dir> after each
 _ENCODE_CHUNK = 20_000  # documents tokenized per batch while building the corpus
 
 
@@ -212,12 +217,37 @@ def save_checkpoint(
     os.replace(tmp, out_dir)
 
 
-def build_polish_rows(
-    tokenizer: transformers.PreTrainedTokenizerFast, polish: TrainSpec
+def build_later_rows(
+    tokenizer: transformers.PreTrainedTokenizerFast, phase: str, train: TrainSpec
 ) -> PackedRows:
-    """Rows for the second schedule: `POLISH_WEIGHTS` from a stream of its own seed."""
-    stream = iter_corpus(SEED + 2, training_exclusions(), POLISH_WEIGHTS)
-    return pack_rows(tokenizer, stream, polish.num_steps * polish.batch_size, polish.seq_len)
+    """Rows for a schedule after the first: its mix (`LATER_SCHEDULES`) from its own seed."""
+    weights, seed = LATER_SCHEDULES[phase]
+    stream = iter_corpus(seed, training_exclusions(), weights)
+    return pack_rows(tokenizer, stream, train.num_steps * train.batch_size, train.seq_len)
+
+
+def build_validation_docs() -> list[Example]:
+    """The main mix's validation documents, then those of the tasks only later mixes have."""
+    exclusions = training_exclusions()
+    docs = build_corpus(VAL_SEED, NUM_VAL_DOCS, exclusions)
+    later = {task: 1.0 for task in TOOL_WEIGHTS if task not in TASK_WEIGHTS}
+    stream = iter_corpus(VAL_SEED, exclusions, later)
+    return docs + list(itertools.islice(stream, NUM_TOOL_VAL_DOCS))
+
+
+def schedules_to_run(
+    spec: DemoModelSpec, num_steps: int | None, base_steps: int
+) -> list[tuple[str, TrainSpec]]:
+    """The model's schedules in order, less those a base checkpoint of `base_steps` steps has
+    done already (0: none; the main schedule's checkpoint; the polished one)."""
+    schedules = [("train", spec.train), ("polish", spec.polish), ("tools", spec.tools)]
+    todo = [(phase, s) for phase, s in schedules if s is not None]
+    done = 0
+    while done < base_steps and todo:
+        done += todo.pop(0)[1].num_steps
+    if done != base_steps or not todo:
+        raise ValueError(f"a base checkpoint of {base_steps} steps is not where a schedule starts")
+    return [(phase, _with_steps(s, num_steps)) for phase, s in todo]
 
 
 def _with_steps(spec: TrainSpec, num_steps: int | None) -> TrainSpec:
@@ -235,10 +265,10 @@ def train(
     num_steps: int | None = None,
     base_checkpoint: Path | None = None,
 ) -> None:
-    """Train `name` from scratch, or only its polish schedule from `base_checkpoint` (the
-    model as the main schedule left it: `<work-dir>/<name>/main`, saved by a full run)."""
+    """Train `name` from scratch, or only the schedules `base_checkpoint` has not done (the
+    model as an earlier schedule left it: `<work-dir>/<name>/main` or `.../polish`, saved by
+    a full run, or the shipped one)."""
     spec = DEMO_MODELS[name]
-    train_spec = _with_steps(spec.train, num_steps)
     run_dir = work_dir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -253,24 +283,19 @@ def train(
         model = transformers.LlamaForCausalLM.from_pretrained(base_checkpoint, dtype=torch.float32)
         if (run_dir / "history.json").is_file():
             history = json.loads((run_dir / "history.json").read_text())
-    val_docs = build_corpus(VAL_SEED, NUM_VAL_DOCS, training_exclusions())
-    val_rows = pack(encode(tokenizer, val_docs, TASK_NAMES), train_spec.seq_len, 0)
+    val_rows = pack(encode(tokenizer, build_validation_docs(), TASK_NAMES), spec.train.seq_len, 0)
     num_params = sum(p.numel() for p in model.parameters())
-    schedules: list[tuple[str, TrainSpec]] = []
-    if base_checkpoint is None:
-        schedules.append(("train", train_spec))
-    if spec.polish is not None:
-        schedules.append(("polish", _with_steps(spec.polish, num_steps)))
     step_offset, num_tokens, base_seconds = 0, 0, 0
     if base_checkpoint is not None:  # the summary covers the whole recipe, base run included
         base_info = json.loads((base_checkpoint / "tokenmill_demo.json").read_text())
         step_offset, num_tokens = base_info["num_steps"], base_info["num_train_tokens"]
         base_seconds = base_info["train_seconds"]
+    schedules = schedules_to_run(spec, num_steps, step_offset)
     for phase, phase_spec in schedules:
         if phase == "train":
             rows = build_training_rows(tokenizer, phase_spec)
         else:
-            rows = build_polish_rows(tokenizer, phase_spec)
+            rows = build_later_rows(tokenizer, phase, phase_spec)
         logger.info(
             "%s %s: %.2fM parameters, %d steps x %d rows x %d tokens (%d with loss)",
             name,
@@ -293,9 +318,8 @@ def train(
             "train_seconds": base_seconds + round(time.time() - start),
             "final_val_loss": history["val"][-1]["losses"],
         }
-        if phase == "train" and spec.polish is not None:
-            # What --base-checkpoint takes to rerun only the polish.
-            save_checkpoint(model, tokenizer, spec, run_dir / "main", summary)
+        if phase != schedules[-1][0]:  # what --base-checkpoint takes to rerun the rest
+            save_checkpoint(model, tokenizer, spec, run_dir / _PHASE_DIRS[phase], summary)
     save_checkpoint(model, tokenizer, spec, out_dir, summary)
     logger.info("%s: saved to %s after %.0f s", name, out_dir, time.time() - start)
 
@@ -390,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         "--base-checkpoint",
         type=Path,
         default=None,
-        help="skip the main schedule: polish this checkpoint (<work-dir>/<model>/main)",
+        help="continue this checkpoint with the schedules it has not done "
+        "(<work-dir>/<model>/main or polish, or the shipped target)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -155,6 +155,10 @@ class StructuredOutputsParams:
     # vLLM's too, refused unless unset: xgrammar has no whitespace pattern or structural tags.
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # The text that ends a reasoning model's thinking ("</think>"): the output is free until
+    # it has written this, and constrained after it (vLLM starts the grammar where its
+    # reasoning parser sees the reasoning end). None: constrained from the first token.
+    reasoning_end: str | None = None
     # The request field it came from, named in errors ("response_format", "guided_json").
     param: str = field(default="structured_outputs", compare=False, repr=False)
 
@@ -206,6 +210,10 @@ class StructuredOutputsParams:
             self.choice and all(isinstance(c, str) and c for c in self.choice)
         ):
             raise InvalidRequestError(self.param, "choice must be a non-empty list of strings")
+        if self.reasoning_end is not None and not (
+            isinstance(self.reasoning_end, str) and self.reasoning_end
+        ):
+            raise InvalidRequestError(self.param, "reasoning_end must be a non-empty string")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):

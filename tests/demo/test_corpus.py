@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 
@@ -12,6 +13,7 @@ from tokenmill.demo.corpus import (
     CURRICULUM_WEIGHTS,
     MAX_HELDOUT_PER_TASK,
     POLISH_WEIGHTS,
+    TOOL_WEIGHTS,
     build_corpus,
     heldout_examples,
     iter_corpus,
@@ -27,8 +29,16 @@ def test_same_seed_gives_the_same_corpus_and_another_seed_does_not() -> None:
 
 def test_corpus_mixes_every_task() -> None:
     tasks = {e.task for e in build_corpus(0, 2000)}
-    assert set(CHECKABLE_TASKS) <= tasks
+    assert set(CHECKABLE_TASKS) - {"tool_call", "tool_answer"} <= tasks
     assert {"story", "story_chat", "greeting"} <= tasks
+    tool_mix = {e.task for e in itertools.islice(iter_corpus(0, (), TOOL_WEIGHTS), 2000)}
+    assert set(TOOL_WEIGHTS) == tool_mix
+
+
+def test_tools_unused_offers_the_tool_to_a_question_it_does_not_serve() -> None:
+    for e in itertools.islice(iter_corpus(0, (), {"tools_unused": 1.0}), 200):
+        assert any(t["function"]["name"] == "multiply" for t in e.tools)
+        assert "<tool_call>" not in e.answer and not e.turns
 
 
 def test_heldout_slices_are_prefixes_of_larger_slices() -> None:
@@ -43,12 +53,14 @@ def test_heldout_set_depends_on_its_seed_only() -> None:
     assert heldout_examples(4, tasks=["add"]) == [e for e in heldout_examples(4) if e.task == "add"]
 
 
-@pytest.mark.parametrize("weights", [None, CURRICULUM_WEIGHTS, POLISH_WEIGHTS])
+@pytest.mark.parametrize("weights", [None, CURRICULUM_WEIGHTS, POLISH_WEIGHTS, TOOL_WEIGHTS])
 def test_training_corpus_contains_no_heldout_prompt(weights) -> None:
     """The streams train.py draws from (main mix, copy curriculum, polish mix) drop every
     held-out prompt, which they would otherwise contain."""
     excluded = training_exclusions()
-    assert len(excluded) == MAX_HELDOUT_PER_TASK * len(CHECKABLE_TASKS)
+    for task in CHECKABLE_TASKS:  # a multiplication may be held out of both tool tasks
+        prompts = {e.prompt for e in heldout_examples(MAX_HELDOUT_PER_TASK, tasks=[task])}
+        assert len(prompts) == MAX_HELDOUT_PER_TASK and prompts <= excluded
     unfiltered = itertools.islice(iter_corpus(0, (), weights), 20_000)
     if weights is not CURRICULUM_WEIGHTS:  # 5-20 random words: never a held-out prompt
         assert any(d.prompt in excluded for d in unfiltered)
@@ -85,8 +97,27 @@ def _check_answer(e: Example) -> None:
         assert f"\n{e.answer}\n" in prompt and prompt.count(f"- {key}:") == 1
     elif e.task == "pattern":
         assert len(e.answer.split()) == 3
+    elif e.task in ("tool_call", "tool_answer"):
+        _check_tool_chat(e, *_numbers(prompt))
     else:
         pytest.fail(f"no check for task {e.task}")
+
+
+def _check_tool_chat(e: Example, a: int, b: int) -> None:
+    """The call names multiply with the operands under its own parameter names; the answer
+    states the product the tool returned."""
+    [tool] = [t["function"] for t in e.tools if t["function"]["name"] == "multiply"]
+    first, second = tool["parameters"]["required"]
+    call = {"name": "multiply", "arguments": {first: a, second: b}}
+    if e.task == "tool_call":
+        assert e.answer == f"<tool_call>\n{json.dumps(call)}\n</tool_call>" and not e.turns
+        return
+    assistant, result = e.turns
+    [made] = assistant["tool_calls"]
+    assert json.loads(made["function"]["arguments"]) == call["arguments"]
+    assert result["tool_call_id"] == made["id"]
+    assert _numbers(result["content"]) == [a * b]
+    assert e.answer == f"{a} times {b} is {a * b}."
 
 
 @pytest.mark.parametrize("task", sorted(CHECKABLE_TASKS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -37,6 +38,18 @@ def test_chat_template_renders_what_the_model_was_trained_on(tokenizer, system) 
         messages.insert(0, {"role": "system", "content": system})
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == chat_prompt("What is 2 + 3?", system)
+
+
+def test_chat_template_renders_the_tool_chats_as_trained(tokenizer) -> None:
+    """Tools in the system turn (with a system message or not), the call, the result."""
+    examples = heldout_examples(20, tasks=["tool_call", "tool_answer"])
+    examples += [dataclasses.replace(e, system="Answer briefly.") for e in examples[:3]]
+    examples += [dataclasses.replace(e, tools=(), turns=()) for e in examples[:2]]
+    for e in examples:
+        rendered = tokenizer.apply_chat_template(
+            e.messages(), tools=list(e.tools) or None, tokenize=False, add_generation_prompt=True
+        )
+        assert rendered == render(e)[0]
 
 
 def test_chat_text_round_trips_through_tokens(tokenizer) -> None:

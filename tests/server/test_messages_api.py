@@ -127,6 +127,15 @@ def test_forced_tool_use_validates_and_streams_the_same(claude, tool_choice) -> 
     assert [(b.name, b.input) for b in final.content] == [(block.name, block.input)]
 
 
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use_validates_every_time_at_temperature_1(claude, tool_choice) -> None:
+    fields = {"tools": TOOLS, "tool_choice": {**tool_choice, "disable_parallel_tool_use": True}}
+    for _ in range(20):  # the Messages API has no `n`
+        [block] = _create(claude, max_tokens=200, temperature=1, **fields).content
+        assert block.type == "tool_use" and block.name == "get_weather"
+        jsonschema.validate(block.input, WEATHER_SCHEMA)
+
+
 def test_tool_results_continue_the_conversation(claude) -> None:
     history = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -162,6 +171,15 @@ def test_errors_have_anthropics_shape(claude, messages_server: Server, validate_
     with pytest.raises(anthropic.BadRequestError) as error:
         _create(claude, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"})
     assert error.value.body["error"]["type"] == "invalid_request_error"
+    orphan = {"type": "tool_result", "tool_use_id": "toolu_none", "content": "1"}
+    with pytest.raises(anthropic.BadRequestError) as error:  # answers no tool_use
+        _create(claude, messages=[*MESSAGES, {"role": "user", "content": [orphan]}], tools=TOOLS)
+    validate_anthropic("ErrorResponse", error.value.body)
+    properties = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(15_000)}
+    huge = {"name": "big", "input_schema": {"type": "object", "properties": properties}}
+    with pytest.raises(anthropic.BadRequestError) as error:  # about 1 MB of schema
+        _create(claude, tools=[huge], tool_choice={"type": "any"})
+    validate_anthropic("ErrorResponse", error.value.body)
     wrong_key = anthropic.Anthropic(base_url=messages_server.url, api_key="nope", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as error:
         _create(wrong_key)

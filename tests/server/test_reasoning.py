@@ -1,6 +1,8 @@
 """`--reasoning-parser deepseek_r1` on the demo model: its template does not close a `<think>`,
 so as for an R1 model cut off mid-thought, the reply is reasoning_content, whole and streamed
-alike (recorded splits of every parser: tests/unit/test_reasoning_parsers.py)."""
+alike (recorded splits of every parser: tests/unit/test_reasoning_parsers.py; constrained
+replies after the reasoning: test_reasoning_grammar.py and
+tests/model/test_grammar_after_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -36,16 +38,6 @@ def test_an_unclosed_think_is_all_reasoning_whole_and_streamed(reasoning_client)
             content += choice.delta.content or ""
     assert reasoning == message.model_extra["reasoning_content"]
     assert content == ""
-
-
-def test_a_constrained_reply_is_not_split(reasoning_client) -> None:
-    """A grammar holds from the first token, so there is no reasoning to split off."""
-    reply = reasoning_client.chat.completions.create(
-        model=DEMO_TARGET_NAME,
-        messages=MESSAGES,
-        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
-    )
-    assert reply.choices[0].message.content in ("yes", "no")
 
 
 def test_reasoning_is_a_thinking_block_in_the_messages_api(reasoning_client) -> None:

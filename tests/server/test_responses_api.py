@@ -89,6 +89,18 @@ def test_function_calls_validate_and_stream_the_same(responses_client, tool_choi
     assert [(i.name, i.arguments) for i in final.output] == [(call.name, call.arguments)]
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_forced_calls_validate_every_time_at_temperature_1(responses_client, tool_choice) -> None:
+    fields = {"tools": TOOLS, "tool_choice": tool_choice, "parallel_tool_calls": False}
+    for _ in range(20):  # the Responses API has no `n`
+        response = _create(
+            responses_client, temperature=1, max_output_tokens=200, store=False, **fields
+        )
+        [call] = response.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+
+
 def test_previous_response_id_continues_the_conversation(responses_client) -> None:
     first = _create(responses_client, tools=TOOLS, tool_choice="required",
                     parallel_tool_calls=False, max_output_tokens=200)  # fmt: skip
@@ -126,6 +138,11 @@ def test_bad_requests_are_openai_400s(responses_client) -> None:
     assert "tool" in error.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         _create(responses_client, tools=TOOLS, tool_choice={"type": "function", "name": "no"})
+    properties = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(15_000)}
+    huge = {"type": "function", "name": "big", "parameters": {"type": "object",
+            "properties": properties}}  # about 1 MB  # fmt: skip
+    with pytest.raises(openai.BadRequestError):
+        _create(responses_client, tools=[huge], tool_choice="required")
     assert _create(responses_client, max_output_tokens=2).output  # still serving
 
 

@@ -8,6 +8,7 @@ arguments validate against the function's schema on every sample at temperature 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -45,6 +46,9 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+_HUGE_PROPERTIES = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(15_000)}
+HUGE_TOOL = {"type": "function", "function": {"name": "big", "parameters": {
+    "type": "object", "properties": _HUGE_PROPERTIES}}}  # about 1 MB  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -160,45 +164,69 @@ def test_tool_results_in_the_history_are_answered(tools_client) -> None:
     assert not reply.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize(
-    ("fields", "param", "message"),
-    [
-        (
-            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
-            "tool_choice",
-            "Tool 'nope' has not been passed",
-        ),
-        ({"tools": None, "tool_choice": "required"}, "tool_choice", "`tools` must be set"),
-        (
-            {"tool_choice": "required", "response_format": {"type": "json_object"}},
-            "tool_choice",
-            "one output constraint",
-        ),
-        (
-            {"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "x", "content": "1"}]},
-            "messages.1.tool_call_id",
-            "must be a response to a preceding message",
-        ),
-        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "two functions named"),
-    ],
-)
+# (request fields, the 400's param, words of its message)
+BAD_TOOL_REQUESTS = [
+    (
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "Tool 'nope' has not been passed",
+    ),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+    (
+        {"tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        "one output constraint",
+    ),
+    (
+        {"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "x", "content": "1"}]},
+        "messages.1.tool_call_id",
+        "must be a response to a preceding message",
+    ),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "two functions named"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), BAD_TOOL_REQUESTS)
 def test_bad_tool_requests_are_400s(tools_client, fields, param, message) -> None:
+    error = _bad_request(tools_client, fields)
+    assert error.body["param"] == param
+    assert message in error.body["message"]
+    assert _chat(tools_client, tool_choice="none", max_tokens=2).choices  # still serving
+
+
+def _bad_request(client: openai.OpenAI, fields: dict) -> openai.BadRequestError:
     request = {"model": DEMO_TARGET_NAME, "messages": MESSAGES, "tools": TOOLS, **fields}
     if request["tools"] is None:
         del request["tools"]
     with pytest.raises(openai.BadRequestError) as error:
-        tools_client.chat.completions.create(**request)
-    assert error.value.body["param"] == param
-    assert message in error.value.body["message"]
-    assert _chat(tools_client, tool_choice="none", max_tokens=2).choices  # still serving
+        client.chat.completions.create(**request)
+    return error.value
+
+
+def test_bad_tool_requests_leave_a_running_reply_as_it_would_be(tools_client) -> None:
+    """Bad tool requests (each a 400), a 1 MB schema among them, arriving while a greedy
+    reply streams do not change a token of it."""
+    fields = {"tool_choice": "none", "temperature": 0, "max_tokens": 48}
+    fields["extra_body"] = {"ignore_eos": True}
+    alone = _chat(tools_client, **fields).choices[0].message.content
+    streamed: list[str] = []
+    stream = _chat(tools_client, stream=True, **fields)
+    reader = threading.Thread(
+        target=lambda: streamed.extend(
+            c.choices[0].delta.content or "" for c in stream if c.choices
+        )
+    )
+    reader.start()
+    for request_fields, param, _ in [*BAD_TOOL_REQUESTS, ({"tools": [HUGE_TOOL]}, None, "")]:
+        error = _bad_request(tools_client, {"tool_choice": "required", **request_fields})
+        assert param is None or error.body["param"] == param
+    reader.join(timeout=120)
+    assert "".join(streamed) == alone
 
 
 def test_a_huge_tool_schema_is_a_400_not_a_500(tools_client) -> None:
-    properties = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(15_000)}
-    tool = {"type": "function", "function": {"name": "big", "parameters": {
-        "type": "object", "properties": properties}}}  # fmt: skip
     with pytest.raises(openai.BadRequestError):
-        _chat(tools_client, tools=[tool], tool_choice="auto")
+        _chat(tools_client, tools=[HUGE_TOOL], tool_choice="auto")
     assert _chat(tools_client, tool_choice="none", max_tokens=2).choices
 
 

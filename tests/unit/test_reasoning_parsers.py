@@ -73,3 +73,17 @@ def test_tool_calls_are_read_after_the_reasoning() -> None:
     assert reasoning == parsed.reasoning_content
     assert names == ["get_time"]
     assert not any(d.content for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ended"),
+    [
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", True),  # Qwen3, thinking off
+        ("<|im_start|>assistant\n<think>\n", False),  # DeepSeek-R1 opens it
+        ("<|im_start|>assistant\n", False),
+        ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", False),  # an earlier turn's
+    ],
+)
+def test_a_prompt_that_closes_the_reasoning_constrains_from_the_first_token(prompt, ended):
+    for name in ("deepseek_r1", "qwen3"):
+        assert get_reasoning_parser(name).ended_in_prompt(prompt) is ended

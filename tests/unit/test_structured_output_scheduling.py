@@ -73,3 +73,54 @@ def test_validated_constraints_are_remembered_within_a_bound(
         backend.validate(StructuredOutputsParams(regex=regex, param="regex"))
     # "a" asked again is a lookup that keeps it; "d" pushes out the oldest, "b", checked anew.
     assert checked == ["a", "b", "c", "d", "b"]
+
+
+class RecordingMatcher:
+    """Accepts every token and remembers them."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+# Token ids spelling "I think.</think>{}" in several pieces, the end tag split over three.
+PIECES = {1: "I", 2: " think", 3: ".</", 4: "th", 5: "ink>", 6: "{", 7: "}"}
+
+
+def reasoning_grammar() -> RequestGrammar:
+    compiled: Future = Future()
+    compiled.set_result("compiled grammar")
+    backend: Future = Future()
+    backend.set_result(FakeBackend())
+    grammar = RequestGrammar(
+        compiled, backend, [], reasoning_end="</think>", token_text=PIECES.__getitem__
+    )
+    assert grammar.is_ready()
+    grammar.matcher = RecordingMatcher()
+    return grammar
+
+
+def test_the_grammar_starts_after_the_reasoning_end_written_in_pieces() -> None:
+    grammar = reasoning_grammar()
+    assert grammar.accept_tokens([1, 2, 3, 4]) and grammar.in_reasoning
+    assert grammar.matcher.accepted == []  # the reasoning is free
+    assert grammar.accept_tokens([5, 6])  # ends the reasoning; "{" is the grammar's first
+    assert not grammar.in_reasoning and grammar.matcher.accepted == [6]
+
+
+def test_drafts_stop_before_the_one_that_ends_the_reasoning() -> None:
+    """Rows after that draft would need the grammar's first mask: it waits a step."""
+    grammar = reasoning_grammar()
+    grammar.accept_tokens([1])
+    assert grammar.valid_prefix([2, 3, 4, 5, 6]) == [2, 3, 4]
+    assert grammar.valid_prefix([2, 3]) == [2, 3]
+    assert grammar.in_reasoning and grammar.matcher.accepted == []

@@ -17,9 +17,7 @@ EXAMPLES: dict[str, str | None] = {
     "Count the items: cup, pen, book, lamp, key": "5",
     "Make this upper case: red apple": "RED APPLE",
     "Continue the pattern: 5 10 15 20": "25 30 35",
-    "Repeat this text exactly:\nOnce upon a time, there was a little fox named Max.": (
-        "Once upon a time, there was a little fox named Max."
-    ),
+    "Repeat this text exactly:\nred apple blue cup green hat": "red apple blue cup green hat",
     "Here is a list of codes.\n- Velqui: 163\n- Dracor: 729\n- Fenjo: 450\n"
     "Which number belongs to Dracor?": "- Dracor: 729",
     "Tell me a story about a dog.": None,
@@ -32,7 +30,9 @@ SKILLS = (
     "chat (ChatML): repeat a passage, reverse a list of words, sort numbers below 100, "
     "add or subtract numbers below 100, count up to 9 items, change case, find the code "
     "for a name in a list of up to ~110 entries (~1000 tokens), continue a number or word "
-    "pattern, tell a short story; plain completion: continue a story"
+    "pattern, tell a short story; offered a `multiply` tool (OpenAI tools, Hermes "
+    "<tool_call> format: serve with --enable-auto-tool-choice --tool-call-parser hermes), "
+    "call it for a multiplication and state its result; plain completion: continue a story"
 )
 
 VOCABULARY = (

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
+from tokenmill.demo.example import Message
 from tokenmill.demo.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -62,6 +65,20 @@ POLISH_WEIGHTS: dict[str, float] = {
     "reverse": 0.5,
     "count": 0.3,
     "case": 0.5,
+}
+
+# The target's third schedule (config.DemoModelSpec.tools): tool chats (`tool_tasks.py`), a
+# quarter of the documents and two thirds of the tokens (their system turn lists the tools),
+# beside the polish mix so that nothing is forgotten; more of the copying tasks, which a first
+# try at 5e-4 set back most (lookup 0.93 -> 0.84, sort 0.79 -> 0.72, copy 0.91 -> 0.87).
+TOOL_WEIGHTS: dict[str, float] = {
+    **POLISH_WEIGHTS,
+    "copy": 3.0,
+    "sort": 2.5,
+    "lookup": 3.0,
+    "tool_call": 2.5,
+    "tool_answer": 2.5,
+    "tools_unused": 1.5,
 }
 
 EVAL_SEED = 1234
@@ -121,19 +138,63 @@ def heldout_examples(
 
 
 def chat_prompt(user_message: str, system: str | None = None) -> str:
-    """The chat template's rendering of one user turn plus the assistant header.
+    """The chat template's rendering of one user turn plus the assistant header."""
+    system_turn = [{"role": "system", "content": system}] if system is not None else []
+    return render_chat([*system_turn, {"role": "user", "content": user_message}])
 
-    Written out by hand so corpus rendering is fast; a test checks it equals the tokenizer's
+
+# The Hermes tool preamble of the chat template (tokenmill_testing/random_checkpoint.py).
+_TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def render_chat(messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> str:
+    """The chat template's rendering of `messages` (string contents) plus the assistant
+    header, tools in the system turn and calls and results Hermes style.
+
+    Written out by hand so corpus rendering is fast; tests check it equals the tokenizer's
     `apply_chat_template` output.
     """
-    turns = [("system", system)] if system is not None else []
-    turns.append(("user", user_message))
-    text = "".join(f"{IM_START_TOKEN}{role}\n{content}{IM_END_TOKEN}\n" for role, content in turns)
-    return f"{BOS_TOKEN}{text}{IM_START_TOKEN}assistant\n"
+    text = BOS_TOKEN
+    if tools:
+        system = ""
+        if messages and messages[0]["role"] == "system":
+            system, messages = messages[0]["content"] + "\n\n", messages[1:]
+        listing = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+        text += _turn("system", system + _TOOLS_INTRO + listing + _TOOLS_OUTRO)
+    for index, message in enumerate(messages):
+        if message["role"] != "tool":
+            text += _turn(message["role"], message["content"] or "", message.get("tool_calls"))
+            continue
+        if index == 0 or messages[index - 1]["role"] != "tool":
+            text += f"{IM_START_TOKEN}user"
+        text += f"\n<tool_response>\n{message['content']}\n</tool_response>"
+        if index + 1 == len(messages) or messages[index + 1]["role"] != "tool":
+            text += f"{IM_END_TOKEN}\n"
+    return f"{text}{IM_START_TOKEN}assistant\n"
+
+
+def _turn(role: str, content: str, calls: Sequence[dict[str, Any]] | None = None) -> str:
+    for index, call in enumerate(calls or ()):
+        function = call["function"]
+        arguments = function["arguments"]
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        separator = "\n" if content or index else ""
+        content += f'{separator}<tool_call>\n{{"name": "{function["name"]}", "arguments": '
+        content += f"{arguments}}}\n</tool_call>"
+    return f"{IM_START_TOKEN}{role}\n{content}{IM_END_TOKEN}\n"
 
 
 def render(example: Example) -> tuple[str, str]:
     """(context, target): the text the model reads, then the text it learns to produce."""
     if example.prompt is None:
         return BOS_TOKEN, example.answer + EOS_TOKEN
-    return chat_prompt(example.prompt, example.system), example.answer + IM_END_TOKEN
+    return render_chat(example.messages(), example.tools), example.answer + IM_END_TOKEN

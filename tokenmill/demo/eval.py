@@ -30,7 +30,9 @@ _EXTRA_TOKENS = 8
 # training achieved, with margin for numerics (kernels, KV cache dtype) to move a few answers.
 BAR_NUM_PER_TASK = 100
 # Trained (2026-11-29): copy 0.91, reverse 1.00, sort 0.79, add 1.00, subtract 0.99,
-# count 1.00, case 1.00, lookup 0.93, pattern 0.91; bars about 0.1 lower.
+# count 1.00, case 1.00, lookup 0.93, pattern 0.91; bars about 0.1 lower. After the tools
+# schedule (2026-12-03): copy 0.91, reverse 0.97, sort 0.83, add 1.00, subtract 1.00,
+# count 1.00, case 0.99, lookup 0.85, pattern 0.90, tool_call 0.92, tool_answer 0.92.
 ACCURACY_BARS: dict[str, float] = {
     "copy": 0.80,
     "reverse": 0.90,
@@ -41,10 +43,12 @@ ACCURACY_BARS: dict[str, float] = {
     "case": 0.90,
     "lookup": 0.80,
     "pattern": 0.80,
+    "tool_call": 0.82,
+    "tool_answer": 0.82,
 }
 
-# Generates one greedy reply per user message.
-ReplyFn = Callable[[Sequence[str], Sequence[int]], list[str]]
+# Generates one greedy reply per example's chat (its messages and tools), at most so many tokens.
+ReplyFn = Callable[[Sequence[Example], Sequence[int]], list[str]]
 
 
 @dataclass
@@ -74,13 +78,13 @@ class EvalReport:
 
     def table(self, bars: dict[str, float] | None = None) -> str:
         bars = bars or {}
-        lines = [f"{'task':<10} {'correct':>9} {'accuracy':>9} {'bar':>6}"]
+        lines = [f"{'task':<12} {'correct':>9} {'accuracy':>9} {'bar':>6}"]
         for task, s in self.scores.items():
             bar = f"{bars[task]:.2f}" if task in bars else "-"
             lines.append(
-                f"{task:<10} {s.num_correct:>4}/{s.num_total:<4} {s.accuracy:>9.3f} {bar:>6}"
+                f"{task:<12} {s.num_correct:>4}/{s.num_total:<4} {s.accuracy:>9.3f} {bar:>6}"
             )
-        lines.append(f"{'overall':<10} {'':>9} {self.overall:>9.3f}")
+        lines.append(f"{'overall':<12} {'':>9} {self.overall:>9.3f}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -98,10 +102,9 @@ def is_correct(example: Example, reply: str) -> bool:
 
 
 def replies_to(examples: Sequence[Example], reply_fn: ReplyFn) -> list[str]:
-    """`reply_fn`'s greedy reply to every example's prompt, in order."""
-    prompts = [e.prompt or "" for e in examples]
+    """`reply_fn`'s greedy reply to every example's chat, in order."""
     max_tokens = [len(e.answer) + _EXTRA_TOKENS for e in examples]
-    return reply_fn(prompts, max_tokens)
+    return reply_fn(examples, max_tokens)
 
 
 def score(examples: Sequence[Example], replies: Sequence[str]) -> EvalReport:
@@ -126,10 +129,20 @@ def offline_replies(llm: Any, progress: bool = False) -> ReplyFn:
     """Replies from an offline `LLM`, all prompts in one batch (the engine schedules them)."""
     from tokenmill.sampling_params import SamplingParams
 
-    def reply(prompts: Sequence[str], max_tokens: Sequence[int]) -> list[str]:
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
+    def reply(examples: Sequence[Example], max_tokens: Sequence[int]) -> list[str]:
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(
+                e.messages(),
+                tools=list(e.tools) or None,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for e in examples
+        ]
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
-        outputs = llm.chat(conversations, params, use_tqdm=progress)
+        # The template writes BOS and the other special tokens itself.
+        outputs = llm.generate(prompts, params, use_tqdm=progress, add_special_tokens=False)
         return [o.outputs[0].text for o in outputs]
 
     return reply
@@ -151,22 +164,24 @@ def server_replies(
         headers["Authorization"] = f"Bearer {api_key}"
     name = model or _get_json(f"{base_url}/models", headers)["data"][0]["id"]
 
-    def one(prompt: str, max_tokens: int) -> str:
-        body = {
+    def one(example: Example, max_tokens: int) -> str:
+        body: dict[str, Any] = {
             "model": name,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": example.messages(),
             "temperature": 0.0,
             "max_tokens": max_tokens,
         }
+        if example.tools:  # offered, but the reply is scored as the text the model wrote
+            body.update(tools=list(example.tools), tool_choice="none")
         response = _post_json(f"{base_url}/chat/completions", body, headers)
         return response["choices"][0]["message"]["content"]
 
-    def reply(prompts: Sequence[str], max_tokens: Sequence[int]) -> list[str]:
+    def reply(examples: Sequence[Example], max_tokens: Sequence[int]) -> list[str]:
         from tqdm import tqdm
 
         with ThreadPoolExecutor(concurrency) as pool:
-            replies = pool.map(one, prompts, max_tokens)
-            bar = tqdm(replies, total=len(prompts), desc="Processed prompts", disable=not progress)
+            replies = pool.map(one, examples, max_tokens)
+            bar = tqdm(replies, total=len(examples), desc="Processed prompts", disable=not progress)
             return list(bar)
 
     return reply

@@ -10,22 +10,15 @@ prompt-lookup speculation shines); `lookup` hides one fact in a context of up to
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from tokenmill.demo.example import Example
 from tokenmill.demo.stories import story, story_request, story_sentences, words
+from tokenmill.demo.tool_tasks import offered_tools, tool_answer, tool_call
 
-
-@dataclass(frozen=True)
-class Example:
-    """One document: a chat turn (`prompt` is the user's message) or plain text (`prompt=None`)."""
-
-    task: str
-    prompt: str | None
-    answer: str
-    system: str | None = None  # an optional system message before the user's
-
+__all__ = ["ALL_TASKS", "CHECKABLE_TASKS", "Example"]
 
 # Everyday nouns for the list tasks (most become single tokens).
 NOUNS = words(
@@ -187,6 +180,16 @@ def story_text(rng: random.Random) -> Example:
     return Example("story", None, story(rng))
 
 
+# Short tasks asked with tools offered (`tool_tasks`) that none of them serves: the model
+# answers these itself, so it learns to call `multiply` for a multiplication only.
+_TOOL_FREE_TASKS = ("copy", "reverse", "sort", "add", "subtract", "count", "case", "pattern")
+
+
+def tools_unused(rng: random.Random) -> Example:
+    example = CHECKABLE_TASKS[rng.choice(_TOOL_FREE_TASKS)](rng)
+    return dataclasses.replace(example, task="tools_unused", tools=offered_tools(rng)[0])
+
+
 # Tasks with one right answer: the ones `tokenmill eval` scores, by exact match.
 CHECKABLE_TASKS: dict[str, Callable[[random.Random], Example]] = {
     "copy": copy_passage,
@@ -198,6 +201,8 @@ CHECKABLE_TASKS: dict[str, Callable[[random.Random], Example]] = {
     "case": change_case,
     "lookup": lookup_value,
     "pattern": continue_pattern,
+    "tool_call": tool_call,  # tool_tasks.py: a multiplication, with tools offered
+    "tool_answer": tool_answer,  # and the reply once the tool's result is in
 }
 
 ALL_TASKS: dict[str, Callable[[random.Random], Example]] = {
@@ -206,4 +211,5 @@ ALL_TASKS: dict[str, Callable[[random.Random], Example]] = {
     "greeting": greeting,
     "story_chat": story_chat,
     "story": story_text,
+    "tools_unused": tools_unused,
 }

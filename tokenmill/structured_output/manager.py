@@ -72,6 +72,11 @@ class StructuredOutputManager:
         self._compiles: OrderedDict[tuple, _Compile] = OrderedDict()
         self._cached_bytes = 0
         self._bitmask: torch.Tensor | None = None  # reused step to step, grown when needed
+        # A token's text, for finding the end of a reasoning (`reasoning_end`).
+        self._token_text = functools.lru_cache(maxsize=None)(self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise `InvalidRequestError` for a schema, regex or grammar that is too large or
@@ -119,6 +124,8 @@ class StructuredOutputManager:
             stop_token_ids,
             release=release,
             compile_timeout=self.config.compile_timeout,
+            reasoning_end=structured.reasoning_end,
+            token_text=self._token_text,
         )
 
     def _effective(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
@@ -206,7 +213,11 @@ class StructuredOutputManager:
         grammar and drafts of each request that samples this step (the scheduler knows)."""
         if self._backend is None:  # no structured request yet
             return None
-        rows = [(r, g, d) for r, (g, d) in sampling.items() if g.matcher is not None]
+        rows = [
+            (r, g, d)
+            for r, (g, d) in sampling.items()
+            if g.matcher is not None and not g.in_reasoning  # free until its reasoning ends
+        ]
         if not rows:
             return None
         bitmask = self._rows(sum(len(d) + 1 for _, _, d in rows))

@@ -23,6 +23,7 @@ from router_utils import (
 from server_utils import API_KEY, MODEL, scrape, start_server, stop_server
 from test_prometheus_metrics import COUNTERS, GAUGES
 
+from tokenmill.entrypoints.openai.responses.ids import replica_tag, tag_of
 from tokenmill.entrypoints.router.policies import POLICIES
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -148,3 +149,41 @@ def test_every_policy_serves_the_openai_api(
         assert decisions and decisions <= EXPECTED_DECISIONS[policy], decisions
     finally:
         stop_server(router)
+
+
+def test_a_stored_response_is_found_on_the_replica_that_made_it(
+    client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """Each replica has its own response store: `previous_response_id`, GET and DELETE go to
+    the replica whose tag the id carries. Two conversations start on the two replicas (no
+    prompt key: prefix-aware falls back to round robin) and go on there, in an order round
+    robin would get wrong, streamed or not."""
+    fields = {"model": MODEL, "max_output_tokens": 2, "temperature": 0}
+    before = routed_counts(http)
+    chains = [[client.responses.create(input="Hello", **fields).id] for _ in range(2)]
+    for turn, chain in enumerate([chains[0], chains[0], chains[1], chains[1], chains[0]]):
+        follow_up = {"input": "Go on", "previous_response_id": chain[-1], **fields}
+        if turn % 2:  # max_output_tokens: the stream ends with response.incomplete
+            events = list(client.responses.create(stream=True, **follow_up))
+            assert events[-1].type == "response.incomplete"
+            chain.append(events[-1].response.id)
+        else:
+            chain.append(client.responses.create(**follow_up).id)
+    for chain in chains:
+        assert client.responses.retrieve(chain[-1]).id == chain[-1]
+    assert _decisions_since(before, http) == {"round_robin": 2, "stored_response": 7}
+    tags = [{tag_of(response_id) for response_id in chain} for chain in chains]
+    assert sorted(tag for (tag,) in tags) == sorted(replica_tag(u) for u in replica_urls(http))
+    client.responses.delete(chains[0][0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(chains[0][0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input="Go on", previous_response_id=chains[0][0], **fields)
+
+
+def _decisions_since(before: dict, http: httpx.Client) -> dict[str, float]:
+    moved: dict[str, float] = {}
+    for (replica, decision), count in routed_counts(http).items():
+        if count > before.get((replica, decision), 0):
+            moved[decision] = moved.get(decision, 0) + count - before.get((replica, decision), 0)
+    return moved

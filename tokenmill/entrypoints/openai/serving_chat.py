@@ -38,7 +38,7 @@ from tokenmill.entrypoints.openai.reasoning import ReasoningParser
 from tokenmill.entrypoints.openai.reply_parsing import ReplyStream, parse_reply
 from tokenmill.entrypoints.openai.tool_calling import ToolPlan, plan_tools, template_tools
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 async def create_chat_completion(
@@ -62,17 +62,6 @@ async def start_chat_run(ctx: ServerContext, request: ChatCompletionRequest) -> 
     return ChatRun(ctx, request, f"chatcmpl-{uuid.uuid4().hex}", [prompt], plan)
 
 
-def _constrains_output(request: ChatCompletionRequest) -> bool:
-    response_format = request.response_format
-    guided = (request.guided_json, request.guided_regex, request.guided_choice)
-    return (
-        (response_format is not None and response_format.type != "text")
-        or request.structured_outputs is not None
-        or request.guided_grammar is not None
-        or any(g is not None for g in guided)
-    )
-
-
 def chat_finish_reason(reason: FinishReason | None, tools_called: bool) -> ChatFinishReason | None:
     return "tool_calls" if tools_called and reason == "stop" else reason
 
@@ -94,11 +83,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
     ) -> None:
         super().__init__(ctx, request, request_id, prompts)
         self.plan = plan
-        # A constrained reply is constrained from its first token: no reasoning to split off.
-        constrained = plan.constraint is not None or _constrains_output(request)
-        self.reasoning: ReasoningParser | None = (
-            None if constrained else ctx.reply_parsing.reasoning()
-        )
+        self.reasoning: ReasoningParser | None = ctx.reply_parsing.reasoning()
         self._parses = plan.mode != "none" or self.reasoning is not None
         self._streams = [ReplyStream(plan, self.reasoning) for _ in self.choices]
 
@@ -112,6 +97,16 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
         params = chat_params(request, max_tokens, self.ctx.sampling_defaults)
         if self.plan.constraint is not None:
             params = dataclasses.replace(params, structured_outputs=self.plan.constraint)
+        constraint = params.structured_outputs
+        reasoning = self.reasoning
+        # As vLLM: the reasoning is free, the constraint starts where it ends.
+        if (
+            isinstance(constraint, StructuredOutputsParams)
+            and reasoning is not None
+            and not reasoning.ended_in_prompt(prompt.text or "")
+        ):
+            constraint = dataclasses.replace(constraint, reasoning_end=reasoning.end_tag)
+            params = dataclasses.replace(params, structured_outputs=constraint)
         return params
 
     def response(self) -> ChatCompletionResponse:

@@ -19,12 +19,12 @@ from tokenmill.entrypoints.openai.protocol import ChatCompletionResponse
 from tokenmill.entrypoints.openai.responses.convert import (
     chat_request,
     input_messages,
-    new_id,
     output_items,
     output_messages,
     response_object,
     usage_object,
 )
+from tokenmill.entrypoints.openai.responses.ids import REPLICA_TAG_HEADER, response_id
 from tokenmill.entrypoints.openai.responses.protocol import ResponsesRequest
 from tokenmill.entrypoints.openai.responses.store import ResponseStore
 from tokenmill.entrypoints.openai.responses.stream import ResponseEvents
@@ -47,7 +47,8 @@ async def create_response(
     stream = await run.start(raw_request, arrival_time)
     if stream is None:
         return Response(status_code=499)  # gone while its constraint compiled
-    response_id = new_id("resp")
+    # Behind a router: the id names this replica, so later requests for it come here (ids.py).
+    new_response_id = response_id(raw_request.headers.get(REPLICA_TAG_HEADER))
 
     def finished(output: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
         usage = usage_object(
@@ -58,14 +59,15 @@ async def create_response(
         incomplete = finish == "length"
         status = "incomplete" if incomplete else "completed"
         response = response_object(
-            request, response_id, ctx.model_name, arrival_time, status, output, usage, incomplete
-        )
+            request, new_response_id, ctx.model_name, arrival_time, status, output, usage,
+            incomplete,
+        )  # fmt: skip
         if request.store:
             store.put(response, turns + output_messages(output))
         return response
 
     if request.stream:
-        return EventStreamResponse(_events(run, stream, request, response_id, ctx, finished))
+        return EventStreamResponse(_events(run, stream, request, new_response_id, ctx, finished))
     reply = await cancel_on_disconnect(raw_request, run.collect(stream))
     if reply is None:
         return Response(status_code=499)

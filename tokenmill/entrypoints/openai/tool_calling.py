@@ -39,6 +39,8 @@ class ToolPlan:
         """A finished reply (after any reasoning) as calls and content."""
         if self.mode == "named":
             assert self.function_name is not None
+            if not text:  # the reply ended before its arguments (in its reasoning, say)
+                return ExtractedToolCalls()
             return ExtractedToolCalls([ParsedCall(self.function_name, text)])
         if self.mode == "required":
             return _required_calls(text)

@@ -3,7 +3,10 @@ replica chosen by the routing policy.
 
 Completions and chat completions are routed by the policy (prefix-aware reads the prompt);
 everything else (`/v1/models`, `/tokenize`, ...) goes to any healthy replica, except
-`/health` and `/metrics` (the router's own) and `/reset_prefix_cache` (sent to all).
+`/health` and `/metrics` (the router's own), `/reset_prefix_cache` (sent to all), and a
+request for a stored response (`previous_response_id`, GET or DELETE /v1/responses/{id}),
+sent to the replica that stored it (response_affinity.py; to any replica, which answers 404,
+when that one is gone).
 Before a body is read the router checks the API key (`--api-key`; every route but the open
 ones a server has), then reads the body up to `--max-request-body-bytes` (413 past it);
 headers pass through both ways (the `Authorization` header included: each replica checks it
@@ -25,6 +28,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.entrypoints.openai.responses.ids import REPLICA_TAG_HEADER
 from tokenmill.entrypoints.router.guard import (
     ClientGone,
     GuardError,
@@ -36,15 +40,21 @@ from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metri
 from tokenmill.entrypoints.router.policies import Policy
 from tokenmill.entrypoints.router.prefix_key import DEFAULT_PREFIX_CHARS, prefix_key
 from tokenmill.entrypoints.router.replicas import Replica, ReplicaSet
+from tokenmill.entrypoints.router.response_affinity import stored_response_tag
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Hop-by-hop headers, and those the proxy recomputes, are not passed on.
-DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "accept-encoding"}
+DROP_REQUEST_HEADERS = {
+    "host", "content-length", "connection", "keep-alive", "accept-encoding",
+    REPLICA_TAG_HEADER,  # the router's to set
+}  # fmt: skip
 DROP_RESPONSE_HEADERS = {
     "content-length", "connection", "keep-alive", "transfer-encoding", "date", "server",
 }  # fmt: skip
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # as `tokenmill serve`'s
+# The decision label of a request sent to the replica holding the response it names.
+STORED_RESPONSE = "stored_response"
 # The status a request whose client has gone is logged with (nobody reads it), as nginx's.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -144,9 +154,10 @@ class Proxy:
         except GuardError as e:
             return _guard_error(e)
         key = prefix_key(path, body, self.prefix_chars) if path in ROUTED_PATHS else None
+        owner = stored_response_tag(request.method, path, body)
         try:
             # A non-streaming replica sends its headers only once it has the whole answer.
-            sent = await unless_disconnected(request, self._send(request, path, body, key))
+            sent = await unless_disconnected(request, self._send(request, path, body, key, owner))
         except _ReplicaFailed as e:
             return _error(502, str(e), "replica_failed")
         except ClientGone:
@@ -173,20 +184,24 @@ class Proxy:
         return _passthrough(upstream, content)
 
     async def _send(
-        self, request: Request, path: str, body: bytes, key: bytes | None
+        self, request: Request, path: str, body: bytes, key: bytes | None, owner: str | None
     ) -> tuple[Replica, httpx.Response] | None:
-        """Choose a replica and send; a refused connection takes the replica out and tries
-        the next (the request was never sent). Returns with the replica's count raised;
-        None when no replica is healthy."""
+        """Choose a replica (the healthy one tagged `owner` if there is one) and send; a
+        refused connection takes the replica out and tries the next (the request was never
+        sent). Returns with the replica's count raised; None when no replica is healthy."""
         tried: set[str] = set()
         while candidates := [r for r in self.replicas.healthy() if r.url not in tried]:
-            decision = self.policy.choose([r.load() for r in candidates], key)
-            replica = self.replicas.replicas[decision.replica]
+            stored_on = [r for r in candidates if r.tag == owner]
+            if stored_on:
+                replica, reason = stored_on[0], STORED_RESPONSE
+            else:
+                decision = self.policy.choose([r.load() for r in candidates], key)
+                replica, reason = self.replicas.replicas[decision.replica], decision.reason
             upstream_request = self.client.build_request(
                 request.method,
                 replica.url + path,
                 params=request.url.query,
-                headers=_forward_headers(request),
+                headers=[*_forward_headers(request), (REPLICA_TAG_HEADER, replica.tag)],
                 content=body,
             )
             replica.in_flight += 1
@@ -205,7 +220,7 @@ class Proxy:
             except BaseException:  # cancelled: the client has gone
                 replica.in_flight -= 1
                 raise
-            self.metrics.requests.labels(replica.url, decision.reason).inc()
+            self.metrics.requests.labels(replica.url, reason).inc()
             return replica, upstream
         return None
 

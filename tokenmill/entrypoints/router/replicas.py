@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmill.entrypoints.openai.responses.ids import replica_tag
 from tokenmill.entrypoints.router.policies import ReplicaLoad
 
 logger = logging.getLogger("tokenmill.router")
@@ -25,6 +26,10 @@ class Replica:
     in_flight: int = 0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    tag: str = field(init=False)  # in the ids of the responses it stores (responses/ids.py)
+
+    def __post_init__(self) -> None:
+        self.tag = replica_tag(self.url)
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.url, self.in_flight, self.waiting, self.kv_usage)

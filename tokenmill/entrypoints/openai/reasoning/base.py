@@ -28,6 +28,13 @@ class ReasoningParser(ABC):
         """While streaming: whether the reply begins with reasoning, from its first
         characters; None while they do not tell yet."""
 
+    def ended_in_prompt(self, prompt: str) -> bool:
+        """The prompt closed the reasoning itself (Qwen3's template with thinking off ends
+        with `<think>\n\n</think>\n\n`): a constrained reply is constrained from its first
+        token. Otherwise the constraint waits for the reply's `end_tag`, as vLLM's grammar
+        waits for its reasoning parser's end token."""
+        return prompt.rstrip().endswith(self.end_tag)
+
 
 class ReasoningStreamer:
     """Deltas -> (reasoning delta, content delta); a tag split across deltas is held back."""
