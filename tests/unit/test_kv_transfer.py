@@ -65,7 +65,9 @@ def test_kv_transfer_config_parses_vllm_fields() -> None:
         ("{not json", "not valid JSON"),
         ("[1]", "must be a JSON object"),
         ({"kv_role": "kv_both"}, "needs a kv_connector"),
-        ({**STORAGE, "kv_ip": "1.2.3.4"}, "unknown kv_transfer_config keys"),
+        ({**STORAGE, "kv_buffer_device": "cuda"}, "unknown kv_transfer_config keys"),
+        ({**STORAGE, "kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be"),
+        ({**STORAGE, "kv_port": 70000}, "kv_port must be a port number"),
         ({**STORAGE, "kv_role": "kv_leader"}, "kv_role must be one of"),
         ({**STORAGE, "kv_connector_extra_config": []}, "must be a JSON object"),
     ],
@@ -157,8 +159,8 @@ class RecordingConnector(KVConnectorBase):
         self.finished: list[str] = []
         self.metas = 0
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        return self.num_external
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        return self.num_external, False
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
         self.allocated.append((request.request_id, list(block_ids), num_external_tokens))
@@ -172,9 +174,9 @@ class RecordingConnector(KVConnectorBase):
         self.metas += 1
         return KVConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]):
         self.finished.append(request.request_id)
-        return False
+        return False, None
 
     def start_load_kv(self) -> None: ...
 
@@ -270,17 +272,17 @@ def test_storage_round_trip_between_halves(tmp_path: Path, dtype) -> None:
     worker_half.wait_for_save()
     assert worker_half.stats().num_saved_blocks == 3
 
-    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
-    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4  # after a local hit
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == (8, False)
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == (4, False)  # after a local hit
     for path in scheduler_half.directory.iterdir():
         path.unlink()
     # Asked again with the same local hit (a request waiting for blocks): not read again.
-    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4
-    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 0  # a new match: gone
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == (4, False)
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == (0, False)  # a new match: gone
     assert scheduler_half.stats().num_corrupt_blocks == 0
 
     worker_half.wait_for_save()  # the files are written again
-    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == (8, False)
     scheduler_half.update_state_after_alloc(probe, [1, 2, 3, 4], 8)
     metadata = scheduler_half.build_connector_meta(SchedulerOutput([], [], {}, 0), {}, lambda _: [])
     worker_half.bind_connector_metadata(metadata)

@@ -13,11 +13,13 @@ import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenmill.config import PREEMPTION_MODES
 from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
+from tokenmill.core.remote_kv import RemoteKVRequests
 from tokenmill.core.request_queue import RequestQueue
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
@@ -105,8 +107,14 @@ class Scheduler:
         # the last step's shape waits for its measured time to feed the cost model.
         self.prefill_limits = prefill_limits or PrefillLimits()
         self.itl_feedback = ItlFeedback.for_limits(self.prefill_limits)
-        # The scheduler half of a KV connector: KV loaded from outside, saved after steps.
+        # The scheduler half of a KV connector: KV loaded from outside, saved after steps;
+        # the requests whose KV it moves asynchronously (loading, or finished and held).
         self.kv_connector = kv_connector
+        self.remote_kv = (
+            None
+            if kv_connector is None
+            else RemoteKVRequests(kv_connector, kv_cache_manager, self.waiting)
+        )
 
     @property
     def num_preemptions(self) -> int:
@@ -120,7 +128,9 @@ class Scheduler:
                 f"request {request.request_id} has {request.num_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or (
+            self.remote_kv is not None and request.request_id in self.remote_kv
+        ):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if self.kv_cache_manager.enable_caching:
             # Hash the prompt now: data that cannot be hashed fails this call alone, not a
@@ -137,6 +147,9 @@ class Scheduler:
             return
         self.running = [r for r in self.running if r.request_id not in ids]
         self.waiting.remove_ids(ids)
+        if self.remote_kv is not None:
+            for rid in ids:
+                self.remote_kv.finish(rid)
         for rid in ids:
             request = self.requests.pop(rid)
             request.status = status
@@ -144,6 +157,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """KV the connector still moves (loads on their way, finished requests' blocks held
+        for a send): the engine keeps stepping for it even with nothing to run."""
+        return self.remote_kv is not None and self.remote_kv.has_pending
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
@@ -294,9 +312,23 @@ class Scheduler:
                 if pairs is None:
                     break
                 plan.swap_in.extend(pairs)
+            elif manager.holds_blocks(request):  # its KV arrived through the connector
+                num_cached = request.num_computed_tokens
+                num_left = request.num_tokens - num_cached
+                num_new = self._num_new_tokens(num_left, num_cached, plan, is_prompt=True)
+                lookahead = self._lookahead(request, num_new, plan)
+                if num_new == 0 or manager.allocate_slots(request, num_new, (), lookahead) is None:
+                    break
             else:
                 hits, num_hit = manager.get_computed_blocks(request)
-                num_external = self._num_external_tokens(request, num_hit)
+                num_external, load_async = self._num_external_tokens(request, num_hit)
+                if load_async:
+                    if manager.allocate_slots(request, num_external, hits) is None:
+                        break
+                    manager.record_prefix_lookup(request, num_hit)
+                    assert self.remote_kv is not None
+                    self.remote_kv.admit(request, num_hit, num_external)
+                    continue
                 num_cached = num_hit + num_external
                 num_left = request.num_tokens - num_cached
                 if num_left > plan.budget and not self.enable_chunked_prefill:
@@ -325,10 +357,11 @@ class Scheduler:
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
 
-    def _num_external_tokens(self, request: Request, num_hit: int) -> int:
-        """Tokens past the local prefix-cache hit whose KV the connector will load."""
+    def _num_external_tokens(self, request: Request, num_hit: int) -> tuple[int, bool]:
+        """Tokens past the local prefix-cache hit whose KV the connector will load, and
+        whether they arrive asynchronously (the request waits off the step for them)."""
         if self.kv_connector is None:
-            return 0
+            return 0, False
         return self.kv_connector.get_num_new_matched_tokens(request, num_hit)
 
     @staticmethod
@@ -453,8 +486,14 @@ class Scheduler:
 
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
-            for req_id in finished_ids:
-                self._free(self.requests.pop(req_id))
+            for output in outputs:
+                if output.req_id in finished_ids:
+                    output.kv_transfer_params = self._free(self.requests.pop(output.req_id))
+        if self.remote_kv is not None and runner_output.kv_connector_output is not None:
+            ended = self.remote_kv.update(runner_output.kv_connector_output)
+            for output in ended:
+                self._free(self.requests.pop(output.req_id))
+            outputs += ended
         return outputs
 
     def finish_without_output(self) -> list[EngineCoreOutput]:
@@ -598,16 +637,23 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _free(self, request: Request) -> None:
-        if self.kv_connector is not None:
+    def _free(self, request: Request) -> dict[str, Any] | None:
+        """Give a finished request's blocks back, unless the KV connector still moves them
+        (then they are freed when it reports that transfer ended); returns the connector's
+        `kv_transfer_params` for the request's last output."""
+        held, params = False, None
+        if self.kv_connector is not None and self.remote_kv is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            delay = self.kv_connector.request_finished(request, block_ids)
-            assert not delay, "a KV connector that frees blocks later is not supported yet"
-        self.kv_cache_manager.free(request)
+            held, params = self.kv_connector.request_finished(request, block_ids)
+        if held and self.remote_kv is not None:
+            self.remote_kv.hold(request)
+        else:
+            self.kv_cache_manager.free(request)
         self.waiting.forget(request)
         self.finished_req_ids.add(request.request_id)
         if request.grammar is not None:
             request.grammar.release()  # a compile nobody waits for is cancelled
+        return params
 
 
 def _grammar_ready(request: Request) -> bool:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from tokenmill.metrics.stats import KVTransferRecord
+from tokenmill.outputs import RequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.bitmask import GrammarBitmask
 
@@ -69,6 +72,23 @@ class PromptLogprobs:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the worker half tells the scheduler half after a step: the asynchronous loads
+    and sends that have ended since the last step (their blocks are the scheduler's again)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)  # loaded whole
+    failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> why
+    transfers: list[KVTransferRecord] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.finished_sending or self.finished_recving or self.failed_recving or self.transfers
+        )
+
+
+@dataclass
 class ModelRunnerOutput:
     """Tokens generated this step by each request whose scheduled tokens reached its end:
     one, or with speculation the accepted drafts plus one."""
@@ -83,6 +103,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     spec_token_ids: dict[str, list[int]] | None = None  # drafts for the next step
     propose_seconds: float = 0.0  # of this step's time, spent proposing those drafts
+    # The KV connector's worker half: asynchronous loads and sends that ended.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass
@@ -100,6 +122,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_preemptions: int = 0  # of this request so far
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's, on the last output
+    error: RequestError | None = None  # finish_reason "error": why
 
     @property
     def finished(self) -> bool:

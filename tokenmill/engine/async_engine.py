@@ -266,7 +266,7 @@ class AsyncEngine:
                 self._run_commands()
                 if self._stopping or self._dead is not None:
                     return
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() or self.engine.has_pending_kv_transfers():
                     self._step()
                 else:
                     self._observe([])

@@ -17,16 +17,18 @@ from tokenmill.core.prefill_budget import PrefillLimits
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.core.step_cost import StepCostModel
+from tokenmill.engine.kv_connectors import (
+    check_kv_transfer_params,
+    kv_transfer_stats,
+    make_kv_connectors,
+)
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.step_records import StepRecord, new_step_ring
-from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
-from tokenmill.kv_transfer.factory import create_connector_pair
-from tokenmill.kv_transfer.fingerprint import model_fingerprint
 from tokenmill.layers.attention_backends import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import SINGLE
-from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferStats
+from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     checkpoint_dtype,
@@ -108,7 +110,15 @@ class LLMEngine:
         )
         if config.captures_decode(self.device):
             self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
-        self.kv_connectors = self._kv_connectors(kv_spec)
+        self.kv_connectors = make_kv_connectors(
+            config.kv_transfer_config,
+            model_dir,
+            str(self.dtype),
+            kv_spec,
+            self.kv_cache_manager.block_hashes,
+        )
+        if self.kv_connectors is not None:
+            self.runner.use_kv_connector(self.kv_connectors[1])
         self.scheduler = self._scheduler(num_blocks, spec_lookahead=draft_spec is not None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
@@ -141,6 +151,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         if isinstance(params.structured_outputs, StructuredOutputsParams):
             self.structured_output.validate(params.structured_outputs)
+        check_kv_transfer_params(self.kv_connectors, params)
         prompt_text, prompt_token_ids = self._tokenize(prompt, add_special_tokens)
         self._validate_prompt(prompt_token_ids)
         _validate_cache_salt(cache_salt)
@@ -202,14 +213,17 @@ class LLMEngine:
         scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
             self.scheduler.requests, scheduler_output
         )
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        idle = scheduler_output.is_empty and not scheduler_output.finished_req_ids
+        if idle and self.kv_connectors is None:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             # Nothing could run: at most the requests whose grammar is compiling are waiting.
             self.structured_output.wait_for_compiles(timeout=0.01)
-        else:
+        else:  # with a KV connector the runner also reports transfers in a step that idles
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
             self.scheduler.observe_step_time(time.perf_counter() - run_start, runner_output)
+            if idle and self.kv_connectors is not None:
+                self._wait_while_idle(runner_output)
         core_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -233,6 +247,20 @@ class LLMEngine:
         self.num_generation_tokens += sum(len(t) for t in runner_output.sampled_token_ids)
         return outputs
 
+    def _wait_while_idle(self, runner_output: ModelRunnerOutput) -> None:
+        """A step that ran nothing: sleep until a transfer or a compile ends (or 10 ms)
+        instead of spinning, unless the runner just reported transfers to act on."""
+        transfers = runner_output.kv_connector_output
+        if transfers is None or transfers.is_empty:
+            assert self.kv_connectors is not None
+            self.structured_output.wait_for_compiles(timeout=0.005)
+            self.kv_connectors[1].wait_for_transfers(timeout=0.01)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """The KV connector still moves KV (a load on its way, blocks held for a send):
+        the engine must keep stepping even when it has no request to run."""
+        return self.scheduler.has_pending_kv_transfers()
+
     def set_itl_target_ms(self, itl_target_ms: float) -> None:
         """Move the inter-token-latency target (the engine must have started with one): a
         benchmark sets it from the steady step it measured in this very engine."""
@@ -248,9 +276,7 @@ class LLMEngine:
             forward_seconds=self.runner.forward_seconds,
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens_prefilled,
             num_computed_prompt_tokens=self.scheduler.num_prompt_tokens_scheduled,
-            kv_transfer=None
-            if self.kv_connectors is None
-            else sum((c.stats() for c in self.kv_connectors), KVTransferStats()),
+            kv_transfer=kv_transfer_stats(self.kv_connectors),
         )
 
     def running_request_ids(self) -> set[str]:
@@ -294,9 +320,11 @@ class LLMEngine:
             )
 
     def shutdown(self) -> None:
-        """Stop the grammar compiles and the tensor-parallel workers, if any (the workers are
-        also stopped at garbage collection and exit)."""
+        """Stop the grammar compiles, the KV connector and the tensor-parallel workers, if any
+        (the workers are also stopped at garbage collection and exit)."""
         self.structured_output.shutdown()
+        for connector in self.kv_connectors or ():
+            connector.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -329,17 +357,6 @@ class LLMEngine:
             prefill_limits=self._prefill_limits(num_blocks),
             kv_connector=self.kv_connectors[0] if self.kv_connectors else None,
         )
-
-    def _kv_connectors(self, kv_spec: KVCacheSpec) -> tuple[KVConnectorBase, ...] | None:
-        """The configured KV connector's scheduler and worker halves; the runner gets its."""
-        config = self.config.kv_transfer_config
-        if config is None:
-            return None
-        fingerprint = model_fingerprint(self.model_dir, str(self.dtype), kv_spec)
-        context = KVConnectorContext(kv_spec, fingerprint, self.kv_cache_manager.block_hashes)
-        connectors = create_connector_pair(config, context)
-        self.runner.use_kv_connector(connectors[1])
-        return connectors
 
     def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:
         block_size = self.config.block_size

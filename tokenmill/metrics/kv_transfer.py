@@ -22,6 +22,16 @@ _COUNTERS = {
         "kv_connector_corrupt_blocks",
         "Stored KV blocks that failed their checks (recomputed instead).",
     ),
+    "bytes_sent": ("kv_connector_sent_bytes", "Bytes of KV sent to other engines."),
+    "send_seconds": ("kv_connector_send_seconds", "Seconds spent gathering and sending KV."),
+    "num_failed_transfers": (
+        "kv_connector_failed_transfers",
+        "KV transfers (sends and loads) that failed.",
+    ),
+    "num_expired_requests": (
+        "kv_connector_expired_requests",
+        "Finished prefills whose held KV no consumer pulled within the lease.",
+    ),
 }
 assert set(_COUNTERS) == {f.name for f in fields(KVTransferStats)}
 

@@ -1,0 +1,57 @@
+"""The engine's KV connector (tokenmill/kv_transfer/): its two halves made from the config,
+the check of a request's `kv_transfer_params`, and the halves' stats summed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenmill.config import KVTransferConfig
+from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
+from tokenmill.kv_transfer.factory import create_connector_pair
+from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.metrics.stats import KVTransferStats
+from tokenmill.request import Request
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+
+# (scheduler half, worker half)
+KVConnectors = tuple[KVConnectorBase, KVConnectorBase]
+
+
+def make_kv_connectors(
+    config: KVTransferConfig | None,
+    model_dir: Path,
+    compute_dtype: str,
+    kv_spec: KVCacheSpec,
+    block_hashes: Callable[[Request], list[bytes]],
+) -> KVConnectors | None:
+    if config is None:
+        return None
+    context = KVConnectorContext(
+        kv_spec,
+        model_fingerprint(model_dir, compute_dtype, kv_spec),
+        block_hashes,
+        transfer_fingerprint(model_dir, compute_dtype, kv_spec),
+    )
+    return create_connector_pair(config, context)
+
+
+def check_kv_transfer_params(connectors: KVConnectors | None, params: SamplingParams) -> None:
+    """InvalidRequestError for `kv_transfer_params` the connector cannot use; without a
+    connector they mean nothing here and are ignored (as in vLLM)."""
+    transfer = (params.extra_args or {}).get("kv_transfer_params")
+    if transfer is None or connectors is None:
+        return
+    if not isinstance(transfer, dict):
+        raise InvalidRequestError("kv_transfer_params", "must be an object")
+    try:
+        connectors[0].check_kv_transfer_params(transfer)
+    except ValueError as e:
+        raise InvalidRequestError("kv_transfer_params", str(e)) from None
+
+
+def kv_transfer_stats(connectors: KVConnectors | None) -> KVTransferStats | None:
+    if connectors is None:
+        return None
+    return connectors[0].stats() + connectors[1].stats()
