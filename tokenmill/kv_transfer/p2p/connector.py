@@ -69,6 +69,7 @@ class P2pConnector(KVConnectorBase):
         self._stats = KVTransferStats()
         # scheduler side
         self._remote: dict[str, RemotePrefill] = {}  # consumer: requests yet to pull or release
+        self._not_remote: set[str] = set()  # consumer: no (usable) remote prefill
         # consumer: pulls whose blocks are still being written (tokens, blocks)
         self._loading: dict[str, tuple[int, int]] = {}
         self._pending = P2pMetadata()  # what the next step's metadata carries
@@ -93,26 +94,32 @@ class P2pConnector(KVConnectorBase):
         remote = self._remote_of(request)
         if remote is None or request.sampling_params.prompt_logprobs is not None:
             return 0, False  # prompt logprobs need every position's logits: computed here
-        if remote.num_tokens != request.num_prompt_tokens or request.num_output_tokens:
-            return 0, False
-        if remote.prompt_digest != prompt_digest(request):
-            logger.warning("request %s: kv_transfer_params of another prompt", request.request_id)
-            return 0, False
         num_external = request.num_prompt_tokens - 1 - num_computed_tokens
         return (num_external, True) if num_external > 0 else (0, False)
 
     def _remote_of(self, request: Request) -> RemotePrefill | None:
-        if not self.config.is_kv_consumer:
+        """Where the request's prompt KV waits, if it says and if that KV is of its own
+        prompt and salt: params of another prompt or tenant are never used (not even to
+        release that hold; its lease frees it)."""
+        req_id = request.request_id
+        if not self.config.is_kv_consumer or req_id in self._not_remote:
             return None
-        if request.request_id not in self._remote:
+        if req_id not in self._remote:
             try:
                 remote = RemotePrefill.parse(request.kv_transfer_params)
             except TransferParamsError:
                 remote = None  # checked at the edge: only a direct Request gets here
+            if remote is not None and (
+                remote.num_tokens != request.num_prompt_tokens
+                or remote.prompt_digest != prompt_digest(request)
+            ):
+                logger.warning("request %s: kv_transfer_params of another prompt", req_id)
+                remote = None
             if remote is None:
+                self._not_remote.add(req_id)
                 return None
-            self._remote[request.request_id] = remote
-        return self._remote[request.request_id]
+            self._remote[req_id] = remote
+        return self._remote[req_id]
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -122,6 +129,7 @@ class P2pConnector(KVConnectorBase):
         if remote is None:
             return
         del self._remote[request.request_id]
+        self._not_remote.add(request.request_id)  # used once: a preempted request recomputes
         if num_external_tokens == 0:
             self._pending.pulls.append(PullJob(request.request_id, remote, 0, []))
             return
@@ -144,6 +152,7 @@ class P2pConnector(KVConnectorBase):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._not_remote.discard(req_id)
         remote = self._remote.pop(req_id, None)
         if remote is not None:  # never admitted (aborted while waiting): release the hold
             self._pending.pulls.append(PullJob(req_id, remote, 0, []))
