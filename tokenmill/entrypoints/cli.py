@@ -86,10 +86,14 @@ def _add_router(commands: argparse._SubParsersAction) -> None:
 def _router(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.listener import bind_listener
 
+    if args.backend and (args.prefill or args.decode):
+        raise ValueError("give either --backend or --prefill and --decode, not both")
+    if not args.backend and not (args.prefill and args.decode):
+        raise ValueError("the router needs --backend URL, or --prefill URL and --decode URL")
     listener = bind_listener(args.host, args.port)
     from tokenmill.entrypoints.router.server import run_router
 
-    run_router(args, listener, args.backend, args.policy)
+    run_router(args, listener, args.backend or [], args.policy)
     return 0
 
 

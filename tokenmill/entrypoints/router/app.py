@@ -91,6 +91,7 @@ class Proxy:
         prefix_chars: int,
         api_key: str | None,
         max_body_bytes: int,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.replicas = replicas
         self.policy = policy
@@ -98,7 +99,7 @@ class Proxy:
         self.api_key = api_key
         self.metrics_api_key = api_key  # the key /metrics needs (None: open)
         self.max_body_bytes = max_body_bytes
-        self.metrics = RouterMetrics(replicas)
+        self.metrics = metrics or RouterMetrics(replicas)
         self.client: httpx.AsyncClient
 
     async def health(self) -> Response:
@@ -114,7 +115,7 @@ class Proxy:
             check_api_key(request, self.metrics_api_key, "/metrics")
         except GuardError as e:
             return _guard_error(e)
-        text = await aggregated_metrics(self.metrics, self.replicas, self.client)
+        text = await aggregated_metrics(self.metrics, self.client, self.replicas)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
@@ -139,10 +140,19 @@ class Proxy:
     async def forward(self, request: Request, path: str) -> Response:
         path = "/" + path
         try:
-            check_api_key(request, self.api_key, path)  # first: no body is read without it
-            body = await read_body(request, self.max_body_bytes)
+            body = await self.checked_body(request, path)
         except GuardError as e:
             return _guard_error(e)
+        return await self.send_body(request, path, body)
+
+    async def checked_body(self, request: Request, path: str) -> bytes:
+        """The request's body once its key is checked (first: no body is read without it);
+        GuardError otherwise."""
+        check_api_key(request, self.api_key, path)
+        return await read_body(request, self.max_body_bytes)
+
+    async def send_body(self, request: Request, path: str, body: bytes) -> Response:
+        """Send `body` to a replica the policy picks; its answer, relayed."""
         key = prefix_key(path, body, self.prefix_chars) if path in ROUTED_PATHS else None
         try:
             # A non-streaming replica sends its headers only once it has the whole answer.
@@ -173,12 +183,19 @@ class Proxy:
         return _passthrough(upstream, content)
 
     async def _send(
-        self, request: Request, path: str, body: bytes, key: bytes | None
+        self,
+        request: Request,
+        path: str,
+        body: bytes,
+        key: bytes | None,
+        avoid: str | None = None,
     ) -> tuple[Replica, httpx.Response] | None:
-        """Choose a replica and send; a refused connection takes the replica out and tries
-        the next (the request was never sent). Returns with the replica's count raised;
-        None when no replica is healthy."""
+        """Choose a replica (not `avoid` while another is healthy) and send; a refused
+        connection takes the replica out and tries the next (the request was never sent).
+        Returns with the replica's count raised; None when no replica is healthy."""
         tried: set[str] = set()
+        if avoid is not None and any(r.url != avoid for r in self.replicas.healthy()):
+            tried.add(avoid)
         while candidates := [r for r in self.replicas.healthy() if r.url not in tried]:
             decision = self.policy.choose([r.load() for r in candidates], key)
             replica = self.replicas.replicas[decision.replica]
