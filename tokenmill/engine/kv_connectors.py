@@ -7,11 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tokenmill.config import KVTransferConfig
+from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
 from tokenmill.layers.kv_cache import KVCacheSpec
-from tokenmill.metrics.stats import KVTransferStats
+from tokenmill.metrics.recent import REQUEST_HISTORY
+from tokenmill.metrics.ring import Ring
+from tokenmill.metrics.stats import KVTransferRecord, KVTransferStats
 from tokenmill.request import Request
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 
@@ -35,6 +38,17 @@ def make_kv_connectors(
         transfer_fingerprint(model_dir, compute_dtype, kv_spec),
     )
     return create_connector_pair(config, context)
+
+
+def transfer_ring(connectors: KVConnectors | None) -> Ring[KVTransferRecord] | None:
+    """Where the engine keeps each request's transfer, for /metrics and the dashboard."""
+    return None if connectors is None else Ring(REQUEST_HISTORY)
+
+
+def record_transfers(ring: Ring[KVTransferRecord] | None, output: ModelRunnerOutput) -> None:
+    if ring is not None and output.kv_connector_output is not None:
+        for record in output.kv_connector_output.transfers:
+            ring.append(record)
 
 
 def check_kv_transfer_params(connectors: KVConnectors | None, params: SamplingParams) -> None:

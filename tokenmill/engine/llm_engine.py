@@ -21,6 +21,8 @@ from tokenmill.engine.kv_connectors import (
     check_kv_transfer_params,
     kv_transfer_stats,
     make_kv_connectors,
+    record_transfers,
+    transfer_ring,
 )
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.engine.output_processor import OutputProcessor
@@ -119,6 +121,7 @@ class LLMEngine:
         )
         if self.kv_connectors is not None:
             self.runner.use_kv_connector(self.kv_connectors[1])
+        self.kv_transfers = transfer_ring(self.kv_connectors)  # each request's, recently
         self.scheduler = self._scheduler(num_blocks, spec_lookahead=draft_spec is not None)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
@@ -222,6 +225,7 @@ class LLMEngine:
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
             self.scheduler.observe_step_time(time.perf_counter() - run_start, runner_output)
+            record_transfers(self.kv_transfers, runner_output)
             if idle and self.kv_connectors is not None:
                 self._wait_while_idle(runner_output)
         core_outputs += self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -63,7 +63,15 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.disaggregate and args.data_parallel_size > 1:
+        raise ValueError(
+            "--disaggregate runs one prefill and one decode instance: no --data-parallel-size"
+        )
     listener = bind_listener(args.host, args.port)  # before the model and its imports load
+    if args.disaggregate:
+        from tokenmill.entrypoints.router.disaggregate import run_disaggregated
+
+        return run_disaggregated(args, listener, args.argv)
     if args.data_parallel_size > 1:
         from tokenmill.entrypoints.router.data_parallel import run_data_parallel
 

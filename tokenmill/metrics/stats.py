@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Upper bounds (prompt tokens) of the buckets of the per-step prefill budget histogram.
 PREFILL_BUDGET_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -74,10 +75,11 @@ class ItlTargetStats:
         self.budget_sum += num_tokens
 
 
-@dataclass(frozen=True)
-class KVTransferRecord:
-    """One request's KV sent or received by the worker half, as it measured it."""
+class KVTransferRecord(NamedTuple):
+    """One request's KV sent or received by a connector's worker half, as it measured it;
+    kept in a ring for /metrics and the dashboard (which read the wall clock first)."""
 
+    time: float  # wall clock when it ended
     request_id: str
     direction: str  # "send" | "recv"
     num_bytes: int

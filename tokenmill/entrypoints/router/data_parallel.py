@@ -40,7 +40,7 @@ def run_data_parallel(args: argparse.Namespace, listener: socket.socket, argv: l
         ", ".join(urls),
     )
     try:
-        _wait_until_healthy(supervisor.children, urls)
+        wait_until_healthy(supervisor.children, urls)
         supervisor.watch()
         run_router(
             args,
@@ -55,7 +55,7 @@ def run_data_parallel(args: argparse.Namespace, listener: socket.socket, argv: l
     return 0
 
 
-def _wait_until_healthy(children: list[subprocess.Popen[bytes]], urls: list[str]) -> None:
+def wait_until_healthy(children: list[subprocess.Popen[bytes]], urls: list[str]) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
     pending = dict(zip(urls, children))
     while pending:

@@ -133,9 +133,8 @@ class _Link:
             start = time.perf_counter()
             try:
                 num_bytes = self._pull(job)
-                record = KVTransferRecord(
-                    job.request_id, "recv", num_bytes, time.perf_counter() - start
-                )
+                seconds = time.perf_counter() - start
+                record = KVTransferRecord(time.time(), job.request_id, "recv", num_bytes, seconds)
             except Exception as e:
                 failure = e if isinstance(e, TransferFailed) else _unexpected(e)
                 logger.warning("KV of request %s did not arrive: %s", job.request_id, failure)
@@ -143,7 +142,7 @@ class _Link:
                     self._close()
                 seconds = time.perf_counter() - start
                 record = KVTransferRecord(
-                    job.request_id, "recv", 0, seconds, str(failure), failure.reason
+                    time.time(), job.request_id, "recv", 0, seconds, str(failure), failure.reason
                 )
             self.receiver.report(job, record if job.block_ids or record.error else None)
 

@@ -177,7 +177,8 @@ class KVSender:
             payload = self._gather(request_id, message)
         except ValueError as e:  # refused: the held request (if any) keeps its pulls
             send_message(connection, {"ok": False, "error": str(e)})
-            self._record(KVTransferRecord(request_id, "send", 0, 0.0, str(e), "refused"))
+            refusal = KVTransferRecord(time.time(), request_id, "send", 0, 0.0, str(e), "refused")
+            self._record(refusal)
             return
         if payload is None:  # a release: nothing to send
             send_message(connection, {"ok": True, "num_blocks": 0})
@@ -195,7 +196,9 @@ class KVSender:
             raise
         finally:
             seconds = time.perf_counter() - start
-            record = KVTransferRecord(request_id, "send", payload.numel(), seconds, error, reason)
+            record = KVTransferRecord(
+                time.time(), request_id, "send", payload.numel(), seconds, error, reason
+            )
             self._pulled(request_id, record)
 
     def _gather(self, request_id: str, message: dict) -> torch.Tensor | None:
