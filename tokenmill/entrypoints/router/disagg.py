@@ -95,10 +95,7 @@ class DisaggProxy:
     async def _disaggregated(self, request: Request, path: str, body: dict) -> Response:
         avoid: str | None = None
         for attempt in range(MAX_ATTEMPTS):
-            prefilled = await self._prefill(request, path, body, avoid)
-            if isinstance(prefilled, Response):
-                return prefilled  # the client's own error (a 4xx), as the prefill said it
-            prefill_url, params = prefilled
+            prefill_url, params = await self._prefill(request, path, body, avoid)
             mode = "decode_only" if params is None else "disaggregated"
             answer = await self._decode(request, path, body, params)
             if not isinstance(answer, _KVNotArrived):
@@ -112,9 +109,9 @@ class DisaggProxy:
 
     async def _prefill(
         self, request: Request, path: str, body: dict, avoid: str | None
-    ) -> Response | tuple[str | None, dict | None]:
+    ) -> tuple[str | None, dict | None]:
         """(the prefill instance, the KV's params); (None, None) when no prefill instance is
-        healthy; a Response for the client's own error."""
+        healthy or the request was refused (the decode instance then runs it whole)."""
         leg = bodies.prefill_body(path, body)
         start = time.monotonic()
         while True:
@@ -137,7 +134,10 @@ class DisaggProxy:
                 await upstream.aclose()
                 replica.in_flight -= 1
             if 400 <= upstream.status_code < 500:
-                return _passthrough(upstream, content)
+                # Refused: the decode instance checks the client's own request and answers it
+                # (the same error a single server gives, not one about the prefill leg's
+                # rewrite), or serves it whole if only the rewrite was the problem.
+                return None, None
             if upstream.status_code != 200:
                 self.prefill.replicas.mark_down(replica, f"answered {upstream.status_code}")
                 continue
