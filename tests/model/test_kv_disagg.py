@@ -244,7 +244,7 @@ def test_a_corrupted_block_fails_the_request_and_frees_both_sides(
         return crcs
 
     monkeypatch.setattr(sender_module, "block_crcs", corrupt_after_checksum)
-    pair = make_pair(checkpoint)
+    pair = make_pair(checkpoint, extra={"chunk_bytes": 1})  # the last block, in the last chunk
     try:
         outputs = pair.generate({"a": prompts["a"]})
         output = outputs["a"]
@@ -392,3 +392,17 @@ def test_bad_kv_transfer_params_are_rejected_when_added(checkpoint) -> None:
         assert not decode.has_unfinished_requests()
     finally:
         decode.shutdown()
+
+
+def test_a_transfer_in_chunks_with_a_paced_receiver(checkpoint, prompts, expected) -> None:
+    """One block per chunk (each checked and written before the next), the receiver resting
+    between chunks as long as it worked: the same outputs, every block written."""
+    pair = make_pair(checkpoint, extra={"chunk_bytes": 1, "recv_duty_cycle": 0.5})
+    try:
+        assert pair.decode.kv_connectors[1].receiver.chunk_blocks == 1
+        outputs = pair.generate({"a": prompts["a"], "b": prompts["b"]})
+        assert tokens(outputs) == {k: expected[k] for k in ("a", "b")}
+        assert outputs["a"].num_cached_tokens == len(prompts["a"]) - 1
+        assert all_blocks_free(pair.prefill) and all_blocks_free(pair.decode)
+    finally:
+        pair.shutdown()

@@ -33,6 +33,7 @@ def build_parser() -> CommandParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_router(commands)
+    _add_tp_worker(commands)
     _add_generate(commands)
     _add_bench(commands)
     _add_eval(commands)
@@ -103,6 +104,27 @@ def _router(args: argparse.Namespace) -> int:
 
     run_router(args, listener, args.backend or [], args.policy)
     return 0
+
+
+def _add_tp_worker(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "tp-worker",
+        help="this machine's tensor-parallel ranks of an engine started elsewhere with --nnodes",
+    )
+    parser.add_argument(
+        "--master-addr", required=True, help="the engine's MASTER_ADDR (where its ranks meet)"
+    )
+    parser.add_argument("--master-port", type=int, required=True, help="its MASTER_PORT")
+    parser.add_argument(
+        "--node-rank", type=int, required=True, help="this machine's index: 1 .. nnodes-1"
+    )
+    parser.set_defaults(handler=_tp_worker)
+
+
+def _tp_worker(args: argparse.Namespace) -> int:
+    from tokenmill.worker.remote_workers import run_remote_workers
+
+    return run_remote_workers(f"{args.master_addr}:{args.master_port}", args.node_rank)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:

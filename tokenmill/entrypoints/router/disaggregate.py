@@ -15,6 +15,7 @@ import os
 import socket
 
 from tokenmill.bench.server_process import free_port
+from tokenmill.config import KVTransferConfig
 from tokenmill.entrypoints.router.data_parallel import DRAIN_MARGIN_SECONDS, wait_until_healthy
 from tokenmill.entrypoints.router.server import run_router
 from tokenmill.entrypoints.router.supervisor import ReplicaLaunch, ReplicaSupervisor
@@ -33,20 +34,25 @@ def split_cpus(cpus: set[int]) -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(ordered[:half]), frozenset(ordered[half:])
 
 
-def kv_transfer_configs(kv_port: int) -> tuple[str, str]:
-    """The two instances' `--kv-transfer-config`: the producer listens on loopback."""
-    common = {"kv_connector": "P2pConnector", "kv_ip": "127.0.0.1"}
+def kv_transfer_configs(kv_port: int, given: KVTransferConfig | None = None) -> tuple[str, str]:
+    """The two instances' `--kv-transfer-config`: the producer listens on loopback. A
+    `--kv-transfer-config` given with `--disaggregate` adds its P2P options (its
+    `kv_connector_extra_config`, `kv_load_failure_policy`) to both."""
+    common: dict = {"kv_connector": "P2pConnector", "kv_ip": "127.0.0.1"}
+    if given is not None:
+        if given.kv_connector != "P2pConnector":
+            raise ValueError("--disaggregate moves KV with the P2pConnector")
+        common["kv_connector_extra_config"] = given.kv_connector_extra_config
+        common["kv_load_failure_policy"] = given.kv_load_failure_policy
     producer = {**common, "kv_role": "kv_producer", "kv_port": kv_port}
     consumer = {**common, "kv_role": "kv_consumer"}
     return json.dumps(producer), json.dumps(consumer)
 
 
 def run_disaggregated(args: argparse.Namespace, listener: socket.socket, argv: list[str]) -> int:
-    if args.kv_transfer_config is not None:
-        raise ValueError("--disaggregate makes the instances' --kv-transfer-config itself")
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    producer, consumer = kv_transfer_configs(free_port())
+    producer, consumer = kv_transfer_configs(free_port(), args.kv_transfer_config)
     prefill_cpus, decode_cpus = split_cpus(os.sched_getaffinity(0))
     launches = [
         ReplicaLaunch(("--kv-transfer-config", producer, "--no-disaggregate"), prefill_cpus),

@@ -12,8 +12,11 @@ request computes its last prompt token and decodes. The producer frees its block
 last pull or when `kv_lease_duration` runs out (`sender.py`).
 
 `kv_connector_extra_config`: `timeout` (seconds a transfer may take, also the connect and the
-wait for a hold to be registered; default 30) and `kv_lease_duration` (seconds a producer holds
-a finished prefill's blocks for its consumers; default 120).
+wait for a hold to be registered; default 30), `kv_lease_duration` (seconds a producer holds
+a finished prefill's blocks for its consumers; default 120), `chunk_bytes` (a transfer moves
+in chunks of about this size, each checked and written before the next; default 16 MiB) and
+`recv_duty_cycle` (the share of time a consumer's receiver may work: below 1 it rests between
+chunks, so the decode steps on the same cores are slowed less; default 1).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_LEASE = 120.0
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 @dataclass
@@ -66,6 +70,10 @@ class P2pConnector(KVConnectorBase):
         extra = config.kv_connector_extra_config
         self.timeout = _seconds(extra, "timeout", DEFAULT_TIMEOUT)
         self.lease = _seconds(extra, "kv_lease_duration", DEFAULT_LEASE)
+        self.chunk_bytes = int(_seconds(extra, "chunk_bytes", DEFAULT_CHUNK_BYTES))
+        self.duty_cycle = _seconds(extra, "recv_duty_cycle", 1.0)
+        if self.duty_cycle > 1:
+            raise ConfigError("kv_connector_extra_config.recv_duty_cycle must be in (0, 1]")
         self._stats = KVTransferStats()
         # scheduler side
         self._remote: dict[str, RemotePrefill] = {}  # consumer: requests yet to pull or release
@@ -214,7 +222,14 @@ class P2pConnector(KVConnectorBase):
             self.config.kv_port = self.sender.port
             logger.info("KV producer listening on %s:%d", self.config.kv_ip, self.sender.port)
         if self.config.is_kv_consumer:
-            self.receiver = KVReceiver(kv_caches, fingerprint, self.timeout, self._activity.set)
+            self.receiver = KVReceiver(
+                kv_caches,
+                fingerprint,
+                self.timeout,
+                self._activity.set,
+                self.chunk_bytes,
+                self.duty_cycle,
+            )
 
     def start_load_kv(self) -> None:
         metadata = self._metadata
@@ -256,7 +271,8 @@ class P2pConnector(KVConnectorBase):
 
 
 def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
+    """A positive number from the extra config (seconds, bytes or a fraction)."""
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"kv_connector_extra_config.{key} must be seconds > 0, got {value!r}")
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number > 0, got {value!r}")
     return float(value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import socket
 import threading
@@ -68,11 +69,17 @@ class KVReceiver:
         fingerprint: str,
         timeout: float,
         on_event: Callable[[], None],
+        chunk_bytes: int = 16 << 20,
+        duty_cycle: float = 1.0,
     ) -> None:
         self.kv_caches = kv_caches
         self.fingerprint = fingerprint
         self.timeout = timeout
         self.on_event = on_event
+        cache = kv_caches[0]  # [2, blocks, block_size, heads, head_dim] per layer
+        block_bytes = len(kv_caches) * cache[:, 0].numel() * cache.element_size()
+        self.chunk_blocks = max(1, chunk_bytes // block_bytes)
+        self.duty_cycle = duty_cycle
         self.links: dict[tuple[str, int], _Link] = {}
         self.events = ReceiverEvents()
         self.lock = threading.Lock()
@@ -83,6 +90,12 @@ class KVReceiver:
         if link is None:
             link = self.links[address] = _Link(self, address)
         link.jobs.put(job)
+
+    def pace(self, busy_seconds: float) -> None:
+        """After `busy_seconds` of receiving: rest so that receiving takes `duty_cycle` of
+        the time (1: no rest)."""
+        if self.duty_cycle < 1.0:
+            time.sleep(busy_seconds * (1.0 / self.duty_cycle - 1.0))
 
     def take_events(self) -> ReceiverEvents:
         with self.lock:
@@ -159,6 +172,7 @@ class _Link:
                     "prompt_digest": job.remote.prompt_digest,
                     "first_block": job.first_block,
                     "num_blocks": num_blocks,
+                    "chunk_blocks": self.receiver.chunk_blocks,
                 },
             )
             reply = recv_message(sock)
@@ -166,30 +180,38 @@ class _Link:
                 raise TransferFailed("refused", f"the producer refused: {reply.get('error')}")
             if not num_blocks:
                 return 0
-            payload = self._receive(pair, reply, num_blocks)
+            return self._receive(pair, reply, job.block_ids)
         except ChannelError as e:
             reason = "timeout" if "in time" in str(e) else "connection"
             raise TransferFailed(reason, f"{self._peer()}: {e}") from e
         except (RuntimeError, OSError) as e:  # gloo: a timeout or a broken pair
             reason = "timeout" if "timed out" in str(e).lower() else "connection"
             raise TransferFailed(reason, f"{self._peer()}: {_first_line(e)}") from e
-        scatter_blocks(self.receiver.kv_caches, job.block_ids, payload)
-        return payload.numel()
 
-    def _receive(self, pair: PairGroup, reply: dict, num_blocks: int) -> torch.Tensor:
-        shape = reply.get("shape")
-        crcs = reply.get("crc32")
+    def _receive(self, pair: PairGroup, reply: dict, block_ids: list[int]) -> int:
+        """Receive the blocks chunk by chunk, each checked (CRC-32 per block) before it is
+        written into the cache, pausing between chunks to keep the receiver's share of the
+        time to `duty_cycle` (the decode steps on the same cores go on); their bytes."""
+        num_blocks = len(block_ids)
+        shape, crcs = reply.get("shape"), reply.get("crc32")
         expected = list(self._payload_shape(num_blocks))
+        chunk = reply.get("chunk_blocks")
         if shape != expected or not isinstance(crcs, list) or len(crcs) != num_blocks:
             raise TransferFailed("refused", f"a header for another layout: {shape}, {expected}")
+        if not isinstance(chunk, int) or chunk < 1:
+            raise TransferFailed("refused", f"a header without chunks: {chunk!r}")
         device = self.receiver.kv_caches[0].device
-        payload = torch.empty(expected, dtype=torch.uint8, device=device)
-        pair.recv(payload, int(reply.get("tag", 0)))
-        cpu = payload.cpu()
-        for index, crc in enumerate(crcs):
-            if zlib.crc32(cpu[:, :, index].contiguous().numpy()) != crc:
-                raise TransferFailed("checksum", f"block {index} arrived corrupted (CRC-32)")
-        return payload
+        for index, first in enumerate(range(0, num_blocks, chunk)):
+            start = time.perf_counter()
+            count = min(chunk, num_blocks - first)
+            payload = torch.empty([*expected[:2], count, *expected[3:]], dtype=torch.uint8)
+            payload = payload.to(device)
+            pair.recv(payload, index)
+            _check_crcs(payload.cpu(), crcs[first : first + count], first)
+            scatter_blocks(self.receiver.kv_caches, block_ids[first : first + count], payload)
+            if first + count < num_blocks:
+                self.receiver.pace(time.perf_counter() - start)
+        return math.prod(expected)
 
     def _payload_shape(self, num_blocks: int) -> tuple[int, ...]:
         cache = self.receiver.kv_caches[0]  # [2, blocks, block_size, heads, head_dim]
@@ -228,6 +250,12 @@ class _Link:
 
     def _peer(self) -> str:
         return f"the KV producer {self.address[0]}:{self.address[1]}"
+
+
+def _check_crcs(payload: torch.Tensor, crcs: list[int], first: int) -> None:
+    for index, crc in enumerate(crcs):
+        if zlib.crc32(payload[:, :, index].contiguous().numpy()) != crc:
+            raise TransferFailed("checksum", f"block {first + index} arrived corrupted (CRC-32)")
 
 
 def _unexpected(error: Exception) -> TransferFailed:

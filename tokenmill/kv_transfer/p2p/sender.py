@@ -5,15 +5,15 @@ A held request is registered by the worker half (from the step's metadata) with 
 its prompt digest, how many pulls to expect and a lease. Each consumer connection is served
 by a thread of its own: a hello (checked against this engine's KV layout), then pulls, each
 answered by a header (the payload's shape, a CRC-32 per block, the transfer's tag) and one
-point-to-point send of the blocks, gathered into one payload first, so the blocks themselves
-are free again as soon as the gather is done. A request is done (its blocks freed by the
+point-to-point send per chunk of the blocks (the consumer says how many blocks a chunk has),
+gathered into one payload first, so the blocks themselves are free again as soon as the
+gather is done. A request is done (its blocks freed by the
 scheduler) after its last pull, or when its lease runs out with no pull in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import socket
 import threading
@@ -141,10 +141,8 @@ class KVSender:
         pair: PairGroup | None = None
         try:
             pair = self._handshake(connection)
-            tags = itertools.count()
             while not self._stopping:
-                message = recv_message(connection)
-                self._serve_pull(connection, pair, message, next(tags))
+                self._serve_pull(connection, pair, recv_message(connection))
         except (ChannelError, RuntimeError, OSError) as e:
             if not self._stopping:
                 logger.info("a KV consumer connection ended: %s", e)
@@ -168,9 +166,7 @@ class KVSender:
         device = self.kv_caches[0].device
         return join_pair(store, 0, self.host, device, self.timeout, name)
 
-    def _serve_pull(
-        self, connection: socket.socket, pair: PairGroup, message: dict, tag: int
-    ) -> None:
+    def _serve_pull(self, connection: socket.socket, pair: PairGroup, message: dict) -> None:
         request_id = str(message.get("request_id"))
         start = time.perf_counter()
         try:
@@ -184,12 +180,16 @@ class KVSender:
             send_message(connection, {"ok": True, "num_blocks": 0})
             self._pulled(request_id, None)
             return
-        cpu = payload.cpu()
-        header = {"ok": True, "num_blocks": payload.shape[2], "tag": tag}
-        send_message(connection, {**header, "shape": list(payload.shape), "crc32": block_crcs(cpu)})
+        num_blocks = payload.shape[2]
+        chunk = max(1, int(message.get("chunk_blocks") or num_blocks))
+        header = {"ok": True, "num_blocks": num_blocks, "chunk_blocks": chunk}
+        send_message(
+            connection, {**header, "shape": list(payload.shape), "crc32": block_crcs(payload.cpu())}
+        )
         error = reason = None
-        try:
-            pair.send(payload, tag)
+        try:  # in chunks, in order (tag: the chunk's index): the consumer may pace them
+            for index, first in enumerate(range(0, num_blocks, chunk)):
+                pair.send(payload[:, :, first : first + chunk].contiguous(), index)
         except RuntimeError as e:
             error = f"the send failed: {str(e).strip().splitlines()[0] if str(e) else e!r}"
             reason = "timeout" if "timed out" in str(e).lower() else "connection"
