@@ -76,6 +76,10 @@ SERVED_TARGET_FACTORS = (2.0,)
 DISAGGREGATED = "tokenmill serve --disaggregate (half the cores each)"
 
 
+def disaggregated_label(duty: float) -> str:
+    return DISAGGREGATED if duty == 1.0 else f"{DISAGGREGATED}, recv_duty_cycle {duty:g}"
+
+
 def smollm2_shaped_model() -> Path:
     """SmolLM2-135M's shape (make_smollm_shaped_model.py) with an 8192-token context, built
     once into the cache directory (the benchmark feeds token ids)."""
@@ -235,8 +239,14 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
             target_ms = factor * 1000 * baseline.steady
             label = f"tokenmill serve, itl target {factor}x = {target_ms:.0f} ms"
             configs[label] = tokenmill(label, ["--itl-target-ms", f"{target_ms:.1f}"])
-        if not args.no_disaggregate:
-            configs[DISAGGREGATED] = tokenmill(DISAGGREGATED, ["--disaggregate"])
+        for duty in [] if args.no_disaggregate else args.recv_duty_cycles:
+            label = disaggregated_label(duty)
+            extra = {
+                "kv_connector": "P2pConnector",
+                "kv_connector_extra_config": {"recv_duty_cycle": duty},
+            }
+            flags = ["--disaggregate", "--kv-transfer-config", json.dumps(extra)]
+            configs[label] = tokenmill(label, flags)
         return {**configs, **llama_rows}
 
     if args.llama_only:
@@ -267,6 +277,13 @@ def main() -> None:
     parser.add_argument(
         "--no-disaggregate", action="store_true", help="--server: no `serve --disaggregate` row"
     )
+    parser.add_argument(
+        "--recv-duty-cycles",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="--server: one `serve --disaggregate` row per decode-side receiver duty cycle",
+    )
     args = parser.parse_args()
     model = args.model or smollm2_shaped_model()
     runs = served_runs(model, args) if args.server else offline_runs(model, args)
@@ -279,9 +296,11 @@ def main() -> None:
         if "target" in label:
             print(goal_check(label, runs[baseline_label], label_runs))
     chunked = [label for label in runs if "target" in label]
-    if DISAGGREGATED in runs and chunked:
+    disaggregated = [label for label in runs if label.startswith(DISAGGREGATED)]
+    if disaggregated and chunked:
         print(f"\nIssue 32's goal, against {chunked[0]}:")
-        print(disaggregation_check(DISAGGREGATED, runs[chunked[0]], runs[DISAGGREGATED]))
+        for label in disaggregated:
+            print(disaggregation_check(label, runs[chunked[0]], runs[label]))
 
 
 if __name__ == "__main__":
