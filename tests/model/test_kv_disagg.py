@@ -233,17 +233,24 @@ def test_salted_requests_round_trip_and_never_load_another_tenants_kv(
         pair.shutdown()
 
 
-def test_a_corrupted_block_fails_the_request_and_frees_both_sides(
-    checkpoint, prompts, expected, monkeypatch
-) -> None:
+def corrupt_in_transit(monkeypatch, index: int):
+    """Flip the payload's byte `index` after its CRCs are taken (one byte corrupted on the
+    way); returns the real CRC function."""
     real = sender_module.block_crcs
 
     def corrupt_after_checksum(payload):
         crcs = real(payload)
-        payload.view(-1)[-1] ^= 0xFF  # one byte flipped on the way: the CRC no longer matches
+        payload.view(-1)[index] ^= 0xFF
         return crcs
 
     monkeypatch.setattr(sender_module, "block_crcs", corrupt_after_checksum)
+    return real
+
+
+def test_a_corrupted_block_fails_the_request_and_frees_both_sides(
+    checkpoint, prompts, expected, monkeypatch
+) -> None:
+    real = corrupt_in_transit(monkeypatch, -1)
     pair = make_pair(checkpoint, extra={"chunk_bytes": 1})  # the last block, in the last chunk
     try:
         outputs = pair.generate({"a": prompts["a"]})
@@ -263,14 +270,7 @@ def test_a_corrupted_block_fails_the_request_and_frees_both_sides(
 def test_with_the_recompute_policy_a_failed_load_is_computed_locally(
     checkpoint, prompts, expected, monkeypatch
 ) -> None:
-    real = sender_module.block_crcs
-
-    def corrupt_after_checksum(payload):
-        crcs = real(payload)
-        payload.view(-1)[0] ^= 0x01
-        return crcs
-
-    monkeypatch.setattr(sender_module, "block_crcs", corrupt_after_checksum)
+    corrupt_in_transit(monkeypatch, 0)
     pair = make_pair(checkpoint, extra={"policy": "recompute"})
     try:
         outputs = pair.generate({"a": prompts["a"], "c": prompts["c"]})

@@ -62,11 +62,7 @@ def build_router_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
-        # The key goes on the router's own requests too (health checks, /metrics scrapes).
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        async with replica_client(api_key) as client:
             proxy.client = client
             await replicas.check_all(client)
             checker = asyncio.create_task(replicas.run(client))
@@ -79,6 +75,15 @@ def build_router_app(
     app.add_api_route("/reset_prefix_cache", proxy.reset_prefix_cache, methods=["POST"])
     app.add_api_route("/{path:path}", proxy.forward, methods=METHODS)
     return app
+
+
+def replica_client(api_key: str | None) -> httpx.AsyncClient:
+    """The router's client to its replicas; the key goes on its own requests too (health
+    checks, /metrics scrapes)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
 
 
 class Proxy:

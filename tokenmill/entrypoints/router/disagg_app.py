@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -22,6 +21,7 @@ from tokenmill.entrypoints.router.app import (
     Proxy,
     _error,
     _guard_error,
+    replica_client,
 )
 from tokenmill.entrypoints.router.disagg import DisaggProxy
 from tokenmill.entrypoints.router.guard import GuardError, check_api_key
@@ -50,10 +50,7 @@ def build_disagg_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        async with replica_client(api_key) as client:
             for proxy in proxies:
                 proxy.client = client
             await asyncio.gather(prefill.check_all(client), decode.check_all(client))

@@ -16,8 +16,7 @@ import socket
 
 from tokenmill.bench.server_process import free_port
 from tokenmill.config import KVTransferConfig
-from tokenmill.entrypoints.router.data_parallel import DRAIN_MARGIN_SECONDS, wait_until_healthy
-from tokenmill.entrypoints.router.server import run_router
+from tokenmill.entrypoints.router.data_parallel import route_to_supervised
 from tokenmill.entrypoints.router.supervisor import ReplicaLaunch, ReplicaSupervisor
 
 logger = logging.getLogger("tokenmill.router")
@@ -65,18 +64,5 @@ def run_disaggregated(args: argparse.Namespace, listener: socket.socket, argv: l
         urls[0], supervisor.children[0].pid, sorted(prefill_cpus),
         urls[1], supervisor.children[1].pid, sorted(decode_cpus),
     )  # fmt: skip
-    try:
-        wait_until_healthy(supervisor.children, urls)
-        supervisor.watch()
-        args.prefill, args.decode = urls[:1], urls[1:]
-        run_router(
-            args,
-            listener,
-            [],
-            args.routing_policy,
-            on_exit=supervisor.drain,
-            graceful_timeout=args.shutdown_timeout + DRAIN_MARGIN_SECONDS,
-        )
-    finally:
-        supervisor.stop(args.shutdown_timeout + DRAIN_MARGIN_SECONDS)
-    return 0
+    args.prefill, args.decode = urls[:1], urls[1:]
+    return route_to_supervised(args, listener, supervisor, urls, [])
