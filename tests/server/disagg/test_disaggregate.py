@@ -10,6 +10,7 @@ import re
 import httpx
 import pytest
 from server_utils import API_KEY, MODEL, Server, scrape, wait_for
+from test_dashboard import read_events
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
@@ -82,3 +83,24 @@ def test_a_request_is_prefilled_on_one_instance_and_decoded_on_the_other(
         with client_for(url) as instance:
             metrics = wait_for(instance, {"tokenmill:kv_cache_usage_perc": 0})
             assert metrics["tokenmill:kv_cache_usage_perc"] == 0
+
+
+def test_the_dashboards_show_each_sides_transfers(server: Server, http: httpx.Client) -> None:
+    """After a disaggregated request the decode instance's dashboard has the received transfer
+    (and the prefill instance's the sent one), with their bytes and seconds."""
+    http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": f"{PROMPT} walked", "max_tokens": 2, "temperature": 0},
+    ).raise_for_status()
+    for url, role, direction, total in zip(
+        instance_urls(server),
+        ("kv_producer", "kv_consumer"),
+        ("send", "recv"),
+        ("kv_bytes_sent", "kv_bytes_loaded"),
+    ):
+        with client_for(url) as instance:
+            setup, (update,) = read_events(instance, 1)
+        assert setup["kv_transfer"] == {"connector": "P2pConnector", "role": role}
+        transfers = [t for t in update["kv_transfers"] if t[2] == direction and t[5] is None]
+        assert transfers and all(t[3] > 0 and t[4] > 0 for t in transfers)
+        assert update["totals"][total] >= transfers[-1][3]
