@@ -18,6 +18,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_connectors import (
+    KVConnectors,
     check_kv_transfer_params,
     kv_transfer_stats,
     make_kv_connectors,
@@ -112,15 +113,7 @@ class LLMEngine:
         )
         if config.captures_decode(self.device):
             self.runner.use_captured_decode(config.max_num_seqs, self.max_model_len)
-        self.kv_connectors = make_kv_connectors(
-            config.kv_transfer_config,
-            model_dir,
-            str(self.dtype),
-            kv_spec,
-            self.kv_cache_manager.block_hashes,
-        )
-        if self.kv_connectors is not None:
-            self.runner.use_kv_connector(self.kv_connectors[1])
+        self.kv_connectors = self._kv_connectors(kv_spec)
         self.kv_transfers = transfer_ring(self.kv_connectors)  # each request's, recently
         self.scheduler = self._scheduler(num_blocks, spec_lookahead=draft_spec is not None)
         self.structured_output = StructuredOutputManager(
@@ -361,6 +354,19 @@ class LLMEngine:
             prefill_limits=self._prefill_limits(num_blocks),
             kv_connector=self.kv_connectors[0] if self.kv_connectors else None,
         )
+
+    def _kv_connectors(self, kv_spec: KVCacheSpec) -> KVConnectors | None:
+        """The KV connector's scheduler and worker halves, if configured; the runner gets its."""
+        connectors = make_kv_connectors(
+            self.config.kv_transfer_config,
+            self.model_dir,
+            str(self.dtype),
+            kv_spec,
+            self.kv_cache_manager.block_hashes,
+        )
+        if connectors is not None:
+            self.runner.use_kv_connector(connectors[1])
+        return connectors
 
     def _log_start(self, kv_spec: KVCacheSpec, num_blocks: int) -> None:
         block_size = self.config.block_size

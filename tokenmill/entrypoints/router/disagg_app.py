@@ -45,8 +45,7 @@ def build_disagg_app(
         Proxy(replicas, policy, prefix_chars, api_key, max_body_bytes, metrics)
         for replicas, policy in zip((prefill, decode), policies)
     ]
-    disagg = DisaggProxy(*proxies)
-    metrics_key = None if metrics_without_api_key else api_key
+    routes = _Routes(prefill, decode, proxies, None if metrics_without_api_key else api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,41 +58,58 @@ def build_disagg_app(
             for checker in checkers:
                 checker.cancel()
 
-    async def health() -> Response:
+    app = FastAPI(title="tokenmill router (prefill/decode)", lifespan=lifespan, openapi_url=None)
+    app.add_api_route("/health", routes.health, methods=["GET", "HEAD"])
+    app.add_api_route("/metrics", routes.metrics_text, methods=["GET", "HEAD"])
+    app.add_api_route("/reset_prefix_cache", routes.reset_prefix_cache, methods=["POST"])
+    for path in ROUTED_PATHS:
+        app.add_api_route(path, routes.generate, methods=["POST"])
+    app.add_api_route("/{path:path}", proxies[1].forward, methods=METHODS)
+    return app
+
+
+class _Routes:
+    """The routes of the router's own (the rest are the proxies')."""
+
+    def __init__(
+        self,
+        prefill: ReplicaSet,
+        decode: ReplicaSet,
+        proxies: list[Proxy],
+        metrics_key: str | None,
+    ) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.proxies = proxies
+        self.disagg = DisaggProxy(*proxies)
+        self.metrics_key = metrics_key  # the key /metrics needs (None: open)
+
+    async def health(self) -> Response:
         counts = {
-            "healthy_prefill": len(prefill.healthy()),
-            "prefill": len(prefill.replicas),
-            "healthy_decode": len(decode.healthy()),
-            "decode": len(decode.replicas),
+            "healthy_prefill": len(self.prefill.healthy()),
+            "prefill": len(self.prefill.replicas),
+            "healthy_decode": len(self.decode.healthy()),
+            "decode": len(self.decode.replicas),
         }
         if counts["healthy_decode"]:
             return JSONResponse(counts)
         message = f"no decode instance is healthy (0 of {counts['decode']})"
         return _error(503, message, "no_healthy_replica")
 
-    async def metrics_text(request: Request) -> Response:
+    async def metrics_text(self, request: Request) -> Response:
         try:
-            check_api_key(request, metrics_key, "/metrics")
+            check_api_key(request, self.metrics_key, "/metrics")
         except GuardError as e:
             return _guard_error(e)
-        text = await aggregated_metrics(metrics, proxies[1].client, prefill, decode)
+        decode = self.proxies[1]
+        text = await aggregated_metrics(decode.metrics, decode.client, self.prefill, self.decode)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def reset_prefix_cache(request: Request) -> Response:
-        for proxy in proxies:
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        for proxy in self.proxies:
             answer = await proxy.reset_prefix_cache(request)
             if answer.status_code != 200:
                 return answer
         return Response(status_code=200)
 
-    async def generate(request: Request) -> Response:
-        return await disagg.generate(request, request.url.path)
-
-    app = FastAPI(title="tokenmill router (prefill/decode)", lifespan=lifespan, openapi_url=None)
-    app.add_api_route("/health", health, methods=["GET", "HEAD"])
-    app.add_api_route("/metrics", metrics_text, methods=["GET", "HEAD"])
-    app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
-    for path in ROUTED_PATHS:
-        app.add_api_route(path, generate, methods=["POST"])
-    app.add_api_route("/{path:path}", proxies[1].forward, methods=METHODS)
-    return app
+    async def generate(self, request: Request) -> Response:
+        return await self.disagg.generate(request, request.url.path)
