@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     # when the whole suite is collected, not only by those tests' own modules.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenmill.testing.random_checkpoint import save_random_checkpoint, train_tokenizer
+from tokenmill_testing.random_checkpoint import save_random_checkpoint, train_tokenizer
 
 
 @pytest.fixture(scope="session")

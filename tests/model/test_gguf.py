@@ -17,8 +17,8 @@ from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod
 from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
-from tokenmill.testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
-from tokenmill.testing.quantized_checkpoints import (
+from tokenmill_testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
+from tokenmill_testing.quantized_checkpoints import (
     agreed_lengths,
     greedy,
     random_prompts,

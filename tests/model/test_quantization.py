@@ -16,7 +16,7 @@ from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
 from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
 from tokenmill.layers.linear import Linear
-from tokenmill.testing.quantized_checkpoints import (
+from tokenmill_testing.quantized_checkpoints import (
     LOGPROB_TOLERANCE,
     agreed_lengths,
     greedy,

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
@@ -34,8 +34,10 @@ from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
 from tokenmill.metrics.stats_logger import format_stats_line
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import KVConnectorOutput, ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 STORAGE = {
     "kv_connector": "SharedStorageConnector",
@@ -209,7 +211,7 @@ def test_external_tokens_are_computed_and_allocated() -> None:
     assert new.num_computed_tokens == 8 and len(new.block_ids) == 4  # 13 tokens, blocks of 4
     assert connector.allocated == [("a", new.block_ids, 8)]
     assert scheduler.requests["a"].num_cached_tokens == 8
-    scheduler.update_from_output(output, ModelRunnerOutput(["a"], [[1]]))
+    OutputApplier(scheduler).update_from_output(output, ModelRunnerOutput(["a"], [[1]]))
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert connector.finished == ["a"]
 
@@ -341,11 +343,15 @@ def step(scheduler: Scheduler, sampled: dict[str, list[int]], transfers=None):
     rows = [r for r in output.num_scheduled_tokens if r in sampled]
     runner = ModelRunnerOutput(rows, [sampled[r] for r in rows])
     runner.kv_connector_output = transfers
-    return output, scheduler.update_from_output(output, runner)
+    return output, OutputApplier(scheduler).update_from_output(output, runner)
 
 
 def free_blocks(scheduler: Scheduler) -> int:
     return scheduler.kv_cache_manager.num_free_blocks
+
+
+def has_pending_kv_transfers(scheduler: Scheduler) -> bool:
+    return scheduler.remote_kv is not None and scheduler.remote_kv.has_pending
 
 
 def test_an_asynchronous_load_waits_off_the_step_then_computes_the_rest() -> None:
@@ -357,7 +363,7 @@ def test_an_asynchronous_load_waits_off_the_step_then_computes_the_rest() -> Non
     assert connector.allocated == [("a", connector.allocated[0][1], 12)]
     assert len(connector.allocated[0][1]) == 3  # 12 tokens in blocks of 4
     assert scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert scheduler.has_pending_kv_transfers() and not scheduler.running
+    assert has_pending_kv_transfers(scheduler) and not scheduler.running
     output, _ = step(scheduler, {}, KVConnectorOutput(finished_recving={"a"}))
     output, outputs = step(scheduler, {"a": [7]})
     assert output.num_scheduled_tokens == {"a": 1}  # only the last prompt token
@@ -394,11 +400,10 @@ def test_finished_requests_blocks_are_held_until_their_send_ends() -> None:
     _, outputs = step(scheduler, {"a": [8]})  # max_tokens 2: finished
     assert outputs[0].finish_reason == "length"
     assert outputs[0].kv_transfer_params == {"where": "here"}
-    assert free_blocks(scheduler) < 32 and scheduler.has_pending_kv_transfers()
-    with pytest.raises(ValueError, match="already in use"):
-        scheduler.add_request(request("a"))  # its blocks are still its own
+    assert free_blocks(scheduler) < 32 and has_pending_kv_transfers(scheduler)
+    assert scheduler.has_request("a")  # its id is in use: its blocks are still its own
     step(scheduler, {}, KVConnectorOutput(finished_sending={"a"}))
-    assert free_blocks(scheduler) == 32 and not scheduler.has_pending_kv_transfers()
+    assert free_blocks(scheduler) == 32 and not has_pending_kv_transfers(scheduler)
 
 
 def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> None:
@@ -409,4 +414,4 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends() 
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert free_blocks(scheduler) == 29  # a transfer is still writing its three blocks
     step(scheduler, {}, KVConnectorOutput(finished_recving={"a"}))
-    assert free_blocks(scheduler) == 32 and not scheduler.has_pending_kv_transfers()
+    assert free_blocks(scheduler) == 32 and not has_pending_kv_transfers(scheduler)

@@ -18,14 +18,18 @@ Two kinds, vLLM v1's:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from tokenmill.core.block_pool import KVCacheBlock
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request_queue import RequestQueue
-from tokenmill.core.scheduler_output import EngineCoreOutput, KVConnectorOutput
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.outputs import RequestError
-from tokenmill.request import Request, RequestStatus
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.request_step_output import RequestStepOutput
+from tokenmill.step.runner_output import KVConnectorOutput
 
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # the OpenAI error code of a request whose load failed
 
@@ -54,9 +58,15 @@ class RemoteKVRequests:
     def has_pending(self) -> bool:
         return bool(self.loading or self.held) or self.connector.has_pending_transfers()
 
-    def admit(self, request: Request, num_hit: int, num_external: int) -> None:
-        """`request` was just given blocks for its `num_hit` cached and `num_external`
-        loaded tokens: it leaves the waiting queue until they arrive."""
+    def admit(
+        self, request: Request, hits: Sequence[KVCacheBlock], num_hit: int, num_external: int
+    ) -> bool:
+        """Give a waiting `request` blocks for its `num_hit` cached (`hits`) and
+        `num_external` loaded tokens; it leaves the waiting queue until they arrive. False
+        when the blocks are not there (it stays waiting)."""
+        if self.manager.allocate_slots(request, num_external, hits) is None:
+            return False
+        self.manager.record_prefix_lookup(request, num_hit)
         request.num_computed_tokens = num_hit
         self.connector.update_state_after_alloc(
             request, self.manager.get_block_ids(request.request_id), num_external
@@ -64,16 +74,22 @@ class RemoteKVRequests:
         self.waiting.remove(request)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = _Loading(request, num_hit + num_external)
+        return True
 
-    def finish(self, request_id: str) -> None:
-        """A loading request was aborted: it is no longer waited for (its blocks are the
-        connector's until the load ends: `hold`)."""
-        self.loading.pop(request_id, None)
+    def release(self, request: Request) -> dict[str, Any] | None:
+        """A request finished (or was aborted, maybe while loading): free its blocks, or hold
+        them while the connector still moves them (a send, a load still arriving). Returns
+        the connector's `kv_transfer_params` for its last output."""
+        self.loading.pop(request.request_id, None)  # no longer waited for
+        block_ids = self.manager.get_block_ids(request.request_id)
+        held, params = self.connector.request_finished(request, block_ids)
+        if held:
+            self.held[request.request_id] = request
+        else:
+            self.manager.free(request)
+        return params
 
-    def hold(self, request: Request) -> None:
-        self.held[request.request_id] = request
-
-    def update(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+    def update(self, output: KVConnectorOutput) -> list[RequestStepOutput]:
         """The worker half's news: loads that arrived go back to the waiting queue, failed
         ones are ended or recomputed, transfers of held requests free their blocks. Returns
         the outputs of requests ended here."""
@@ -104,10 +120,10 @@ class RemoteKVRequests:
         request.status = RequestStatus.WAITING
         self.waiting.add_preempted(request)  # it was admitted before anyone still waiting
 
-    def _fail(self, request: Request, reason: str) -> EngineCoreOutput:
+    def _fail(self, request: Request, reason: str) -> RequestStepOutput:
         request.status = RequestStatus.FINISHED_ERROR
         message = f"the KV cache of this request's prompt could not be loaded: {reason}"
-        return EngineCoreOutput(
+        return RequestStepOutput(
             request.request_id,
             [],
             finish_reason="error",

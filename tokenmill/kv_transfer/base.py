@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import KVTransferConfig
-from tokenmill.core.scheduler_output import KVConnectorOutput
 from tokenmill.metrics.stats import KVTransferStats
-from tokenmill.request import Request
+from tokenmill.step.request import Request
+from tokenmill.step.runner_output import KVConnectorOutput
 
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.core.scheduler_output import SchedulerOutput
     from tokenmill.layers.kv_cache import KVCacheSpec
+    from tokenmill.step.scheduler_output import SchedulerOutput
 
 
 class KVConnectorRole(enum.Enum):

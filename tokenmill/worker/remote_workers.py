@@ -1,12 +1,13 @@
 """`tokenmill tp-worker`: the tensor-parallel ranks of one more machine, for an engine whose rank
 0 runs on another (`--tensor-parallel-size N --nnodes M` there).
 
-Rank 0 leaves the workers' arguments (its config, the rendezvous, threads per rank) at its
-TCP store once its own shard is loaded; this command fetches them from MASTER_ADDR:MASTER_PORT,
-starts machine K's ranks (`K * N/M` to `(K+1) * N/M - 1`) as fresh interpreters, as rank 0 starts
-its own (`worker_process.py`), and waits for them. They stop with the engine (its stop
-broadcast, or its connections closing when it dies); if one dies the others are stopped, and
-the command exits with its code. The model must be at the same path on every machine.
+Rank 0 leaves the workers' arguments (its config, how models load, the rendezvous, threads per
+rank) at its TCP store once its own shard is loaded; this command fetches them from
+MASTER_ADDR:MASTER_PORT, starts machine K's ranks (`K * N/M` to `(K+1) * N/M - 1`) as fresh
+interpreters, as rank 0 starts its own (`worker_process.py`), and waits for them. They stop
+with the engine (its stop broadcast, or its connections closing when it dies); if one dies the
+others are stopped, and the command exits with its code. The model must be at the same path on
+every machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pickle
 import threading
 
 from tokenmill.config import EngineConfig
+from tokenmill.models.loader import LoadSettings
 from tokenmill.worker.distributed import Rendezvous, fetch_worker_args
 from tokenmill.worker.worker_process import WorkerProcess
 
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 def run_remote_workers(address: str, node_rank: int) -> int:
     """Start machine `node_rank`'s ranks of the engine whose store is at `address`
     (host:port); their exit status once all have exited."""
-    config, rendezvous, num_threads = _worker_args(address)
+    config, load_settings, rendezvous, num_threads = _worker_args(address)
     per_node = rendezvous.world_size // config.nnodes
     if not 1 <= node_rank < config.nnodes:
         raise ValueError(f"--node-rank must be in [1, {config.nnodes}) for this engine")
@@ -35,7 +37,7 @@ def run_remote_workers(address: str, node_rank: int) -> int:
     workers = [
         WorkerProcess(
             f"tokenmill-tp-{rank}",
-            (config, rendezvous, rank, num_threads, os.getpid()),
+            (config, load_settings, rendezvous, rank, num_threads, os.getpid()),
             lambda _: exited.set(),
         )
         for rank in ranks
@@ -54,7 +56,8 @@ def run_remote_workers(address: str, node_rank: int) -> int:
     return next((code for code in codes if code), 0)
 
 
-def _worker_args(address: str) -> tuple[EngineConfig, Rendezvous, int]:
-    config, rendezvous, num_threads = pickle.loads(fetch_worker_args(address))
+def _worker_args(address: str) -> tuple[EngineConfig, LoadSettings, Rendezvous, int]:
+    config, load_settings, rendezvous, num_threads = pickle.loads(fetch_worker_args(address))
     assert isinstance(config, EngineConfig) and isinstance(rendezvous, Rendezvous)
-    return config, rendezvous, num_threads
+    assert isinstance(load_settings, LoadSettings)
+    return config, load_settings, rendezvous, num_threads

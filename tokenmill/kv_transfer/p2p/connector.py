@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import ConfigError, KVTransferConfig
-from tokenmill.core.scheduler_output import KVConnectorOutput, SchedulerOutput
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorContext,
@@ -47,7 +46,9 @@ from tokenmill.kv_transfer.p2p.params import (
 from tokenmill.kv_transfer.p2p.receiver import KVReceiver, PullJob
 from tokenmill.kv_transfer.p2p.sender import HeldKV, KVSender
 from tokenmill.metrics.stats import KVTransferStats
-from tokenmill.request import Request, RequestStatus
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import KVConnectorOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.request import Request
+from tokenmill.step.request import Request
 
 
 class TransferParamsError(ValueError):
