@@ -69,3 +69,21 @@ def goal_check(label: str, baseline: list[Run], runs: list[Run]) -> str:
         f"throughput {throughput:.2f}x ({'ok' if throughput >= 0.9 else 'under 0.9x'})",
     ]
     return f"{label}{target}: " + ", ".join(verdicts)
+
+
+def disaggregation_check(label: str, chunked: list[Run], runs: list[Run]) -> str:
+    """Issue 32's goal for `runs` (a prefill/decode pair) against `chunked` (one engine with
+    the ITL target): the streams' p99 ITL within 1.2x their own steady step, the long
+    prompt's TTFT no worse than the chunked engine's; throughput beside it."""
+    steady = statistics.median(r.steady for r in runs)
+    p99 = statistics.median(r.p99 for r in runs)
+    ttft = statistics.median(r.ttft for r in runs) / statistics.median(r.ttft for r in chunked)
+    throughput = statistics.median(r.throughput for r in runs) / statistics.median(
+        r.throughput for r in chunked
+    )
+    verdicts = [
+        f"p99/steady {p99 / steady:.2f}x ({'ok' if p99 <= 1.2 * steady else 'over 1.2x'})",
+        f"TTFT {ttft:.2f}x the chunked engine's ({'ok' if ttft <= 1 else 'worse'})",
+        f"throughput {throughput:.2f}x",
+    ]
+    return f"{label}: " + ", ".join(verdicts)

@@ -21,7 +21,9 @@ targets alone), and the issue's goal checked for each target against 2048 chunke
 
 `--server`: the same scenario streamed over HTTP (`/v1/completions`, token-id prompts) and
 timed from chunk arrivals (itl_serving.py): `tokenmill serve` with its default budget, then
-with `--itl-target-ms` at 2x its steady ITL; with `--llama-cpp-bin DIR` (a llama.cpp build's
+with `--itl-target-ms` at 2x its steady ITL, then `tokenmill serve --disaggregate` (a prefill
+and a decode instance on half the cores each, issue 32; `--no-disaggregate` leaves it out);
+with `--llama-cpp-bin DIR` (a llama.cpp build's
 binaries, e.g. llama.cpp/build/bin, inside its source tree), `llama-server` on the same weights
 as f32 GGUF (converted once), one slot per request, as many threads as tokenmill uses:
 its defaults, `--ubatch-size` small, and `--batch-size` small too (llama-server samples once
@@ -50,7 +52,7 @@ from itl_serving import (
     served_run,
     tokenmill_server,
 )
-from itl_stats import TABLE_HEADER, Run, goal_check, report
+from itl_stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
 from llamacpp import gguf_file, source_tree, whole_character_bias
 from make_bench_model import cached_random_model
 from make_smollm_shaped_model import SHAPE as SMOLLM2_SHAPE
@@ -69,6 +71,12 @@ FIXED_BUDGETS: dict[str, dict[str, Any]] = {
 }
 TARGET_FACTORS = (1.5, 2.0)
 SERVED_TARGET_FACTORS = (2.0,)
+# Issue 32: a prefill instance and a decode instance, each on half the cores (one each on 2).
+DISAGGREGATED = "tokenmill serve --disaggregate (half the cores each)"
+
+
+def disaggregated_label(duty: float) -> str:
+    return DISAGGREGATED if duty == 1.0 else f"{DISAGGREGATED}, recv_duty_cycle {duty:g}"
 
 
 def smollm2_shaped_model() -> Path:
@@ -230,6 +238,14 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
             target_ms = factor * 1000 * baseline.steady
             label = f"tokenmill serve, itl target {factor}x = {target_ms:.0f} ms"
             configs[label] = tokenmill(label, ["--itl-target-ms", f"{target_ms:.1f}"])
+        for duty in [] if args.no_disaggregate else args.recv_duty_cycles:
+            label = disaggregated_label(duty)
+            extra = {
+                "kv_connector": "P2pConnector",
+                "kv_connector_extra_config": {"recv_duty_cycle": duty},
+            }
+            flags = ["--disaggregate", "--kv-transfer-config", json.dumps(extra)]
+            configs[label] = tokenmill(label, flags)
         return {**configs, **llama_rows}
 
     if args.llama_only:
@@ -257,6 +273,16 @@ def main() -> None:
     parser.add_argument("--llama-small-batch", type=int, default=64, help="-ub / -b rows")
     parser.add_argument("--llama-only", action="store_true", help="--server: no tokenmill rows")
     parser.add_argument("--stream-max-tokens", type=int, default=2048, help="--server streams")
+    parser.add_argument(
+        "--no-disaggregate", action="store_true", help="--server: no `serve --disaggregate` row"
+    )
+    parser.add_argument(
+        "--recv-duty-cycles",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="--server: one `serve --disaggregate` row per decode-side receiver duty cycle",
+    )
     args = parser.parse_args()
     model = args.model or smollm2_shaped_model()
     runs = served_runs(model, args) if args.server else offline_runs(model, args)
@@ -268,6 +294,12 @@ def main() -> None:
     for label, label_runs in runs.items():
         if "target" in label:
             print(goal_check(label, runs[baseline_label], label_runs))
+    chunked = [label for label in runs if "target" in label]
+    disaggregated = [label for label in runs if label.startswith(DISAGGREGATED)]
+    if disaggregated and chunked:
+        print(f"\nIssue 32's goal, against {chunked[0]}:")
+        for label in disaggregated:
+            print(disaggregation_check(label, runs[chunked[0]], runs[label]))
 
 
 if __name__ == "__main__":

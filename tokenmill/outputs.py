@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -47,6 +48,15 @@ class RequestMetrics:
     num_preemptions: int = 0  # times its samples were preempted (recompute or swap)
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended without its answer, where the cause is the server's side (a KV
+    transfer that failed), as an OpenAI error `code` and a message."""
+
+    code: str
+    message: str
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -57,5 +67,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    error: str | None = None
+    error: RequestError | None = None
     extra: dict = field(default_factory=dict)
+    # From a KV connector on the request's last output: where another engine finds its KV.
+    kv_transfer_params: dict[str, Any] | None = None

@@ -51,6 +51,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # JSON schema / regex / choice / grammar the output must match (a dict is converted).
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    # vLLM's: what engine extensions read, e.g. {"kv_transfer_params": {...}} for a KV
+    # connector (docs/scale_out.md).
+    extra_args: dict[str, Any] | None = None
     # Set by the engine from the model's generation config; not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -99,6 +102,11 @@ class SamplingParams:
             if value is not None:
                 _check(value >= 0, name, f"must be >= 0, got {value}")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(
+            self.extra_args is None or isinstance(self.extra_args, dict),
+            "extra_args",
+            "must be a dict",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -20,7 +20,7 @@ from tokenmill.entrypoints.openai.context import ServerContext
 
 DOCS = Path(__file__).parents[2] / "docs"
 # Families registered only with a flag (docs/metrics.md says which): absent from a default server.
-CONDITIONAL_METRICS = re.compile(r"tokenmill:(spec_decode_|itl_|kv_connector_)")
+CONDITIONAL_METRICS = re.compile(r"tokenmill:(spec_decode_|itl_|kv_connector_|kv_transfer_)")
 
 
 def documented_open_routes() -> set[str]:

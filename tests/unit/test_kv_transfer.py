@@ -36,7 +36,7 @@ from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
 from tokenmill.metrics.stats_logger import format_stats_line
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
-from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.runner_output import KVConnectorOutput, ModelRunnerOutput
 from tokenmill.step.scheduler_output import SchedulerOutput
 
 STORAGE = {
@@ -67,7 +67,9 @@ def test_kv_transfer_config_parses_vllm_fields() -> None:
         ("{not json", "not valid JSON"),
         ("[1]", "must be a JSON object"),
         ({"kv_role": "kv_both"}, "needs a kv_connector"),
-        ({**STORAGE, "kv_ip": "1.2.3.4"}, "unknown kv_transfer_config keys"),
+        ({**STORAGE, "kv_buffer_device": "cuda"}, "unknown kv_transfer_config keys"),
+        ({**STORAGE, "kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be"),
+        ({**STORAGE, "kv_port": 70000}, "kv_port must be a port number"),
         ({**STORAGE, "kv_role": "kv_leader"}, "kv_role must be one of"),
         ({**STORAGE, "kv_connector_extra_config": []}, "must be a JSON object"),
     ],
@@ -159,8 +161,8 @@ class RecordingConnector(KVConnectorBase):
         self.finished: list[str] = []
         self.metas = 0
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        return self.num_external
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        return self.num_external, False
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
         self.allocated.append((request.request_id, list(block_ids), num_external_tokens))
@@ -174,9 +176,9 @@ class RecordingConnector(KVConnectorBase):
         self.metas += 1
         return KVConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]):
         self.finished.append(request.request_id)
-        return False
+        return False, None
 
     def start_load_kv(self) -> None: ...
 
@@ -272,17 +274,17 @@ def test_storage_round_trip_between_halves(tmp_path: Path, dtype) -> None:
     worker_half.wait_for_save()
     assert worker_half.stats().num_saved_blocks == 3
 
-    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
-    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4  # after a local hit
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == (8, False)
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == (4, False)  # after a local hit
     for path in scheduler_half.directory.iterdir():
         path.unlink()
     # Asked again with the same local hit (a request waiting for blocks): not read again.
-    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == 4
-    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 0  # a new match: gone
+    assert scheduler_half.get_num_new_matched_tokens(probe, 4) == (4, False)
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == (0, False)  # a new match: gone
     assert scheduler_half.stats().num_corrupt_blocks == 0
 
     worker_half.wait_for_save()  # the files are written again
-    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == 8
+    assert scheduler_half.get_num_new_matched_tokens(probe, 0) == (8, False)
     scheduler_half.update_state_after_alloc(probe, [1, 2, 3, 4], 8)
     metadata = scheduler_half.build_connector_meta(SchedulerOutput([], [], {}, 0), {}, lambda _: [])
     worker_half.bind_connector_metadata(metadata)
@@ -301,3 +303,115 @@ def test_the_stats_line_shows_the_intervals_loads_and_saves() -> None:
     assert "KV connector: 32 tokens loaded, 2 blocks saved" in format_stats_line(now, before, 1.0)
     assert "KV connector" not in format_stats_line(now, now, 1.0)  # nothing this interval
     assert "KV connector" not in format_stats_line(engine_stats(None), engine_stats(None), 1.0)
+
+
+# ---- asynchronous loads and held blocks (core/remote_kv.py) -------------------------------
+
+
+class AsyncConnector(RecordingConnector):
+    """Offers `num_external` tokens asynchronously; holds finished requests' blocks."""
+
+    def __init__(self, num_external: int, policy: str = "fail") -> None:
+        super().__init__(num_external)
+        self.config = KVTransferConfig(kv_connector="fake", kv_load_failure_policy=policy)
+        self.loading: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        if request.num_output_tokens or request.request_id in self.finished:
+            return 0, False
+        return self.num_external, True
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens:
+            self.loading.add(request.request_id)
+
+    def request_finished(self, request: Request, block_ids: list[int]):
+        self.finished.append(request.request_id)
+        if request.request_id in self.loading:
+            return True, None
+        if request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            return True, {"where": "here"}  # a send to another engine
+        return False, None
+
+    def update_connector_output(self, output) -> None:
+        self.loading -= output.finished_recving | set(output.failed_recving)
+
+
+def step(scheduler: Scheduler, sampled: dict[str, list[int]], transfers=None):
+    output = scheduler.schedule()
+    rows = [r for r in output.num_scheduled_tokens if r in sampled]
+    runner = ModelRunnerOutput(rows, [sampled[r] for r in rows])
+    runner.kv_connector_output = transfers
+    return output, OutputApplier(scheduler).update_from_output(output, runner)
+
+
+def free_blocks(scheduler: Scheduler) -> int:
+    return scheduler.kv_cache_manager.num_free_blocks
+
+
+def has_pending_kv_transfers(scheduler: Scheduler) -> bool:
+    return scheduler.remote_kv is not None and scheduler.remote_kv.has_pending
+
+
+def test_an_asynchronous_load_waits_off_the_step_then_computes_the_rest() -> None:
+    connector = AsyncConnector(num_external=12)
+    scheduler = make_scheduler(connector)
+    scheduler.add_request(request("a"))
+    output, _ = step(scheduler, {})
+    assert output.num_scheduled_tokens == {}  # admitted with blocks, waiting for its KV
+    assert connector.allocated == [("a", connector.allocated[0][1], 12)]
+    assert len(connector.allocated[0][1]) == 3  # 12 tokens in blocks of 4
+    assert scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert has_pending_kv_transfers(scheduler) and not scheduler.running
+    output, _ = step(scheduler, {}, KVConnectorOutput(finished_recving={"a"}))
+    output, outputs = step(scheduler, {"a": [7]})
+    assert output.num_scheduled_tokens == {"a": 1}  # only the last prompt token
+    (new,) = output.scheduled_new_reqs
+    assert new.num_computed_tokens == 12 and len(new.block_ids) == 4
+    assert outputs[0].new_token_ids == [7]
+    assert scheduler.requests["a"].num_cached_tokens == 12
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_load_ends_the_request_or_computes_its_prompt(policy: str) -> None:
+    connector = AsyncConnector(num_external=12, policy=policy)
+    scheduler = make_scheduler(connector)
+    scheduler.add_request(request("a"))
+    step(scheduler, {})
+    output, outputs = step(scheduler, {}, KVConnectorOutput(failed_recving={"a": "lost"}))
+    if policy == "fail":
+        (ended,) = outputs
+        assert ended.finish_reason == "error" and ended.error.code == "kv_transfer_failed"
+        assert "lost" in ended.error.message
+        assert free_blocks(scheduler) == 32 and not scheduler.has_unfinished_requests()
+    else:
+        assert outputs == []
+        output, _ = step(scheduler, {"a": [7]})
+        assert output.num_scheduled_tokens == {"a": 13}  # computes the whole prompt itself
+
+
+def test_finished_requests_blocks_are_held_until_their_send_ends() -> None:
+    connector = AsyncConnector(num_external=0)
+    connector.get_num_new_matched_tokens = lambda request, num: (0, False)
+    scheduler = make_scheduler(connector)
+    scheduler.add_request(request("a", num_prompt=8))
+    step(scheduler, {"a": [7]})
+    _, outputs = step(scheduler, {"a": [8]})  # max_tokens 2: finished
+    assert outputs[0].finish_reason == "length"
+    assert outputs[0].kv_transfer_params == {"where": "here"}
+    assert free_blocks(scheduler) < 32 and has_pending_kv_transfers(scheduler)
+    assert scheduler.has_request("a")  # its id is in use: its blocks are still its own
+    step(scheduler, {}, KVConnectorOutput(finished_sending={"a"}))
+    assert free_blocks(scheduler) == 32 and not has_pending_kv_transfers(scheduler)
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends() -> None:
+    connector = AsyncConnector(num_external=12)
+    scheduler = make_scheduler(connector)
+    scheduler.add_request(request("a"))
+    step(scheduler, {})
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(scheduler) == 29  # a transfer is still writing its three blocks
+    step(scheduler, {}, KVConnectorOutput(finished_recving={"a"}))
+    assert free_blocks(scheduler) == 32 and not has_pending_kv_transfers(scheduler)

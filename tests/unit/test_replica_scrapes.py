@@ -39,7 +39,7 @@ def check(replicas: ReplicaSet, key: str | None = None) -> str:
     async def run() -> str:
         async with httpx.AsyncClient(transport=transport, headers=headers) as client:
             await replicas.check_all(client)
-            return (await aggregated_metrics(RouterMetrics(replicas), replicas, client)).decode()
+            return (await aggregated_metrics(RouterMetrics(replicas), client, replicas)).decode()
 
     return asyncio.run(run())
 

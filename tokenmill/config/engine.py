@@ -179,6 +179,12 @@ class EngineConfig:
         "ranks (processes; devices on CUDA) to shard the model over; the engine starts them "
         "(docs/scale_out.md)",
     )
+    nnodes: int = config_field(
+        1,
+        "machines the tensor-parallel ranks span: this one starts tensor_parallel_size/nnodes "
+        "ranks (rank 0 first), each other one runs `tokenmill tp-worker --node-rank K`; needs "
+        "MASTER_ADDR and MASTER_PORT (docs/scale_out.md)",
+    )
     distributed_timeout: float = config_field(
         60.0,
         "seconds a tensor-parallel rank waits for its peers in a collective before the engine "
@@ -228,6 +234,11 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.distributed_timeout > 0:
             raise ConfigError(f"distributed_timeout must be > 0 s, got {self.distributed_timeout}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(
+                f"nnodes must divide tensor_parallel_size ({self.tensor_parallel_size}), "
+                f"got {self.nnodes}"
+            )
         if self.tensor_parallel_size == 1:
             return
         spec = self.speculative_config

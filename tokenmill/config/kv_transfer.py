@@ -9,6 +9,7 @@ from tokenmill.config.base import ConfigError, check_choice, json_config_fields
 
 # kv_producer: saves the KV it computes; kv_consumer: loads KV computed elsewhere; kv_both.
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE = ("fail", "recompute")
 
 
 @dataclass
@@ -20,6 +21,13 @@ class KVTransferConfig:
     kv_connector: str
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # Point-to-point connectors: where a producer listens for its consumers (0: a free port),
+    # this engine's name in transfers (default: one made at start), and what a consumer does when
+    # KV fails to arrive: end the request with an error ("fail") or compute it ("recompute").
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_load_failure_policy: str = "fail"
 
     @classmethod
     def parse(
@@ -38,6 +46,11 @@ class KVTransferConfig:
         check_choice("kv_role", self.kv_role, KV_ROLES)
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ConfigError("kv_connector_extra_config must be a JSON object")
+        check_choice("kv_load_failure_policy", self.kv_load_failure_policy, KV_LOAD_FAILURE)
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ConfigError(f"kv_port must be a port number (0: any free), got {self.kv_port!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ConfigError(f"kv_ip must be an address, got {self.kv_ip!r}")
 
     @property
     def is_kv_producer(self) -> bool:

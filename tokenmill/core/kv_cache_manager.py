@@ -175,6 +175,11 @@ class KVCacheManager:
         if swapped and self.swap_pool is not None:
             self.swap_pool.free_blocks(swapped)
 
+    def holds_blocks(self, request: Request) -> bool:
+        """Whether the request has blocks in the pool (a waiting one only after a KV
+        connector loaded its prompt's KV into them)."""
+        return bool(self.req_to_blocks.get(request.request_id))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 

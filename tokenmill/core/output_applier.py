@@ -8,8 +8,9 @@ or a stop string: the tokens go through the request's detokenizer (`TextStops`, 
 processor's) right here, so a stop string ends the request in the same step as a stop token
 would. Before the scheduler: requests that cannot run (nothing to generate, a grammar that
 failed to compile) finish without computing anything. Finished requests are handed back to
-the scheduler to free. What the scheduler planned is never decided here, nor the other way
-round.
+the scheduler to free. The KV connector's transfers that ended are applied here too (loaded
+requests may compute, failed loads end). What the scheduler planned is never decided here,
+nor the other way round.
 """
 
 from __future__ import annotations
@@ -90,8 +91,20 @@ class OutputApplier:
         for req_id in scheduler_output.num_scheduled_tokens:
             if (request := requests.get(req_id)) is not None:
                 self.scheduler.kv_cache_manager.cache_computed_blocks(request)
-        self.scheduler.free_finished(finished_ids)
-        return outputs
+        params = self.scheduler.free_finished(finished_ids)
+        for output in outputs:  # the KV connector's news for another engine
+            output.kv_transfer_params = params.get(output.req_id)
+        return outputs + self._kv_transfers_ended(runner_output)
+
+    def _kv_transfers_ended(self, runner_output: ModelRunnerOutput) -> list[RequestStepOutput]:
+        """The KV connector's loads and sends that ended: arrived KV lets its request
+        compute, held blocks are freed, and requests whose load failed may end here."""
+        remote_kv = self.scheduler.remote_kv
+        if remote_kv is None or runner_output.kv_connector_output is None:
+            return []
+        ended = remote_kv.update(runner_output.kv_connector_output)
+        self.scheduler.free_finished([output.req_id for output in ended])
+        return ended
 
     def _count_prefill(self, request: Request, num_new_computed: int) -> None:
         """Count a prompt once, in the step that completes its first prefill (a prefill

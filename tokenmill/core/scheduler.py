@@ -17,13 +17,14 @@ import copy
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenmill.config import PREEMPTION_MODES
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
+from tokenmill.core.remote_kv import RemoteKVRequests
 from tokenmill.core.request_queue import RequestQueue
 from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_cost import StepShape, chunk_context
 from tokenmill.core.step_observer import StepObserver
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats
@@ -88,8 +89,14 @@ class Scheduler:
         self.spec_lookahead = spec_lookahead
         # Prefill limits (ITL target, per-request threshold, partial prefills).
         self.prefill_limits = prefill_limits or PrefillLimits()
-        # The scheduler half of a KV connector: KV loaded from outside, saved after steps.
+        # The scheduler half of a KV connector: KV loaded from outside, saved after steps;
+        # the requests whose KV it moves asynchronously (loading, or finished and held).
         self.kv_connector = kv_connector
+        self.remote_kv = (
+            None
+            if kv_connector is None
+            else RemoteKVRequests(kv_connector, kv_cache_manager, self.waiting)
+        )
         self.observer = observer or StepObserver(spec_policy, self.prefill_limits)
 
     @property
@@ -100,7 +107,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """`request` is checked (engine/intake.py): fits the context, a new id."""
-        assert request.request_id not in self.requests and request.num_tokens <= self.max_model_len
+        assert not self.has_request(request.request_id)
+        assert request.num_tokens <= self.max_model_len
         if self.kv_cache_manager.enable_caching:
             # Hash the prompt now: data that cannot be hashed fails this call alone, not a
             # later step that every running request is part of.
@@ -122,17 +130,25 @@ class Scheduler:
             request.status = status
             self._free(request)
 
-    def free_finished(self, request_ids: Collection[str]) -> None:
-        """Free requests the output applier finished (their status says how)."""
+    def free_finished(self, request_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+        """Free requests the output applier finished (their status says how); returns the
+        KV connector's `kv_transfer_params` of those it gave any (for their last output)."""
         if not request_ids:
-            return
+            return {}
         ids = set(request_ids)
         self.running = [r for r in self.running if r.request_id not in ids]
-        for req_id in request_ids:
-            self._free(self.requests.pop(req_id))
+        params = {req_id: self._free(self.requests.pop(req_id)) for req_id in request_ids}
+        return {req_id: p for req_id, p in params.items() if p is not None}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id is in use: a request here, or a finished one whose blocks the KV
+        connector still moves."""
+        return request_id in self.requests or (
+            self.remote_kv is not None and request_id in self.remote_kv
+        )
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
@@ -183,13 +199,7 @@ class Scheduler:
                 output, self.requests, self.kv_cache_manager.get_block_ids
             )
         self.finished_req_ids = set()
-        self.observer.planned(
-            output,
-            plan.cached_reqs.keys(),
-            self._num_prompt_tokens(plan.num_scheduled),
-            self._step_shape(plan) if self.observer.itl_feedback is not None else None,
-            plan.prefill,
-        )
+        self.observer.planned(output, self.requests, plan.cached_reqs.keys(), plan.prefill)
         return output
 
     def sampling_grammars(
@@ -214,20 +224,6 @@ class Scheduler:
             for r in self.running
             if r.num_tokens - r.num_computed_tokens == 1
         )
-
-    def _step_shape(self, plan: _StepPlan) -> StepShape:
-        """What the cost model sees of the step just planned."""
-        num_decode = num_prefill = num_context = 0
-        for req_id, num_new in plan.num_scheduled.items():
-            request = self.requests[req_id]
-            num_cached = request.num_computed_tokens
-            # A decode: running, one token left (drafts are not in num_tokens).
-            if req_id in plan.cached_reqs and request.num_tokens - num_cached == 1:
-                num_decode += num_new
-            else:
-                num_prefill += num_new
-                num_context += chunk_context(num_new, num_cached)
-        return StepShape(num_decode, num_prefill, num_context)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -276,19 +272,21 @@ class Scheduler:
             request = self.waiting.next_to_admit(self.kv_cache_manager)
             if request is None:  # every waiting request's grammar is still compiling
                 break
-            if manager.is_swapped(request):
+            if manager.is_swapped(request) or manager.holds_blocks(request):
+                # Swapped out, or its KV arrived through the connector: resumes where it was.
                 num_cached = request.num_computed_tokens
                 num_left = request.num_tokens - num_cached
                 num_new = self._num_new_tokens(num_left, num_cached, plan, is_prompt=True)
-                if num_new == 0:
+                if num_new == 0 or not self._resume(request, num_new, plan):
                     break
-                pairs = manager.swap_in(request, num_new)
-                if pairs is None:
-                    break
-                plan.swap_in.extend(pairs)
             else:
                 hits, num_hit = manager.get_computed_blocks(request)
-                num_external = self._num_external_tokens(request, num_hit)
+                num_external, load_async = self._num_external_tokens(request, num_hit)
+                if load_async:  # admitted with blocks for its KV; waits off the step for it
+                    assert self.remote_kv is not None
+                    if not self.remote_kv.admit(request, hits, num_hit, num_external):
+                        break
+                    continue
                 num_cached = num_hit + num_external
                 num_left = request.num_tokens - num_cached
                 if num_left > plan.budget and not self.enable_chunked_prefill:
@@ -317,10 +315,23 @@ class Scheduler:
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
 
-    def _num_external_tokens(self, request: Request, num_hit: int) -> int:
-        """Tokens past the local prefix-cache hit whose KV the connector will load."""
+    def _resume(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
+        """Blocks for `num_new` more tokens of a request that holds KV (swapped out: its
+        blocks copied back in; loaded through the connector: only the new ones)."""
+        manager = self.kv_cache_manager
+        if not manager.is_swapped(request):
+            lookahead = self._lookahead(request, num_new, plan)
+            return manager.allocate_slots(request, num_new, (), lookahead) is not None
+        pairs = manager.swap_in(request, num_new)
+        if pairs is not None:
+            plan.swap_in.extend(pairs)
+        return pairs is not None
+
+    def _num_external_tokens(self, request: Request, num_hit: int) -> tuple[int, bool]:
+        """Tokens past the local prefix-cache hit whose KV the connector will load, and
+        whether they arrive asynchronously (the request waits off the step for them)."""
         if self.kv_connector is None:
-            return 0
+            return 0, False
         return self.kv_connector.get_num_new_matched_tokens(request, num_hit)
 
     @staticmethod
@@ -364,14 +375,6 @@ class Scheduler:
         if self.policy != "priority":
             return self.running[-1]
         return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-
-    def _num_prompt_tokens(self, num_scheduled: dict[str, int]) -> int:
-        total = 0
-        for req_id, num_new in num_scheduled.items():
-            request = self.requests[req_id]
-            prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens + num_new)
-            total += max(0, prompt_end - request.num_computed_tokens)
-        return total
 
     def get_stats(self) -> SchedulerStats:
         manager = self.kv_cache_manager
@@ -430,13 +433,17 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _free(self, request: Request) -> None:
-        if self.kv_connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            delay = self.kv_connector.request_finished(request, block_ids)
-            assert not delay, "a KV connector that frees blocks later is not supported yet"
-        self.kv_cache_manager.free(request)
+    def _free(self, request: Request) -> dict[str, Any] | None:
+        """Give a finished request's blocks back, unless the KV connector still moves them
+        (then they are freed when it reports that transfer ended); returns the connector's
+        `kv_transfer_params` for the request's last output."""
+        params = None
+        if self.remote_kv is not None:
+            params = self.remote_kv.release(request)  # frees its blocks, or holds them
+        else:
+            self.kv_cache_manager.free(request)
         self.waiting.forget(request)
         self.finished_req_ids.add(request.request_id)
         if request.grammar is not None:
             request.grammar.release()  # a compile nobody waits for is cancelled
+        return params

@@ -11,14 +11,15 @@ model's prediction); the engine's statistics read the counters.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_cost import StepShape
+from tokenmill.core.step_cost import StepShape, chunk_context
 from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
 from tokenmill.core.step_records import StepRecord, new_step_ring
 from tokenmill.metrics.stats import SpecDecodeStats
+from tokenmill.step.request import Request
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.scheduler_output import SchedulerOutput
 
@@ -52,21 +53,21 @@ class StepObserver:
     def planned(
         self,
         output: SchedulerOutput,
+        requests: Mapping[str, Request],
         running_ids: Collection[str],
-        num_prompt_tokens: int,
-        shape: StepShape,
         prefill: PrefillBudget | None,
     ) -> None:
-        """`schedule()` produced `output`: `running_ids` were scheduled as running requests,
-        `num_prompt_tokens` of its tokens are prompt, `shape` is what the cost model sees."""
+        """`schedule()` produced `output` for `requests` (as they are before the step runs):
+        `running_ids` were scheduled as running requests."""
         total = output.total_num_scheduled_tokens
+        num_prompt_tokens = _num_prompt_tokens(output, requests)
         self.last_num_scheduled_tokens = total
         self.num_prompt_tokens_scheduled += num_prompt_tokens
         self._last_plan = (output, num_prompt_tokens)
         if self._spec_feedback is not None:
             self._spec_feedback.planned(output, running_ids)
         if self.itl_feedback is not None and total:
-            self.itl_feedback.planned(shape, prefill)
+            self.itl_feedback.planned(_step_shape(output, requests, running_ids), prefill)
 
     def verified(self, num_drafts: int, num_accepted: int) -> None:
         assert self.spec_stats is not None
@@ -110,3 +111,30 @@ class StepObserver:
                 len(scheduled.preempted_req_ids),
             )
         )
+
+
+def _num_prompt_tokens(output: SchedulerOutput, requests: Mapping[str, Request]) -> int:
+    """Of the step's tokens, those before each request's prompt end."""
+    total = 0
+    for req_id, num_new in output.num_scheduled_tokens.items():
+        request = requests[req_id]
+        prompt_end = min(request.num_prompt_tokens, request.num_computed_tokens + num_new)
+        total += max(0, prompt_end - request.num_computed_tokens)
+    return total
+
+
+def _step_shape(
+    output: SchedulerOutput, requests: Mapping[str, Request], running_ids: Collection[str]
+) -> StepShape:
+    """What the cost model sees of the step just planned."""
+    num_decode = num_prefill = num_context = 0
+    for req_id, num_new in output.num_scheduled_tokens.items():
+        request = requests[req_id]
+        num_cached = request.num_computed_tokens
+        # A decode: running, one token left (drafts are not in num_tokens).
+        if req_id in running_ids and request.num_tokens - num_cached == 1:
+            num_decode += num_new
+        else:
+            num_prefill += num_new
+            num_context += chunk_context(num_new, num_cached)
+    return StepShape(num_decode, num_prefill, num_context)

@@ -20,10 +20,11 @@ from tokenmill.core.prefill_budget import PrefillLimits
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.core.step_cost import StepCostModel
+from tokenmill.engine.kv_connectors import KVConnectors
 from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
 from tokenmill.kv_transfer.factory import create_connector_pair
-from tokenmill.kv_transfer.fingerprint import model_fingerprint
+from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
 from tokenmill.layers.attention_backends import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import SINGLE
@@ -72,7 +73,7 @@ class EngineParts:
     default_sampling: dict[str, Any]  # from generation_config.json
     kv_cache_manager: KVCacheManager
     runner: ModelRunner
-    kv_connectors: tuple[KVConnectorBase, ...] | None  # (scheduler half, worker half)
+    kv_connectors: KVConnectors | None  # (scheduler half, worker half)
     scheduler: Scheduler
     structured_output: StructuredOutputManager
 
@@ -181,12 +182,17 @@ def _kv_connectors(
     settings: LoadSettings,
     kv_spec: KVCacheSpec,
     kv_cache_manager: KVCacheManager,
-) -> tuple[KVConnectorBase, ...] | None:
+) -> KVConnectors | None:
     """The configured KV connector's scheduler and worker halves."""
     if config.kv_transfer_config is None:
         return None
-    fingerprint = model_fingerprint(model_dir, str(settings.dtype), kv_spec)
-    context = KVConnectorContext(kv_spec, fingerprint, kv_cache_manager.block_hashes)
+    dtype = str(settings.dtype)
+    context = KVConnectorContext(
+        kv_spec,
+        model_fingerprint(model_dir, dtype, kv_spec),
+        kv_cache_manager.block_hashes,
+        transfer_fingerprint(model_dir, dtype, kv_spec),
+    )
     return create_connector_pair(config.kv_transfer_config, context)
 
 

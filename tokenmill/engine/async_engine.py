@@ -25,7 +25,7 @@ from tokenmill.engine.intake import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.ring import Ring
-from tokenmill.metrics.stats import EngineStats, KVBlockStates
+from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferRecord
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -174,6 +174,11 @@ class AsyncEngine:
         """The last steps (one writer, the engine thread; lock-free readers)."""
         return self.engine.step_records
 
+    @property
+    def kv_transfers(self) -> Ring[KVTransferRecord] | None:
+        """Each request's KV transfer, recently (with a KV connector)."""
+        return self.engine.kv_transfers
+
     def kv_block_states(self, max_cells: int) -> KVBlockStates:
         return self.engine.get_kv_block_states(max_cells)
 
@@ -267,7 +272,7 @@ class AsyncEngine:
                 self._run_commands()
                 if self._stopping or self._dead is not None:
                     return
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() or self.engine.has_pending_kv_transfers():
                     self._step()
                 else:
                     self._observe([])
@@ -324,6 +329,8 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.record_outputs(outputs)
                 self.metrics.record_stats(stats)
+                if self.engine.kv_transfers is not None:
+                    self.metrics.record_kv_transfers(self.engine.kv_transfers)
             if self._stats_logger is not None:
                 self._stats_logger.maybe_log(stats)
         except Exception:

@@ -1,11 +1,12 @@
 """One intake: a request is checked and resolved once, where it enters the engine, into a
 `ResolvedRequest` that the engine, the output processor and the scheduler trust.
 
-Checked here and nowhere after: the prompt (not empty, token ids in the vocabulary, within
-the context), the token ids of `logit_bias` and `stop_token_ids`, the cache salt, and the
-structured-output constraint. Resolved here: the prompt's token ids, `max_tokens` (never past
-the context), and the engine's own copy of the sampling parameters with the model's stop
-tokens and the output kind the caller wants: the caller's `SamplingParams` is never written.
+Checked here and nowhere after: the prompt (not empty, token ids in the vocabulary, within the
+context), the token ids of `logit_bias` and `stop_token_ids`, the cache salt, the
+structured-output constraint, and the KV connector's `kv_transfer_params`. Resolved here: the
+prompt's token ids, `max_tokens` (never past the context), and the engine's own copy of the
+sampling parameters with the model's stop tokens and the output kind the caller wants: the
+caller's `SamplingParams` is never written.
 The server adds its own HTTP rules before this (vLLM's 400 when prompt + max_tokens exceed
 the context, a byte cap before tokenizing), and shares `check_prompt_tokens` for /tokenize.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.sampling_params import (
     InvalidRequestError,
     RequestOutputKind,
@@ -76,6 +78,20 @@ def check_cache_salt(cache_salt: str | None) -> None:
         raise InvalidRequestError("cache_salt", "must be valid Unicode text") from None
 
 
+def check_kv_transfer_params(connector: KVConnectorBase | None, params: SamplingParams) -> None:
+    """`kv_transfer_params` (vLLM's field, in `extra_args`) the connector can use; without a
+    connector they mean nothing here and are ignored (as in vLLM)."""
+    transfer = (params.extra_args or {}).get("kv_transfer_params")
+    if transfer is None or connector is None:
+        return
+    if not isinstance(transfer, dict):
+        raise InvalidRequestError("kv_transfer_params", "must be an object")
+    try:
+        connector.check_kv_transfer_params(transfer)
+    except ValueError as e:
+        raise InvalidRequestError("kv_transfer_params", str(e)) from None
+
+
 @dataclass(frozen=True)
 class ResolvedRequest:
     """A request as the engine takes it: checked, with everything resolved. Nothing
@@ -117,12 +133,15 @@ class RequestIntake:
         max_model_len: int,
         eos_token_ids: set[int],
         structured_output: StructuredOutputManager,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
+        """`kv_connector`: the scheduler half of the engine's, if any."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.structured_output = structured_output
+        self.kv_connector = kv_connector
 
     def resolve(
         self,
@@ -139,6 +158,7 @@ class RequestIntake:
         `output_kind`: how the outputs are shaped (default: as `params` says)."""
         if isinstance(params.structured_outputs, StructuredOutputsParams):
             self.structured_output.validate(params.structured_outputs)
+        check_kv_transfer_params(self.kv_connector, params)
         text, token_ids = self._tokenize(prompt, add_special_tokens)
         check_prompt_tokens(token_ids, self.vocab_size, self.max_model_len)
         check_token_ids(params.logit_bias or (), self.vocab_size, "logit_bias")

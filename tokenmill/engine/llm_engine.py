@@ -13,8 +13,9 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.output_applier import OutputApplier
 from tokenmill.engine.assembly import assemble
 from tokenmill.engine.intake import PromptType, RequestIntake, ResolvedRequest
+from tokenmill.engine.kv_connectors import kv_transfer_stats, record_transfers, transfer_ring
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.metrics.stats import EngineStats, KVBlockStates, KVTransferStats
+from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
@@ -34,6 +35,7 @@ class LLMEngine:
             parts.max_model_len,
             parts.eos_token_ids,
             parts.structured_output,
+            parts.kv_connectors[0] if parts.kv_connectors else None,
         )
         self.model_dir = parts.model_dir
         self.architecture = parts.architecture
@@ -50,6 +52,7 @@ class LLMEngine:
         self.kv_cache_manager = parts.kv_cache_manager
         self.runner = parts.runner
         self.kv_connectors = parts.kv_connectors
+        self.kv_transfers = transfer_ring(self.kv_connectors)  # each request's, recently
         self.scheduler = parts.scheduler
         self.structured_output = parts.structured_output
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -87,7 +90,9 @@ class LLMEngine:
 
     def add_resolved(self, request: ResolvedRequest) -> None:
         """Queue a request the intake has checked: one scheduler request per sample."""
-        if request.request_id in self.output_processor.requests:
+        if request.request_id in self.output_processor.requests or self.scheduler.has_request(
+            request.request_id  # a finished request whose blocks a KV transfer still reads
+        ):
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         child_ids = self.output_processor.add_request(request)
         try:
@@ -146,6 +151,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_transfers(self) -> bool:
+        """The KV connector still moves KV (a load on its way, blocks held for a send):
+        the engine must keep stepping even when it has no request to run."""
+        remote_kv = self.scheduler.remote_kv
+        return remote_kv is not None and remote_kv.has_pending
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""
         self.scheduler.reset_prefix_cache()
@@ -159,18 +170,31 @@ class LLMEngine:
         scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
             self.scheduler.sampling_grammars(scheduler_output)
         )
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+        idle = scheduler_output.is_empty and not scheduler_output.finished_req_ids
+        if idle and self.kv_connectors is None:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             # Nothing could run: at most the requests whose grammar is compiling are waiting.
             self.structured_output.wait_for_compiles(timeout=0.01)
-        else:
+        else:  # with a KV connector the runner also reports transfers in a step that idles
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
             self.observer.ran(time.perf_counter() - run_start, runner_output)
+            record_transfers(self.kv_transfers, runner_output)
+            if idle:
+                self._wait_while_idle(runner_output)
         step_outputs += self.output_applier.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process_outputs(step_outputs)
         self.observer.stepped(time.perf_counter() - start, runner_output, time.time())
         return outputs
+
+    def _wait_while_idle(self, runner_output: ModelRunnerOutput) -> None:
+        """A step that ran nothing: sleep until a transfer or a compile ends (or 10 ms)
+        instead of spinning, unless the runner just reported transfers to act on."""
+        transfers = runner_output.kv_connector_output
+        if transfers is None or transfers.is_empty:
+            assert self.kv_connectors is not None
+            self.structured_output.wait_for_compiles(timeout=0.005)
+            self.kv_connectors[1].wait_for_transfers(timeout=0.01)
 
     def set_itl_target_ms(self, itl_target_ms: float) -> None:
         """Move the inter-token-latency target (the engine must have started with one): a
@@ -187,9 +211,7 @@ class LLMEngine:
             forward_seconds=self.runner.forward_seconds,
             num_cached_prompt_tokens=self.observer.num_cached_prompt_tokens_prefilled,
             num_computed_prompt_tokens=self.observer.num_prompt_tokens_scheduled,
-            kv_transfer=None
-            if self.kv_connectors is None
-            else sum((c.stats() for c in self.kv_connectors), KVTransferStats()),
+            kv_transfer=kv_transfer_stats(self.kv_connectors),
         )
 
     def running_request_ids(self) -> set[str]:
@@ -209,9 +231,11 @@ class LLMEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the grammar compiles and the tensor-parallel workers, if any (the workers are
-        also stopped at garbage collection and exit)."""
+        """Stop the grammar compiles, the KV connector and the tensor-parallel workers, if any
+        (the workers are also stopped at garbage collection and exit)."""
         self.structured_output.shutdown()
+        for connector in self.kv_connectors or ():
+            connector.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 

@@ -16,6 +16,7 @@ from tokenmill.outputs import (
     CompletionOutput,
     Logprob,
     PositionLogprobs,
+    RequestError,
     RequestMetrics,
     RequestOutput,
 )
@@ -52,6 +53,8 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once, when complete
     changed: set[int] = field(default_factory=set)  # samples with news since the last output
+    kv_transfer_params: dict | None = None  # a KV connector's, for the last output
+    error: RequestError | None = None  # why a sample ended with finish_reason "error"
 
     @property
     def finished(self) -> bool:
@@ -149,6 +152,8 @@ class OutputProcessor:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
         state.num_cached_tokens = out.num_cached_tokens
+        state.kv_transfer_params = out.kv_transfer_params or state.kv_transfer_params
+        state.error = out.error or state.error
         sample.num_preemptions = max(sample.num_preemptions, out.num_preemptions)
         metrics.num_preemptions = sum(s.num_preemptions for s in state.samples)
         sample.token_ids.extend(out.new_token_ids)
@@ -219,6 +224,8 @@ class OutputProcessor:
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=self._prompt_logprobs_to_send(state, delta),
+            error=state.error,
+            kv_transfer_params=state.kv_transfer_params if finished else None,
         )
 
     @staticmethod

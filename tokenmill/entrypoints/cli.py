@@ -33,6 +33,7 @@ def build_parser() -> CommandParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
     _add_router(commands)
+    _add_tp_worker(commands)
     _add_generate(commands)
     _add_bench(commands)
     _add_eval(commands)
@@ -63,7 +64,15 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.disaggregate and args.data_parallel_size > 1:
+        raise ValueError(
+            "--disaggregate runs one prefill and one decode instance: no --data-parallel-size"
+        )
     listener = bind_listener(args.host, args.port)  # before the model and its imports load
+    if args.disaggregate:
+        from tokenmill.entrypoints.router.disaggregate import run_disaggregated
+
+        return run_disaggregated(args, listener, args.argv)
     if args.data_parallel_size > 1:
         from tokenmill.entrypoints.router.data_parallel import run_data_parallel
 
@@ -86,11 +95,36 @@ def _add_router(commands: argparse._SubParsersAction) -> None:
 def _router(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.listener import bind_listener
 
+    if args.backend and (args.prefill or args.decode):
+        raise ValueError("give either --backend or --prefill and --decode, not both")
+    if not args.backend and not (args.prefill and args.decode):
+        raise ValueError("the router needs --backend URL, or --prefill URL and --decode URL")
     listener = bind_listener(args.host, args.port)
     from tokenmill.entrypoints.router.server import run_router
 
-    run_router(args, listener, args.backend, args.policy)
+    run_router(args, listener, args.backend or [], args.policy)
     return 0
+
+
+def _add_tp_worker(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "tp-worker",
+        help="this machine's tensor-parallel ranks of an engine started elsewhere with --nnodes",
+    )
+    parser.add_argument(
+        "--master-addr", required=True, help="the engine's MASTER_ADDR (where its ranks meet)"
+    )
+    parser.add_argument("--master-port", type=int, required=True, help="its MASTER_PORT")
+    parser.add_argument(
+        "--node-rank", type=int, required=True, help="this machine's index: 1 .. nnodes-1"
+    )
+    parser.set_defaults(handler=_tp_worker)
+
+
+def _tp_worker(args: argparse.Namespace) -> int:
+    from tokenmill.worker.remote_workers import run_remote_workers
+
+    return run_remote_workers(f"{args.master_addr}:{args.master_port}", args.node_rank)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import uuid
 
 from tokenmill.config import ConfigError, KVTransferConfig
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
@@ -36,12 +37,16 @@ def create_connector(
 register_connector(
     "SharedStorageConnector", "tokenmill.kv_transfer.storage", "SharedStorageConnector"
 )
+register_connector("P2pConnector", "tokenmill.kv_transfer.p2p.connector", "P2pConnector")
 
 
 def create_connector_pair(
     config: KVTransferConfig, context: KVConnectorContext
 ) -> tuple[KVConnectorBase, KVConnectorBase]:
-    """The scheduler-side and worker-side instances of the configured connector."""
+    """The scheduler-side and worker-side instances of the configured connector, sharing
+    one config (a P2P producer's worker half records there the port it bound)."""
+    if config.engine_id is None:
+        config.engine_id = uuid.uuid4().hex
     return (
         create_connector(config, KVConnectorRole.SCHEDULER, context),
         create_connector(config, KVConnectorRole.WORKER, context),

@@ -30,6 +30,7 @@ from tokenmill.kv_transfer.base import (
     KVConnectorRole,
 )
 from tokenmill.kv_transfer.block_file import BlockLayout, CorruptBlockError, read_block, write_block
+from tokenmill.kv_transfer.blocks import block_shape, gather_blocks, scatter_blocks
 from tokenmill.metrics.stats import KVTransferStats
 from tokenmill.step.request import Request
 from tokenmill.step.scheduler_output import SchedulerOutput
@@ -62,16 +63,7 @@ class SharedStorageConnector(KVConnectorBase):
         except OSError as e:
             raise ConfigError(f"shared_storage_path {path!r} is not a usable directory: {e}") from e
         spec = context.kv_cache_spec
-        self.layout = BlockLayout(
-            (
-                spec.num_layers,
-                2,
-                spec.block_size,
-                spec.num_kv_heads,
-                spec.head_dim * spec.dtype.itemsize,
-            ),
-            str(spec.dtype),
-        )
+        self.layout = BlockLayout(block_shape(spec), str(spec.dtype))
         self._stats = KVTransferStats()
         # Scheduler side: the blocks read for a request's last match (first block index,
         # payloads), the loads of the step being planned, how far each request is saved.
@@ -87,7 +79,9 @@ class SharedStorageConnector(KVConnectorBase):
 
     # ---- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Reads and verifies the blocks it matches, and keeps them for the admission: a
         request that waits for free blocks is asked again each step, and is not read again
         while its local hit stays the same (the blocks are content-addressed)."""
@@ -96,10 +90,10 @@ class SharedStorageConnector(KVConnectorBase):
         matched = self._matched.pop(request.request_id, None)
         if matched is not None and matched[0] == first:
             self._matched[request.request_id] = matched
-            return len(matched[1]) * block_size
+            return len(matched[1]) * block_size, False
         # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
         if not self.config.is_kv_consumer or request.sampling_params.prompt_logprobs is not None:
-            return 0
+            return 0, False
         hashes = self.context.block_hashes(request)
         last = min(len(hashes), (request.num_tokens - 1) // block_size)
         start = time.perf_counter()
@@ -112,7 +106,7 @@ class SharedStorageConnector(KVConnectorBase):
         self._stats.load_seconds += time.perf_counter() - start
         if payloads:
             self._matched[request.request_id] = (first, payloads)
-        return len(payloads) * block_size
+        return len(payloads) * block_size, False
 
     def _read(self, block_hash: bytes) -> torch.Tensor | None:
         path = self.block_path(block_hash)
@@ -182,10 +176,10 @@ class SharedStorageConnector(KVConnectorBase):
             self._saved_blocks[req_id] = end
         return [(block_id, block_hash) for block_hash, block_id in saves.items()]
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         self._matched.pop(request.request_id, None)
         self._saved_blocks.pop(request.request_id, None)
-        return False
+        return False, None
 
     # ---- worker side -------------------------------------------------------------------------
 
@@ -194,12 +188,8 @@ class SharedStorageConnector(KVConnectorBase):
         if not isinstance(metadata, StorageConnectorMetadata) or not metadata.loads:
             return
         start = time.perf_counter()
-        device = self.kv_caches[0].device
-        ids = torch.tensor([block_id for block_id, _ in metadata.loads], device=device)
-        # [layers, 2, blocks, block_size, heads, head_bytes]
-        payload = torch.stack([p for _, p in metadata.loads], dim=2).to(device)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.view(torch.uint8)[:, ids] = payload[layer]
+        payload = torch.stack([p for _, p in metadata.loads], dim=2)
+        scatter_blocks(self.kv_caches, [block_id for block_id, _ in metadata.loads], payload)
         self._stats.load_seconds += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
@@ -210,10 +200,7 @@ class SharedStorageConnector(KVConnectorBase):
         if not saves:
             return
         start = time.perf_counter()
-        ids = torch.tensor([block_id for block_id, _ in saves], device=self.kv_caches[0].device)
-        # [layers, 2, blocks, ...] -> one payload per block
-        blocks = torch.stack([cache.view(torch.uint8)[:, ids] for cache in self.kv_caches])
-        blocks = blocks.cpu()
+        blocks = gather_blocks(self.kv_caches, [block_id for block_id, _ in saves]).cpu()
         for index, (_, block_hash) in enumerate(saves):
             try:
                 write_block(self.block_path(block_hash), blocks[:, :, index], self.layout)

@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmill.metrics.itl_target import ItlTargetCollector
 from tokenmill.metrics.kv_transfer import KVTransferMetrics
 from tokenmill.metrics.recent import FinishedRecord, RecentLatencies
-from tokenmill.metrics.stats import EngineStats, SpecDecodeStats
+from tokenmill.metrics.ring import Ring
+from tokenmill.metrics.stats import EngineStats, KVTransferRecord, SpecDecodeStats
 from tokenmill.outputs import RequestOutput
 
 PREFIX = "tokenmill:"
@@ -209,9 +210,18 @@ class EngineMetrics:
     def _record_kv_transfer(self, stats: EngineStats, last: EngineStats | None) -> None:
         if stats.kv_transfer is None:
             return
+        self._kv_transfer_metrics().record(
+            stats.kv_transfer, None if last is None else last.kv_transfer
+        )
+
+    def record_kv_transfers(self, ring: Ring[KVTransferRecord]) -> None:
+        """Each request's KV transfer the engine recorded since the last call."""
+        self._kv_transfer_metrics().record_transfers(ring)
+
+    def _kv_transfer_metrics(self) -> KVTransferMetrics:
         if self.kv_transfer is None:
             self.kv_transfer = KVTransferMetrics(self.registry, PREFIX, self._model_name)
-        self.kv_transfer.record(stats.kv_transfer, None if last is None else last.kv_transfer)
+        return self.kv_transfer
 
     def record_outputs(self, outputs: list[RequestOutput]) -> None:
         """Latency observations from one step's delta outputs."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Upper bounds (prompt tokens) of the buckets of the per-step prefill budget histogram.
 PREFILL_BUDGET_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -74,6 +75,19 @@ class ItlTargetStats:
         self.budget_sum += num_tokens
 
 
+class KVTransferRecord(NamedTuple):
+    """One request's KV sent or received by a connector's worker half, as it measured it;
+    kept in a ring for /metrics and the dashboard (which read the wall clock first)."""
+
+    time: float  # wall clock when it ended
+    request_id: str
+    direction: str  # "send" | "recv"
+    num_bytes: int
+    seconds: float
+    error: str | None = None  # why it failed; None when the blocks arrived (or left) whole
+    reason: str | None = None  # the failure's kind: refused | checksum | timeout | connection
+
+
 @dataclass
 class KVTransferStats:
     """Since start, through the KV connector (tokenmill/kv_transfer/): tokens whose KV was
@@ -88,6 +102,23 @@ class KVTransferStats:
     bytes_saved: int = 0
     save_seconds: float = 0.0
     num_corrupt_blocks: int = 0
+    # Point-to-point (a request's KV pulled by another engine): bytes sent and their
+    # seconds, transfers that failed (either way), holds whose lease ran out unread.
+    bytes_sent: int = 0
+    send_seconds: float = 0.0
+    num_failed_transfers: int = 0
+    num_expired_requests: int = 0
+
+    def record(self, transfer: KVTransferRecord) -> None:
+        """Count one request's transfer (the connector's worker half measured it)."""
+        if transfer.error is not None:
+            self.num_failed_transfers += 1
+        elif transfer.direction == "send":
+            self.bytes_sent += transfer.num_bytes
+            self.send_seconds += transfer.seconds
+        else:
+            self.bytes_loaded += transfer.num_bytes
+            self.load_seconds += transfer.seconds
 
     def __add__(self, other: KVTransferStats) -> KVTransferStats:
         return KVTransferStats(

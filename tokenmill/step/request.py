@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Admitted with blocks for KV a connector loads asynchronously; computes once it arrives.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -99,6 +101,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What a KV connector needs to know of this request beyond its tokens (vLLM's
+        `kv_transfer_params`, carried in `SamplingParams.extra_args`): where its KV was
+        computed, or that its KV is to be handed to another engine."""
+        extra = self.sampling_params.extra_args
+        return None if extra is None else extra.get("kv_transfer_params")
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

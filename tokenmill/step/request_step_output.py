@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from tokenmill.outputs import RequestError
 from tokenmill.step.runner_output import PromptLogprobs
 
 
@@ -23,6 +25,8 @@ class RequestStepOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_preemptions: int = 0  # of this request so far
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's, on the last output
+    error: RequestError | None = None  # finish_reason "error": why
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,11 @@
-"""What the model runner hands back after a step: the tokens each request sampled."""
+"""What the model runner hands back after a step: the tokens each request sampled, and the KV
+connector's transfers that ended."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tokenmill.metrics.stats import KVTransferRecord
 
 
 @dataclass
@@ -14,6 +17,23 @@ class PromptLogprobs:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker half tells the scheduler half after a step: the asynchronous loads
+    and sends that have ended since the last step (their blocks are the scheduler's again)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)  # loaded whole
+    failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> why
+    transfers: list[KVTransferRecord] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.finished_sending or self.finished_recving or self.failed_recving or self.transfers
+        )
 
 
 @dataclass
@@ -31,3 +51,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
     spec_token_ids: dict[str, list[int]] | None = None  # drafts for the next step
     propose_seconds: float = 0.0  # of this step's time, spent proposing those drafts
+    # The KV connector's worker half: asynchronous loads and sends that ended.
+    kv_connector_output: KVConnectorOutput | None = None

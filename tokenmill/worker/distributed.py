@@ -9,7 +9,9 @@ Two groups, as vLLM keeps a device group and a CPU group:
   gone notices by its parent's pid (`tp_worker.py`).
 
 Rendezvous is torch.distributed's TCP store at MASTER_ADDR:MASTER_PORT (defaults: 127.0.0.1 and
-a free port picked by rank 0).
+a free port picked by rank 0). Ranks on other machines (`nnodes` > 1) meet there too: rank 0
+leaves their arguments at the store, and `tokenmill tp-worker` fetches them
+(`worker/remote_workers.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.parallel import TensorParallel
 
 # How long a worker waits for the next step: an idle server sends none for hours.
@@ -32,6 +35,7 @@ _STEP_WAIT = timedelta(days=365)
 # How long ranks may take to start and meet (spawn, imports, loading on a busy machine).
 _START_TIMEOUT = timedelta(minutes=5)
 _JOINED = "tokenmill/joined"  # store counter: ranks that reached the rendezvous
+_WORKER_ARGS = "tokenmill/worker_args"  # what the workers of other machines run with
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,21 @@ class Rendezvous:
     backend: str  # of the model's collectives
 
     @classmethod
-    def local(cls, world_size: int, timeout_s: float, device: torch.device) -> Rendezvous:
+    def local(
+        cls,
+        world_size: int,
+        timeout_s: float,
+        device: torch.device,
+        across_machines: bool = False,
+    ) -> Rendezvous:
+        """From MASTER_ADDR and MASTER_PORT, which ranks on other machines must be told."""
+        if across_machines and not (
+            os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+        ):
+            raise ConfigError(
+                "nnodes > 1 needs MASTER_ADDR and MASTER_PORT: where the other machines' "
+                "`tokenmill tp-worker` meet this one"
+            )
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(address)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -61,13 +79,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def join_group(
-    rendezvous: Rendezvous, rank: int, check_peers: Callable[[], None] = lambda: None
+    rendezvous: Rendezvous,
+    rank: int,
+    check_peers: Callable[[], None] = lambda: None,
+    worker_args: bytes | None = None,
 ) -> tuple[TensorParallel, Any]:
     """Join the default (model) group and the step group; (this rank's view, step group).
 
     Rank 0 waits for the others at the store, calling `check_peers` meanwhile, so a worker
-    that died starting fails the start at once. Starting may take minutes (a loaded machine
-    importing torch); the collectives' timeout is `rendezvous.timeout_s`.
+    that died starting fails the start at once; it first leaves `worker_args` there for the
+    workers of other machines (`fetch_worker_args`). Starting may take minutes (a loaded
+    machine importing torch); the collectives' timeout is `rendezvous.timeout_s`.
     """
     if dist.is_initialized():
         raise RuntimeError(
@@ -75,6 +97,8 @@ def join_group(
             "engine per process"
         )
     store = _store(rendezvous, rank)
+    if worker_args is not None:
+        store.set(_WORKER_ARGS, worker_args)
     store.add(_JOINED, 1)
     deadline = time.monotonic() + _START_TIMEOUT.total_seconds()
     while rank == 0 and store.add(_JOINED, 0) < rendezvous.world_size:
@@ -106,6 +130,15 @@ def _store(rendezvous: Rendezvous, rank: int) -> dist.TCPStore:
         timeout=_START_TIMEOUT,
         wait_for_workers=False,
     )
+
+
+def fetch_worker_args(address: str, timeout_s: float = _START_TIMEOUT.total_seconds()) -> bytes:
+    """On another machine: what rank 0 left at the store at `address` (host:port) for its
+    workers, once it is there (rank 0 publishes it after loading its shard)."""
+    host, port = address.rsplit(":", 1)
+    limit = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=limit)
+    return store.get(_WORKER_ARGS)
 
 
 def leave_group() -> None:

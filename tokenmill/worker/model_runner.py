@@ -85,19 +85,19 @@ class ModelRunner:
         self._swap(scheduler_output.blocks_to_swap_out, self.kv_caches, self.swap_caches)
         self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_caches)
         self._update_states(scheduler_output)
+        connector = self.kv_connector
+        if connector is not None:  # also in a step that runs nothing: transfers go on
+            self._start_kv_load(connector, scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        if self.kv_connector is not None:
-            self._start_kv_load(self.kv_connector, scheduler_output)
+            return self._with_kv_transfers(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs = self._prepare_inputs(scheduler_output)
         start = time.perf_counter()
         hidden = self._forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
-        if self.kv_connector is not None:
-            self.kv_connector.wait_for_save()
-            self.kv_connector.clear_connector_metadata()
+        if connector is not None:
+            connector.wait_for_save()
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if inputs.sampling_states:
             if scheduler_output.grammar_bitmask is not None:
@@ -113,6 +113,13 @@ class ModelRunner:
                 output.propose_seconds = time.perf_counter() - propose_start
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
+        return self._with_kv_transfers(output)
+
+    def _with_kv_transfers(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """The step is done with the connector's metadata; what its transfers did since."""
+        if self.kv_connector is not None:
+            self.kv_connector.clear_connector_metadata()
+            output.kv_connector_output = self.kv_connector.get_finished()
         return output
 
     def use_proposer(self, proposer: Proposer | None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 import weakref
@@ -55,7 +56,9 @@ class TensorParallelExecutor:
         """`load_settings`: how every rank loads its shard (`models/loader.py`)."""
         size = config.tensor_parallel_size
         device = config.torch_device()
-        self.rendezvous = Rendezvous.local(size, config.distributed_timeout, device)
+        self.rendezvous = Rendezvous.local(
+            size, config.distributed_timeout, device, across_machines=config.nnodes > 1
+        )
         self._engine_threads = torch.get_num_threads()  # restored at shutdown
         num_threads = max(1, self._engine_threads // size) if device.type == "cpu" else 1
         torch.set_num_threads(num_threads)
@@ -64,11 +67,17 @@ class TensorParallelExecutor:
         self._lock = threading.Lock()  # failure is set by the engine or a watcher thread
         # Told (on a watcher thread) when a worker dies unasked: the engine cannot go on.
         self.on_failure: Callable[[TensorParallelError], None] | None = None
-        self.workers: list[WorkerProcess] = []
-        for rank in range(1, size):
+        self.workers: list[WorkerProcess] = []  # this machine's; other machines' start apart
+        for rank in range(1, size // config.nnodes):
             args = (config, load_settings, self.rendezvous, rank, num_threads, os.getpid())
             on_exit = _weak_callback(weakref.WeakMethod(self._worker_exited), rank)
             self.workers.append(WorkerProcess(f"tokenmill-tp-{rank}", args, on_exit))
+        # What `tokenmill tp-worker` on another machine runs its ranks with.
+        self._remote_args = (
+            pickle.dumps((config, load_settings, self.rendezvous, num_threads))
+            if config.nnodes > 1
+            else None
+        )
         self._finalizer = weakref.finalize(self, _release, self.workers, self._stopping)
         # Rank 0 loads its shard while the workers start; the groups are joined after that.
         self.tp = TensorParallel(rank=0, size=size)
@@ -88,7 +97,9 @@ class TensorParallelExecutor:
 
     def _join(self) -> None:
         try:
-            _, self.step_group = join_group(self.rendezvous, 0, self.check_workers)
+            _, self.step_group = join_group(
+                self.rendezvous, 0, self.check_workers, self._remote_args
+            )
         except Exception as e:
             self.check_workers()  # a worker that died starting is the better explanation
             self.shutdown(graceful=False)

@@ -61,7 +61,8 @@ def run_worker(
     _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops us
     torch.set_num_threads(num_threads)
-    device = rank_device(config.torch_device(), rank)
+    # Devices are numbered per machine: rank r is the (r mod ranks per machine)-th there.
+    device = rank_device(config.torch_device(), rank % (rendezvous.world_size // config.nnodes))
     # Load first, as rank 0 does: once the ranks meet, every step is bounded by the timeout.
     torch.manual_seed(config.seed)
     tp = TensorParallel(rank=rank, size=rendezvous.world_size)

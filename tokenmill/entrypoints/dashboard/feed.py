@@ -34,6 +34,8 @@ class DashboardFeed:
         self._rings: dict[str, Ring[Any]] = {"steps": self._engine.step_records}
         if recent is not None:
             self._rings |= {"ttft": recent.ttft, "itl": recent.itl, "finished": recent.finished}
+        if engine.kv_transfers is not None:  # a KV connector: each request's transfer
+            self._rings["kv_transfers"] = engine.kv_transfers
         self._cursors = dict.fromkeys(self._rings, 0)
         self._first = True
 
@@ -53,6 +55,9 @@ class DashboardFeed:
             "speculative": None
             if spec is None
             else {"method": spec.method, "max_k": spec.num_speculative_tokens},
+            "kv_transfer": None
+            if (kv := config.kv_transfer_config) is None
+            else {"connector": kv.kv_connector, "role": kv.kv_role},
         }
 
     def update(self) -> dict[str, Any]:
@@ -77,6 +82,14 @@ class DashboardFeed:
                 "spec_drafts": s.spec_decode.num_drafts,
                 "spec_draft_tokens": s.spec_decode.num_draft_tokens,
                 "spec_accepted_tokens": s.spec_decode.num_accepted_tokens,
+            }
+        if stats.kv_transfer is not None:
+            transfer = stats.kv_transfer
+            update["totals"] |= {
+                "kv_bytes_loaded": transfer.bytes_loaded,
+                "kv_bytes_sent": transfer.bytes_sent,
+                "kv_failed_transfers": transfer.num_failed_transfers,
+                "kv_expired_requests": transfer.num_expired_requests,
             }
         update["queues"] = {
             "running": s.num_running,

@@ -154,4 +154,12 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
         choices=POLICIES,
         help="how the router picks a replica, with --data-parallel-size > 1",
     )
+    parallel.add_argument(
+        "--disaggregate",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefill/decode disaggregation on this machine: a prefill instance and a decode "
+        "instance, each pinned to its own half of the CPUs, the KV moved between them by the "
+        "P2P connector, behind a router on --port",
+    )
     add_routing_args(parallel)

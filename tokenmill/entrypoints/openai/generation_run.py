@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +25,7 @@ from tokenmill.entrypoints.openai.context import (
     log_ignored_fields,
     make_usage,
 )
-from tokenmill.entrypoints.openai.errors import error_event
+from tokenmill.entrypoints.openai.errors import SERVER_ERROR, OpenAIError, error_event
 from tokenmill.entrypoints.openai.inputs import Prompt
 from tokenmill.entrypoints.openai.params import check_stream_options, resolve_max_tokens
 from tokenmill.entrypoints.openai.protocol import (
@@ -86,6 +86,7 @@ class PromptState:
     prompt: Prompt
     logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's, once finished
 
 
 class GenerationRun(ABC, Generic[RequestT]):
@@ -235,10 +236,19 @@ class GenerationRun(ABC, Generic[RequestT]):
     def _engine_request_id(self, prompt_index: int) -> str:
         return f"{self.request_id}-{prompt_index}"
 
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """A KV connector's params for the response: of a request with one prompt only (a
+        prefill instance's answer to the router)."""
+        return self.prompts[0].kv_transfer_params if len(self.prompts) == 1 else None
+
     def _absorb_prompt(self, output: RequestOutput) -> int:
+        """Raises the request's failure (a KV transfer that failed) as its error response."""
+        if output.error is not None:
+            raise OpenAIError(503, output.error.message, SERVER_ERROR, code=output.error.code)
         prompt_index = self._prompt_index[output.request_id]
         state = self.prompts[prompt_index]
         state.num_cached_tokens = output.num_cached_tokens
+        state.kv_transfer_params = output.kv_transfer_params or state.kv_transfer_params
         if output.prompt_logprobs is not None:
             state.logprobs = output.prompt_logprobs
         return prompt_index

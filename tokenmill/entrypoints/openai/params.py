@@ -99,6 +99,9 @@ def _sampling_params(
         logit_bias=_logit_bias(request.logit_bias),
         skip_special_tokens=request.skip_special_tokens,
         structured_outputs=structured_outputs_params(request),
+        extra_args=None
+        if request.kv_transfer_params is None
+        else {"kv_transfer_params": request.kv_transfer_params},
         **fields,
     )
 

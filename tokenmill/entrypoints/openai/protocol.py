@@ -111,6 +111,8 @@ class SamplingRequest(RequestModel):
     # and a salt that keeps this tenant's prompts out of others' prefix-cache hits.
     priority: int = 0
     cache_salt: str | None = None
+    # vLLM's: for a KV connector (prefill/decode disaggregation, docs/scale_out.md).
+    kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs (docs/server.md): OpenAI's field, vLLM's, and vLLM's older ones.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -279,6 +281,8 @@ class CompletionResponse(ResponseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = Field(None, exclude_if=lambda v: v is None)
+    # vLLM's: a prefill instance's answer says where its KV waits (absent otherwise).
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatTopLogprob(ResponseModel):
@@ -331,6 +335,7 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class DeltaFunctionCall(ResponseModel):

@@ -133,6 +133,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
             model=self.ctx.model_name,
             choices=choices,
             usage=self.usage(),
+            kv_transfer_params=self.kv_transfer_params(),
         )
 
     def chunks(self, prompt_index: int, output: RequestOutput) -> list[Chunk]:

@@ -77,7 +77,9 @@ class CompletionRun(GenerationRun[CompletionRequest]):
 
     def response(self) -> CompletionResponse:
         choices = [self._whole_choice(i, choice) for i, choice in enumerate(self.choices)]
-        return self._response(choices, self.usage())
+        response = self._response(choices, self.usage())
+        response.kv_transfer_params = self.kv_transfer_params()
+        return response
 
     def _whole_choice(self, index: int, choice: _Choice) -> CompletionChoice:
         prefix, logprobs = self._echo(index, choice)

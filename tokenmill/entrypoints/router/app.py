@@ -72,11 +72,7 @@ def build_router_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
-        # The key goes on the router's own requests too (health checks, /metrics scrapes).
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        async with replica_client(api_key) as client:
             proxy.client = client
             await replicas.check_all(client)
             checker = asyncio.create_task(replicas.run(client))
@@ -91,6 +87,15 @@ def build_router_app(
     return app
 
 
+def replica_client(api_key: str | None) -> httpx.AsyncClient:
+    """The router's client to its replicas; the key goes on its own requests too (health
+    checks, /metrics scrapes)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
+
+
 class Proxy:
     """The routes' work; `client` is set by the app's lifespan."""
 
@@ -101,6 +106,7 @@ class Proxy:
         prefix_chars: int,
         api_key: str | None,
         max_body_bytes: int,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.replicas = replicas
         self.policy = policy
@@ -108,7 +114,7 @@ class Proxy:
         self.api_key = api_key
         self.metrics_api_key = api_key  # the key /metrics needs (None: open)
         self.max_body_bytes = max_body_bytes
-        self.metrics = RouterMetrics(replicas)
+        self.metrics = metrics or RouterMetrics(replicas)
         self.client: httpx.AsyncClient
 
     async def health(self) -> Response:
@@ -124,7 +130,7 @@ class Proxy:
             check_api_key(request, self.metrics_api_key, "/metrics")
         except GuardError as e:
             return _guard_error(e)
-        text = await aggregated_metrics(self.metrics, self.replicas, self.client)
+        text = await aggregated_metrics(self.metrics, self.client, self.replicas)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
@@ -149,10 +155,19 @@ class Proxy:
     async def forward(self, request: Request, path: str) -> Response:
         path = "/" + path
         try:
-            check_api_key(request, self.api_key, path)  # first: no body is read without it
-            body = await read_body(request, self.max_body_bytes)
+            body = await self.checked_body(request, path)
         except GuardError as e:
             return _guard_error(e)
+        return await self.send_body(request, path, body)
+
+    async def checked_body(self, request: Request, path: str) -> bytes:
+        """The request's body once its key is checked (first: no body is read without it);
+        GuardError otherwise."""
+        check_api_key(request, self.api_key, path)
+        return await read_body(request, self.max_body_bytes)
+
+    async def send_body(self, request: Request, path: str, body: bytes) -> Response:
+        """Send `body` to a replica the policy picks; its answer, relayed."""
         key = prefix_key(path, body, self.prefix_chars) if path in ROUTED_PATHS else None
         owner = stored_response_tag(request.method, path, body)
         try:
@@ -184,12 +199,21 @@ class Proxy:
         return _passthrough(upstream, content)
 
     async def _send(
-        self, request: Request, path: str, body: bytes, key: bytes | None, owner: str | None
+        self,
+        request: Request,
+        path: str,
+        body: bytes,
+        key: bytes | None,
+        owner: str | None = None,
+        avoid: str | None = None,
     ) -> tuple[Replica, httpx.Response] | None:
-        """Choose a replica (the healthy one tagged `owner` if there is one) and send; a
-        refused connection takes the replica out and tries the next (the request was never
-        sent). Returns with the replica's count raised; None when no replica is healthy."""
+        """Choose a replica (the healthy one tagged `owner` if there is one; not `avoid` while
+        another is healthy) and send; a refused connection takes the replica out and tries the
+        next (the request was never sent). Returns with the replica's count raised; None when
+        no replica is healthy."""
         tried: set[str] = set()
+        if avoid is not None and any(r.url != avoid for r in self.replicas.healthy()):
+            tried.add(avoid)
         while candidates := [r for r in self.replicas.healthy() if r.url not in tried]:
             stored_on = [r for r in candidates if r.tag == owner]
             if stored_on:

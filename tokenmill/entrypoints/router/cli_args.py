@@ -20,9 +20,21 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--backend",
         action="append",
-        required=True,
         metavar="URL",
         help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each replica)",
+    )
+    group.add_argument(
+        "--prefill",
+        action="append",
+        metavar="URL",
+        help="prefill/decode disaggregation: a prefill instance's base URL (a `tokenmill "
+        "serve` with a kv_producer --kv-transfer-config; repeat for each); needs --decode",
+    )
+    group.add_argument(
+        "--decode",
+        action="append",
+        metavar="URL",
+        help="a decode instance's base URL (a kv_consumer); repeat for each",
     )
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")

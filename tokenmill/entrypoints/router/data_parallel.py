@@ -39,23 +39,36 @@ def run_data_parallel(args: argparse.Namespace, listener: socket.socket, argv: l
         ", ".join(str(c.pid) for c in supervisor.children),
         ", ".join(urls),
     )
+    return route_to_supervised(args, listener, supervisor, urls, urls)
+
+
+def route_to_supervised(
+    args: argparse.Namespace,
+    listener: socket.socket,
+    supervisor: ReplicaSupervisor,
+    urls: list[str],
+    backends: list[str],
+) -> int:
+    """Once the replicas at `urls` answer, route to `backends` (or to `args.prefill` and
+    `args.decode`) until SIGTERM/SIGINT, which drains the replicas; then stop them."""
+    grace = args.shutdown_timeout + DRAIN_MARGIN_SECONDS
     try:
-        _wait_until_healthy(supervisor.children, urls)
+        wait_until_healthy(supervisor.children, urls)
         supervisor.watch()
         run_router(
             args,
             listener,
-            urls,
+            backends,
             args.routing_policy,
             on_exit=supervisor.drain,
-            graceful_timeout=args.shutdown_timeout + DRAIN_MARGIN_SECONDS,
+            graceful_timeout=grace,
         )
     finally:
-        supervisor.stop(args.shutdown_timeout + DRAIN_MARGIN_SECONDS)
+        supervisor.stop(grace)
     return 0
 
 
-def _wait_until_healthy(children: list[subprocess.Popen[bytes]], urls: list[str]) -> None:
+def wait_until_healthy(children: list[subprocess.Popen[bytes]], urls: list[str]) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
     pending = dict(zip(urls, children))
     while pending:

@@ -18,7 +18,7 @@ PREFIX = "tokenmill:router_"
 
 
 class RouterMetrics:
-    def __init__(self, replicas: ReplicaSet) -> None:
+    def __init__(self, *replica_sets: ReplicaSet) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             PREFIX + "requests",
@@ -34,14 +34,14 @@ class RouterMetrics:
             ["replica", "stage"],
             registry=self.registry,
         )
-        self.registry.register(_ReplicaGauges(replicas))
+        self.registry.register(_ReplicaGauges(replica_sets))
 
 
 class _ReplicaGauges:
-    """Gauges read from the replica set at scrape time."""
+    """Gauges read from the replica sets at scrape time."""
 
-    def __init__(self, replicas: ReplicaSet) -> None:
-        self.replicas = replicas
+    def __init__(self, replica_sets: tuple[ReplicaSet, ...]) -> None:
+        self.replica_sets = replica_sets
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
@@ -52,7 +52,7 @@ class _ReplicaGauges:
             "Requests the router has open on the replica",
             labels=["replica"],
         )
-        for replica in self.replicas.replicas.values():
+        for replica in (r for s in self.replica_sets for r in s.replicas.values()):
             healthy.add_metric([replica.url], float(replica.healthy))
             in_flight.add_metric([replica.url], replica.in_flight)
         yield healthy
@@ -60,11 +60,12 @@ class _ReplicaGauges:
 
 
 async def aggregated_metrics(
-    metrics: RouterMetrics, replicas: ReplicaSet, client: httpx.AsyncClient
+    metrics: RouterMetrics, client: httpx.AsyncClient, *replica_sets: ReplicaSet
 ) -> bytes:
     """The router's own metrics, then each healthy replica's, labelled `replica`."""
-    urls = [r.url for r in replicas.healthy()]
-    texts = await asyncio.gather(*(_scrape(client, url, replicas.timeout) for url in urls))
+    healthy = [(r.url, s.timeout) for s in replica_sets for r in s.healthy()]
+    urls = [url for url, _ in healthy]
+    texts = await asyncio.gather(*(_scrape(client, url, timeout) for url, timeout in healthy))
     merged: dict[str, Metric] = {}
     for url, text in zip(urls, texts):
         if text is None:

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from tokenmill.entrypoints.router.app import build_router_app
-from tokenmill.entrypoints.router.policies import make_policy
+from tokenmill.entrypoints.router.disagg_app import build_disagg_app
+from tokenmill.entrypoints.router.policies import Policy, make_policy
 from tokenmill.entrypoints.router.replicas import ReplicaSet
 
 logger = logging.getLogger("tokenmill.router")
@@ -28,23 +30,7 @@ def run_router(
     """Serve until SIGTERM/SIGINT. `on_exit` runs when the signal arrives, before uvicorn
     stops accepting (`serve --data-parallel-size`: the replicas start draining); in-flight
     requests then get `graceful_timeout` seconds (default `--shutdown-timeout`) to end."""
-    replicas = ReplicaSet(backends, interval=args.health_check_interval)
-    app = build_router_app(
-        replicas,
-        make_policy(policy, args.balance_abs_threshold, args.balance_rel_threshold),
-        args.prefix_chars,
-        api_key=args.api_key,
-        max_body_bytes=args.max_request_body_bytes,
-        metrics_without_api_key=getattr(args, "metrics_without_api_key", False),
-    )
-    logger.info(
-        "routing http://%s:%d to %d replicas (%s): %s",
-        args.host,
-        args.port,
-        len(backends),
-        policy,
-        ", ".join(backends),
-    )
+    app = _app(args, backends, policy)
     if graceful_timeout is None:
         graceful_timeout = getattr(args, "shutdown_timeout", 30)
     config = uvicorn.Config(
@@ -55,6 +41,34 @@ def run_router(
         timeout_graceful_shutdown=graceful_timeout,
     )
     _RouterServer(config, on_exit).run(sockets=[listener])
+
+
+def _app(args: argparse.Namespace, backends: list[str], policy: str) -> FastAPI:
+    """The router's app: over `backends`, or over prefill and decode instances."""
+
+    def make() -> Policy:
+        return make_policy(policy, args.balance_abs_threshold, args.balance_rel_threshold)
+
+    options = {
+        "api_key": args.api_key,
+        "max_body_bytes": args.max_request_body_bytes,
+        "metrics_without_api_key": getattr(args, "metrics_without_api_key", False),
+    }
+    interval = args.health_check_interval
+    prefill, decode = getattr(args, "prefill", None), getattr(args, "decode", None)
+    if prefill and decode:
+        logger.info(
+            "routing http://%s:%d to prefill instances %s and decode instances %s (%s)",
+            args.host, args.port, ", ".join(prefill), ", ".join(decode), policy,
+        )  # fmt: skip
+        sets = ReplicaSet(prefill, interval=interval), ReplicaSet(decode, interval=interval)
+        return build_disagg_app(*sets, (make(), make()), args.prefix_chars, **options)
+    logger.info(
+        "routing http://%s:%d to %d replicas (%s): %s",
+        args.host, args.port, len(backends), policy, ", ".join(backends),
+    )  # fmt: skip
+    replicas = ReplicaSet(backends, interval=interval)
+    return build_router_app(replicas, make(), args.prefix_chars, **options)
 
 
 class _RouterServer(uvicorn.Server):

@@ -16,12 +16,15 @@ signal (PR_SET_PDEATHSIG) so that even a command killed with SIGKILL leaves no o
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -34,11 +37,23 @@ POLL_SECONDS = 0.2
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only calls it
 
 
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """What one replica gets besides the command's own line: more flags (after it, so they
+    win), and the CPUs it is pinned to (None: all of the command's)."""
+
+    extra_args: tuple[str, ...] = ()
+    cpus: frozenset[int] | None = None
+
+
 class ReplicaSupervisor:
-    def __init__(self, argv: list[str], ports: list[int]) -> None:
+    def __init__(
+        self, argv: list[str], ports: list[int], launches: list[ReplicaLaunch] | None = None
+    ) -> None:
         self.argv = argv
         self.ports = ports
-        self.children = [_start_replica(argv, port) for port in ports]
+        self.launches = launches or [ReplicaLaunch()] * len(ports)
+        self.children = [self._start(index) for index in range(len(ports))]
         self._started = [time.monotonic()] * len(ports)
         self._backoff = [FIRST_BACKOFF_SECONDS] * len(ports)
         self._restart_at: list[float | None] = [None] * len(ports)
@@ -101,20 +116,32 @@ class ReplicaSupervisor:
             with self._lock:
                 if self._stopping.is_set():
                     return
-                self.children[index] = replacement = _start_replica(self.argv, port)
+                self.children[index] = replacement = self._start(index)
             self._started[index], self._restart_at[index] = now, None
             logger.warning("restarted the replica on port %d (pid %d)", port, replacement.pid)
 
+    def _start(self, index: int) -> subprocess.Popen[bytes]:
+        return _start_replica(self.argv, self.ports[index], self.launches[index])
 
-def _start_replica(argv: list[str], port: int) -> subprocess.Popen[bytes]:
+
+def _start_replica(argv: list[str], port: int, launch: ReplicaLaunch) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "tokenmill.entrypoints.cli", *argv,
         "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "1",
+        *launch.extra_args,
     ]  # fmt: skip
-    return subprocess.Popen(command, preexec_fn=_die_with_parent)
+    env = None
+    if launch.cpus is not None:  # as many OpenMP threads as its CPUs, not the machine's
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(launch.cpus))}
+    return subprocess.Popen(
+        command, env=env, preexec_fn=functools.partial(_die_with_parent, launch.cpus)
+    )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies; the default SIGINT."""
+def _die_with_parent(cpus: frozenset[int] | None = None) -> None:
+    """In the child, before exec: SIGTERM when the parent dies; the default SIGINT; pinned
+    to `cpus` if given (inherited by everything it starts)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)

@@ -19,6 +19,7 @@ const state = {
   ttft: [],      // [time, seconds]
   itl: [],       // [time, seconds]
   finished: [],  // [time, ttft, tpot, e2e, queue_time, num_output_tokens]
+  kv_transfers: [],  // [time, request_id, direction, bytes, seconds, error, reason]
   ticks: [],     // {now, totals, queues}
   last: null,
 };
@@ -83,7 +84,7 @@ function setConnection(status) {
 
 function onSetup(setup) {
   // A reconnect starts a fresh feed that sends the window's history again.
-  Object.assign(state, { setup, steps: [], ttft: [], itl: [], finished: [], ticks: [] });
+  Object.assign(state, { setup, steps: [], ttft: [], itl: [], finished: [], kv_transfers: [], ticks: [] });
   $("model").textContent = setup.model;
   $("budget").textContent = setup.max_num_batched_tokens;
   for (const name of ["ttft", "tpot", "e2el"]) {
@@ -95,11 +96,15 @@ function onSetup(setup) {
   readSlo();
   $("spec-on").hidden = !setup.speculative;
   $("spec-off").hidden = !!setup.speculative;
+  $("kv-transfer-on").hidden = !setup.kv_transfer;
+  $("kv-transfer-off").hidden = !!setup.kv_transfer;
+  $("kv-transfer-role").textContent = setup.kv_transfer
+    ? `${setup.kv_transfer.connector}, ${setup.kv_transfer.role}` : "";
 }
 
 function onUpdate(update) {
   state.now = update.now;
-  for (const name of ["steps", "ttft", "itl", "finished"]) {
+  for (const name of ["steps", "ttft", "itl", "finished", "kv_transfers"]) {
     const records = update[name] || [];
     for (const r of records) state[name].push(r);
     const start = update.now - MAX_KEEP_SECONDS;
@@ -121,6 +126,7 @@ function render() {
   renderQueues();
   renderLatency();
   renderSpec();
+  renderKvTransfer();
 }
 
 function renderSteps() {
@@ -244,6 +250,33 @@ function renderSpec() {
 // ---- drawing ----------------------------------------------------------------------------
 
 // The canvas's CSS size (dashboard.css gives each its height) in device pixels.
+function renderKvTransfer() {
+  if (!state.setup.kv_transfer) return;
+  const transfers = inWindow(state.kv_transfers);
+  const done = transfers.filter((t) => t[5] === null);
+  const rows = [];
+  for (const direction of ["send", "recv"]) {
+    const mine = done.filter((t) => t[2] === direction);
+    if (!mine.length) continue;
+    const seconds = sortedValues(mine.map((t) => t[4]));
+    const mb = sortedValues(mine.map((t) => t[3] / 1e6));
+    rows.push(`<tr><th>${direction} ms</th><td>${fmt.ms(percentile(seconds, 50))}</td><td>${fmt.ms(percentile(seconds, 99))}</td><td>${seconds.length}</td></tr>`);
+    rows.push(`<tr><th>${direction} MB</th><td>${fmt.num(percentile(mb, 50), 2)}</td><td>${fmt.num(percentile(mb, 99), 2)}</td><td>${mb.length}</td></tr>`);
+  }
+  $("kv-transfer-rows").innerHTML = rows.join("") || '<tr><td colspan="4" class="dim">no transfer in this window</td></tr>';
+  const busy = done.reduce((sum, t) => sum + t[4], 0);
+  const bytes = done.reduce((sum, t) => sum + t[3], 0);
+  const rate = busy > 0 ? bytes / busy / 1e6 : null;
+  show("kv-transfer-rate", rate, fmt.num(rate, 1));
+  show("kv-transfer-failed", transfers.length - done.length);
+  const totals = state.last.totals;
+  const mb = (v) => (v === undefined ? null : v / 1e6);
+  show("kv-total-loaded", mb(totals.kv_bytes_loaded), fmt.num(mb(totals.kv_bytes_loaded), 1));
+  show("kv-total-sent", mb(totals.kv_bytes_sent), fmt.num(mb(totals.kv_bytes_sent), 1));
+  show("kv-total-failed", totals.kv_failed_transfers);
+  show("kv-total-expired", totals.kv_expired_requests);
+}
+
 function canvasContext(canvas) {
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth, height = canvas.clientHeight;

@@ -1,0 +1,30 @@
+"""The engine's KV connector (tokenmill/kv_transfer/): the ring of each request's transfers,
+and its two halves' stats summed (`assembly.py` makes the halves)."""
+
+from __future__ import annotations
+
+from tokenmill.kv_transfer.base import KVConnectorBase
+from tokenmill.metrics.recent import REQUEST_HISTORY
+from tokenmill.metrics.ring import Ring
+from tokenmill.metrics.stats import KVTransferRecord, KVTransferStats
+from tokenmill.step.runner_output import ModelRunnerOutput
+
+# (scheduler half, worker half)
+KVConnectors = tuple[KVConnectorBase, KVConnectorBase]
+
+
+def transfer_ring(connectors: KVConnectors | None) -> Ring[KVTransferRecord] | None:
+    """Where the engine keeps each request's transfer, for /metrics and the dashboard."""
+    return None if connectors is None else Ring(REQUEST_HISTORY)
+
+
+def record_transfers(ring: Ring[KVTransferRecord] | None, output: ModelRunnerOutput) -> None:
+    if ring is not None and output.kv_connector_output is not None:
+        for record in output.kv_connector_output.transfers:
+            ring.append(record)
+
+
+def kv_transfer_stats(connectors: KVConnectors | None) -> KVTransferStats | None:
+    if connectors is None:
+        return None
+    return connectors[0].stats() + connectors[1].stats()
