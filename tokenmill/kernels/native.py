@@ -1,4 +1,5 @@
-"""Building, caching and loading the C++ CPU kernels (`csrc/cpu_kernels.cpp`).
+"""Building, caching and loading the C++ CPU kernels (`csrc/cpu_kernels.cpp`, and the quantized
+linears of `csrc/quant_kernels.cpp`, which register as `torch.ops.tokenmill.*`).
 
 The extension is compiled at first use with `torch.utils.cpp_extension.load` (gcc and ninja),
 into a directory under the user's cache keyed by the source's hash, torch's version and the
@@ -28,7 +29,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "quant_kernels.cpp")
+]
 _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 _state: dict[str, ModuleType | None] = {}
 
@@ -39,7 +42,7 @@ def cache_root() -> Path:
 
 
 def _build_name() -> str:
-    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES))
     digest.update(f"{torch.__version__}|{' '.join(_CFLAGS)}".encode())
     return f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}"
 
@@ -59,7 +62,7 @@ def _build() -> ModuleType:
     start = time.perf_counter()
     module = load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(source) for source in _SOURCES],
         extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -100,6 +103,8 @@ def native_kernels() -> ModuleType | None:
     if module is not None:
         level = requested_isa()
         module.set_isa(module.detect_isa() if level is None else level)
+        quant_isa = torch.ops.tokenmill.quant_detect_isa() if level is None else level
+        torch.ops.tokenmill.quant_set_isa(quant_isa)
     _state["module"] = module
     return module
 
