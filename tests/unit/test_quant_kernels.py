@@ -11,10 +11,14 @@ import torch
 from tokenmill.kernels import native
 from tokenmill.kernels.native import ISA_LEVELS
 from tokenmill.kernels.quant import (
+    DENSE_MIN_ROWS,
     INT8_ACTIVATIONS_LEVEL,
     activations_quantized,
     best_quant_isa,
+    dense_bf16_fast,
+    dense_bf16_reference,
     dequantize,
+    dequantize_transposed,
     pack,
     packed_rows,
     quant_linear,
@@ -98,14 +102,51 @@ def test_quant_linear_matches_its_reference(
 
 
 @needs_native
-def test_many_rows_take_the_same_path() -> None:
+def test_many_rows_on_the_dot_product_kernel() -> None:
     """Prefill-sized products (tiles of 8 tokens, several threads) agree with the reference."""
     codes, scales, offsets = random_weight(200, 320, 4, 32, seed=3)
     weight = pack(codes, scales, offsets, 4, 32)
     x = torch.randn(300, 320)
-    reference = quant_linear_reference(x, weight, None, best_quant_isa() >= 3)
-    got = quant_linear(x, weight, None)
+    quantized = best_quant_isa() >= INT8_ACTIVATIONS_LEVEL
+    reference = quant_linear_reference(x, weight, None, quantized)
+    got = torch.ops.tokenmill.quant_linear(
+        x, weight.codes, weight.scales, weight.offsets, None, 4, 32, 200
+    )
     assert (got - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
+def test_dequantized_transpose_is_the_weight_in_bfloat16(
+    isa: int, out_features, in_features, group, bits
+) -> None:
+    if bits == 4 and group is None:
+        pytest.skip("int4 comes in groups")
+    codes, scales, offsets = random_weight(out_features, in_features, bits, group, seed=11)
+    weight = pack(codes, scales, offsets, bits, group)
+    got = dequantize_transposed(weight)
+    expected = dequantize(weight).T
+    assert got.dtype == torch.bfloat16 and got.shape == (in_features, out_features)
+    # One bfloat16 rounding (to nearest even) of the float32 weight.
+    assert ((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-30).all()
+
+
+@needs_native
+def test_many_rows_where_amx_runs_go_to_the_dense_bfloat16_path() -> None:
+    if not dense_bf16_fast():
+        pytest.skip("no AMX bfloat16 tiles here (or not allowed)")
+    codes, scales, offsets = random_weight(96, 128, 8, 32, seed=4)
+    weight = pack(codes, scales, offsets, 8, 32)
+    x = torch.randn(DENSE_MIN_ROWS, 128)
+    bias = torch.randn(96)
+    got = quant_linear(x, weight, bias)
+    reference = dense_bf16_reference(x, weight, bias)
+    # bfloat16 outputs of the dense GEMM (8 bits), then the bias added in float32.
+    assert (got - reference).abs().max().item() <= 1e-2 * reference.abs().max().item()
+    few = quant_linear(x[: DENSE_MIN_ROWS - 1], weight, bias)  # the dot-product kernel
+    dot_reference = quant_linear_reference(x[: DENSE_MIN_ROWS - 1], weight, bias, True)
+    assert (few - dot_reference).abs().max().item() <= 1e-5 * dot_reference.abs().max().item()
 
 
 @needs_native

@@ -32,6 +32,11 @@ ACTIVATION_BLOCK = 32
 # activations: AVX-512 with VNNI (a CPU with AVX512_BF16 has VNNI too).
 INT8_ACTIVATIONS_LEVEL = 3
 _CENTER = {8: 128, 4: 8}
+# Rows from which a product goes to the dense bfloat16 path where AMX runs it. One thread, 48
+# products of SmolLM2-135M's shapes (int8 and int4 groups of 32), Intel Xeon with AMX, loaded:
+# the VNNI kernel / dequantize + oneDNN bfloat16 took 35 / 41 ms at 64 rows, 67 / 49 at 128,
+# 135 / 60 at 256, 551 / 196 at 1024 (benchmarks/quantized_linear.py --many-rows).
+DENSE_MIN_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,12 @@ def quant_linear_reference(
 
 
 def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` on the native kernel, for 2-D float32 or bfloat16 `x` on the CPU (the
-    caller checks `native_kernels()` once)."""
+    """`x @ W.T + bias` on the native kernels, for 2-D float32 or bfloat16 `x` on the CPU (the
+    caller checks `native_kernels()` once): the dot-product kernel, or for `DENSE_MIN_ROWS`
+    rows and more where AMX runs bfloat16 tiles, the weight dequantized to bfloat16 for the
+    call and multiplied densely."""
+    if x.shape[0] >= DENSE_MIN_ROWS and dense_bf16_fast():
+        return dense_bf16_linear(x, weight, bias)
     return torch.ops.tokenmill.quant_linear(
         x,
         weight.codes,
@@ -195,3 +204,55 @@ def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
         weight.group_size,
         weight.out_features,
     )
+
+
+def dequantize_transposed(weight: PackedWeight) -> torch.Tensor:
+    """The weight as bfloat16 `[in, out]` (native; rows of the transposed weight are what a
+    block's vector of 16 output rows holds)."""
+    return torch.ops.tokenmill.quant_dequantize_t(
+        weight.codes,
+        weight.scales,
+        weight.offsets,
+        weight.bits,
+        weight.group_size,
+        weight.out_features,
+        weight.in_features,
+    )
+
+
+def dense_bf16_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The many-row path: bfloat16 activations times the weight dequantized to bfloat16 for
+    this call only (freed after it: the layer keeps its packed codes alone)."""
+    out = torch.matmul(x.to(torch.bfloat16), dequantize_transposed(weight))
+    if bias is not None:
+        return torch.add(out, bias).to(x.dtype)  # one pass: bfloat16 + float32 -> float32
+    return out.to(x.dtype)
+
+
+def dense_bf16_reference(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 product of what the many-row path multiplies: bfloat16 `x` and weights."""
+    out = x.to(torch.bfloat16).float() @ dequantize(weight).to(torch.bfloat16).float().T
+    return out if bias is None else out + bias.float()
+
+
+def dense_bf16_fast() -> bool:
+    """Whether the many-row path runs here: the kernels at their VNNI level (not forced lower)
+    on a CPU whose AMX bfloat16 tiles the OS lets this process use (DENSE_MIN_ROWS)."""
+    if "amx" not in _cache:
+        _cache["amx"] = _amx_bf16_usable()
+    return _cache["amx"] and quant_isa() >= INT8_ACTIVATIONS_LEVEL
+
+
+def _amx_bf16_usable() -> bool:
+    try:  # private torch helpers: checked, not assumed
+        features = torch._C._cpu._get_cpu_capability()
+        return bool(features.get("amx_bf16")) and bool(torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_cache: dict[str, bool] = {}

@@ -20,7 +20,8 @@ from tokenmill.kernels.quant import INT8_ACTIVATIONS_LEVEL, best_quant_isa, usin
 from tokenmill.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
-PROMPT_LENS = [1, 6, 19, 40]
+# 70: a prefill of more than DENSE_MIN_ROWS rows (the dense bfloat16 path where AMX runs it).
+PROMPT_LENS = [1, 6, 19, 40, 70]
 # |logprob - reference| allowed (and under which two tokens count as tied), by how the
 # quantized product runs: the native kernels with float activations compute the dequantized
 # model's product in float32 (measured 0.000-0.004); torch's int8/int4 ops (no native

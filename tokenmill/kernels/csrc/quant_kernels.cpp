@@ -301,18 +301,18 @@ TM_VNNI inline void segment_vnni(const uint8_t* w, const int8_t* const* xq, int6
 template <int BITS, int R, int SEG>
 TM_VNNI void block_vnni(const Problem& p, const Activations& a, int64_t nb, int64_t m0,
                         float* out) {
-  constexpr int32_t center = BITS == 8 ? 128 : 8;
+  constexpr float center = BITS == 8 ? 128.0f : 8.0f;
   constexpr int64_t segment_bytes = SEG * kBlockRows * BITS / 8;
   const uint8_t* w = p.codes + nb * p.block_bytes();
-  const int64_t scale_stride = p.kp / kActBlock, sum_stride = p.kp / 16;
+  const int64_t scale_stride = p.kp / kActBlock;
   const int8_t* xq[R];
   const float* x_scale[R];
-  const int32_t* x_sum[R];
+  const float* x_group_sum[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     xq[r] = a.q + (m0 + r) * p.kp;
     x_scale[r] = a.qscale + (m0 + r) * scale_stride;
-    x_sum[r] = a.qsum + (m0 + r) * sum_stride;
+    x_group_sum[r] = a.group_sum + (m0 + r) * p.groups;
   }
   __m512 total[R];
 #pragma GCC unroll 8
@@ -330,25 +330,22 @@ TM_VNNI void block_vnni(const Problem& p, const Activations& a, int64_t nb, int6
       for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
       segment_vnni<BITS, R, SEG>(w, xq, col, acc);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int32_t* sums = x_sum[r] + col / 16;
-        const int32_t code_sum = SEG == 32 ? sums[0] + sums[1] : sums[0];
-        __m512i centered = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(center * code_sum));
-        dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centered),
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
                                  _mm512_set1_ps(x_scale[r][col / kActBlock]), dot[r]);
-      }
     }
+    // The codes were stored plus `center`: their dot products carry center x the group's
+    // activation sum, which the offset term takes back off (offset - center x scale).
     __m512 scale = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockRows)));
+    __m512 offset = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(offsets + g * kBlockRows)))
+                            : _mm512_setzero_ps();
+    offset = _mm512_fnmadd_ps(_mm512_set1_ps(center), scale, offset);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(scale, dot[r], total[r]);
-    if (offsets) {
-      __m512 offset = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlockRows)));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.group_sum[(m0 + r) * p.groups + g]),
-                                   total[r]);
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_fmadd_ps(scale, dot[r], total[r]);
+      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_group_sum[r][g]), total[r]);
     }
   }
 #pragma GCC unroll 8
@@ -490,6 +487,87 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Dequantization into a transposed bfloat16 weight `[in, out]`, for products of many rows: a
+// dense bfloat16 GEMM (oneDNN, AMX tiles where the CPU has them) on it beats the dot-product
+// kernels above once there are enough rows to pay for the conversion. Each 16-row block's codes
+// of one column are 16 consecutive values of a row of the transposed weight: one vector store.
+
+template <int BITS>
+TM_AVX512 void dequantize_block_avx512(const Problem& p, int64_t nb, bf16* out) {
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const int64_t rows = std::min(kBlockRows, p.n - nb * kBlockRows);
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i low_nibbles = _mm512_set1_epi32(0x0F);
+  constexpr float center = BITS == 8 ? 128.0f : 8.0f;
+  bf16* column0 = out + nb * kBlockRows;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t at = (nb * p.groups + g) * kBlockRows;
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(p.offsets + at)))
+                              : _mm512_setzero_ps();
+    offset = _mm512_fnmadd_ps(_mm512_set1_ps(center), scale, offset);  // unsigned codes
+    for (int64_t col = g * p.group; col < (g + 1) * p.group; col += BITS == 8 ? 4 : 8) {
+      __m512i raw = _mm512_loadu_si512(block + (BITS == 8 ? col / 4 : col / 8) * 64);
+      for (int i = 0; i < (BITS == 8 ? 4 : 8); ++i) {
+        __m512i code = BITS == 8 ? _mm512_and_si512(_mm512_srli_epi32(raw, 8 * i), _mm512_set1_epi32(0xFF))
+                                 : _mm512_and_si512(_mm512_srli_epi32(raw, 4 * i), low_nibbles);
+        const int64_t c = BITS == 8 ? col + i : col + (i & 1) * 4 + i / 2;
+        if (c >= p.k) continue;  // padding columns
+        __m512i w = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, offset));
+        // To bfloat16, rounding to nearest even (as c10::BFloat16 does; no NaNs here).
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(w, 16), _mm512_set1_epi32(1));
+        w = _mm512_add_epi32(w, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+        __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16));
+        _mm256_mask_storeu_epi16(column0 + c * p.n, mask, packed);
+      }
+    }
+  }
+}
+
+void dequantize_block_portable(const Problem& p, int64_t nb, bf16* out) {
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const int64_t rows = std::min(kBlockRows, p.n - nb * kBlockRows);
+  for (int64_t lane = 0; lane < rows; ++lane) {
+    for (int64_t col = 0; col < p.k; ++col) {
+      const int64_t at = (nb * p.groups + col / p.group) * kBlockRows + lane;
+      float w = static_cast<float>(code_at(p, block, lane, col)) * static_cast<float>(p.scales[at]);
+      if (p.offsets) w += static_cast<float>(p.offsets[at]);
+      out[col * p.n + nb * kBlockRows + lane] = bf16(w);
+    }
+  }
+}
+
+at::Tensor quant_dequantize_t(const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, int64_t bits,
+                              int64_t group, int64_t out_features, int64_t in_features) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_dequantize_t: bits must be 8 or 4");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3,
+              "quant_dequantize_t: packed codes and scales expected");
+  const int64_t blocks = codes.size(0), groups = scales.size(1), kp = groups * group;
+  TORCH_CHECK(codes.size(1) == kBlockRows * kp * bits / 8 && kp >= in_features &&
+                  blocks * kBlockRows >= out_features,
+              "quant_dequantize_t: codes and scales do not fit the shape");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  Problem p{codes.data_ptr<uint8_t>(),
+            reinterpret_cast<const half*>(scales.data_ptr<at::Half>()),
+            has_offsets ? reinterpret_cast<const half*>(offsets->data_ptr<at::Half>()) : nullptr,
+            out_features, in_features, kp, group, groups, static_cast<int>(bits)};
+  at::Tensor out = at::empty({in_features, out_features}, codes.options().dtype(at::kBFloat16));
+  bf16* data = out.data_ptr<bf16>();
+  const int isa = g_quant_isa;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      if (isa >= 2 && bits == 8) dequantize_block_avx512<8>(p, nb, data);
+      else if (isa >= 2) dequantize_block_avx512<4>(p, nb, data);
+      else dequantize_block_portable(p, nb, data);
+    }
+  });
+  return out;
+}
+
 int64_t quant_set_isa(int64_t level) {
   g_quant_isa = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(level, detect_quant_isa())));
   return g_quant_isa;
@@ -503,9 +581,14 @@ int64_t quant_get_isa() { return g_quant_isa; }
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, "
         "int bits, int group, int out_features) -> Tensor");
+  m.def("quant_dequantize_t(Tensor codes, Tensor scales, Tensor? offsets, int bits, int group, "
+        "int out_features, int in_features) -> Tensor");
   m.def("quant_set_isa(int level) -> int", &quant_set_isa);
   m.def("quant_detect_isa() -> int", &quant_detect_isa);
   m.def("quant_get_isa() -> int", &quant_get_isa);
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize_t", &quant_dequantize_t);
+}
