@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from perplexity_vs_llamacpp import LLAMACPP, bin_dir, compare  # noqa: E402
+from perplexity_vs_llamacpp import LLAMACPP, bin_dir, compare
 
 NEEDED = ("llama-perplexity", "llama-quantize", "llama-server")
 missing = [name for name in NEEDED if not (bin_dir(LLAMACPP) / name).is_file()]
