@@ -25,9 +25,9 @@ from make_smollm_shaped_model import model_dir
 from transformers import AutoConfig
 
 from tokenmill.layers.kv_cache import KVCacheSpec
-from tokenmill.models.loader import load_model
+from tokenmill.models.loader import LoadSettings, load_model
+from tokenmill.step.layout import layout_step
 from tokenmill.worker.capture_backends import compile_forward
-from tokenmill.worker.step_layout import layout_step
 
 CONTEXT = 200
 BLOCK = 16
@@ -51,7 +51,7 @@ def main() -> None:
     config = AutoConfig.from_pretrained(path)
     cpu = torch.device("cpu")
     load = lambda backend: load_model(  # noqa: E731
-        path, config, config.architectures[0], torch.float32, cpu, backend
+        path, LoadSettings(torch.float32, linear_backend=backend), cpu
     )
     models = {"eager_onednn": load("auto"), "eager_plain": load("torch")}
     blocks_per_seq = -(-CONTEXT // BLOCK)

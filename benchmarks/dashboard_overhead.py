@@ -28,9 +28,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.step_records import StepRecord, new_step_ring
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.step_records import StepRecord, new_step_ring
 from tokenmill.entrypoints.dashboard.feed import UPDATES_PER_SECOND, DashboardFeed
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.prometheus import EngineMetrics

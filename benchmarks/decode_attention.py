@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tokenmill.layers.attention import AttentionGroup, TorchPagedAttention
 from tokenmill.layers.attention_native import CpuPagedAttention
 from tokenmill.layers.kv_cache import read_kv
-from tokenmill.worker.step_layout import layout_step
+from tokenmill.step.layout import layout_step
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 

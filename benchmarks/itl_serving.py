@@ -47,8 +47,6 @@ from tokenmill.bench.client import (
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.server_process import ServerProcess
-from tokenmill.engine.detokenizer import decode_token
-from tokenmill.models.loader import load_tokenizer
 
 OVER_TARGET = "tokenmill:itl_steps_over_target_total"
 POLL_S = 0.01  # how often the driver looks at the streams (the chunks are timed as they come)
@@ -127,21 +125,6 @@ def endpoint(base_url: str, model: str, extra_body: dict[str, Any] | None = None
     """Streamed greedy `/v1/completions` with `ignore_eos` (a field tokenmill and llama-server
     both read), and `extra_body`'s fields."""
     return EndpointConfig(base_url, model, extra_body=extra_body or {}, request_timeout=TIMEOUT_S)
-
-
-def whole_character_bias(model: Path) -> dict[str, int]:
-    """A `logit_bias` that bans every token whose text alone is not whole UTF-8 characters.
-
-    llama-server streams no chunk while a stream's text ends mid-character (it holds the
-    bytes back until the character completes), and a random model's text often does: its
-    tokens past the tokenizer's vocabulary have no text at all, so a lone lead byte is
-    followed by many tokens that send nothing, a chunk that merges them all, or (a greedy
-    loop) no chunk ever again. With these tokens banned, every token makes one chunk, for the
-    cost of a ~165-entry bias list in the sampler. (tokenmill sends a chunk per token.)
-    """
-    tokenizer = load_tokenizer(model)
-    partial = [i for i in range(len(tokenizer)) if "\ufffd" in decode_token(tokenizer, i)]
-    return {str(i): -100 for i in partial}
 
 
 async def steps_over_target(client: httpx.AsyncClient, base_url: str) -> int | None:

@@ -49,10 +49,9 @@ from itl_serving import (
     llama_server,
     served_run,
     tokenmill_server,
-    whole_character_bias,
 )
 from itl_stats import TABLE_HEADER, Run, goal_check, report
-from llamacpp import gguf_file, source_tree
+from llamacpp import gguf_file, source_tree, whole_character_bias
 from make_bench_model import cached_random_model
 from make_smollm_shaped_model import SHAPE as SMOLLM2_SHAPE
 

@@ -14,7 +14,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tokenmill.testing.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
+import repo_root  # noqa: F401 (tokenmill_testing/, demo_training/ on sys.path)
+
+from tokenmill_testing.random_checkpoint import cache_dir, save_random_checkpoint, train_tokenizer
 
 NAME = "bench-random-llama-79m-v1"  # bump the version when changing the recipe
 

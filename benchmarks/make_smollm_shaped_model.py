@@ -1,4 +1,4 @@
-"""Build (once) a random-weight Llama shaped like SmolLM2-135M (benchmarks/vs_llamacpp.py).
+"""Build (once) a random-weight Llama shaped like SmolLM2-135M (benchmarks/vs_peers.py).
 
 hidden 576, 30 layers, 9 query / 3 KV heads, MLP 1536, vocab 49152, tied embeddings, RoPE
 theta 100000: the shape of HuggingFaceTB/SmolLM2-135M with random weights (no download). The

@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 import httpx
+import repo_root  # noqa: F401 (tokenmill_testing/, demo_training/ on sys.path)
 from prometheus_client.parser import text_string_to_metric_families
 from route_sim import Workload, make_requests, simulate
 
 from tokenmill.bench.server_process import ServerProcess, free_port
-from tokenmill.testing.random_checkpoint import save_random_checkpoint
+from tokenmill_testing.random_checkpoint import save_random_checkpoint
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")

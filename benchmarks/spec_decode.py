@@ -24,8 +24,10 @@ import statistics
 import time
 from typing import NamedTuple
 
+import repo_root  # noqa: F401 (tokenmill_testing/, demo_training/ on sys.path)
+
+from demo_training.acceptance import STORY_PROMPTS
 from tokenmill import LLM, SamplingParams
-from tokenmill.demo.acceptance import STORY_PROMPTS
 from tokenmill.demo.eval import heldout
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats

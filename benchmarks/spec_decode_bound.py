@@ -27,7 +27,7 @@ from spec_decode import drafts_since, generate_greedy, task_prompts, timed
 from tokenmill import LLM
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats
-from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.step.runner_request_state import CachedRequestState
 
 
 class OracleProposer:
@@ -55,7 +55,7 @@ def oracle_engine(k: int) -> tuple[LLM, OracleProposer]:
     spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
     llm = LLM(model=None, max_num_seqs=1, speculative_config=spec)
     oracle = OracleProposer({})
-    llm.engine.runner.proposer = oracle
+    llm.engine.use_proposer(oracle)
     return llm, oracle
 
 

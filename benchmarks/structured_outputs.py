@@ -28,13 +28,12 @@ import time
 from collections.abc import Callable
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.core import scheduler  # its advance_grammar is wrapped
 from tokenmill.sampling_params import RequestOutputKind
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.backend import XgrammarBackend, validate
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar
-from tokenmill.worker import model_runner
+from tokenmill.worker import model_runner  # where the runner finds apply_grammar_bitmask
 
 # Never complete within a few hundred tokens: at least 64 objects, each with free text.
 LONG_SCHEMA = {
@@ -95,13 +94,15 @@ def structured(schema: dict | None) -> StructuredOutputsParams:
 
 
 class GrammarTimer:
-    """Seconds spent in the structured-output hooks of the step, by wrapping them."""
+    """Seconds spent in the structured-output package's work of a step, by wrapping its public
+    entry points: filling the bitmask, applying it to the logits (wrapped where the runner
+    calls it), advancing the matchers."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._wrap(StructuredOutputManager, "grammar_bitmask")
-        self._wrap(model_runner, "_apply_grammar")
-        self._wrap(scheduler, "advance_grammar")
+        self._wrap(model_runner, "apply_grammar_bitmask")
+        self._wrap(RequestGrammar, "accept_tokens")
 
     def _wrap(self, owner: object, name: str) -> None:
         original: Callable = getattr(owner, name)

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     # when the whole suite is collected, not only by those tests' own modules.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenmill.testing.random_checkpoint import save_random_checkpoint, train_tokenizer
+from tokenmill_testing.random_checkpoint import save_random_checkpoint, train_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +53,7 @@ def tiny_checkpoint(
 def activation_tolerance(request: pytest.FixtureRequest):
     """Runs the test with the quantized kernels' float or int8 (VNNI) activations; the value
     is that path's |logprob - reference| tolerance. Skips a path this CPU cannot run."""
-    from tokenmill.testing.quantized_checkpoints import Unavailable, activation_path
+    from tokenmill_testing.quantized_checkpoints import Unavailable, activation_path
 
     try:
         with activation_path(request.param) as tolerance:

@@ -45,7 +45,10 @@ def test_every_prompt_has_exactly_its_token_count(name: str, tokenizer) -> None:
     requests = generate_dataset(DatasetConfig(name=name, **SMALL), tokenizer)
     assert len(requests) == SMALL["num_prompts"]
     for r in requests:
-        assert count_tokens(tokenizer, r.prompt) == r.prompt_len
+        if isinstance(r.prompt, list):  # random-ids: the ids are sent as they are
+            assert len(r.prompt) == r.prompt_len
+        else:
+            assert count_tokens(tokenizer, r.prompt) == r.prompt_len
         assert r.expected_output_len >= 1
 
 
@@ -66,6 +69,17 @@ def test_random_lengths_are_fixed_or_within_the_range(tokenizer) -> None:
     )
     assert all(20 <= r.prompt_len <= 60 and 6 <= r.expected_output_len <= 18 for r in ranged)
     assert len({r.prompt_len for r in ranged}) > 5
+
+
+def test_random_ids_are_ordinary_tokens_of_the_tokenizer_with_random_lengths(tokenizer) -> None:
+    config = DatasetConfig(name="random-ids", **{**SMALL, "random_range_ratio": 0.5})
+    requests = generate_dataset(config, tokenizer)
+    special = set(tokenizer.all_special_ids)
+    ids = [i for r in requests for i in r.prompt]
+    assert all(isinstance(i, int) and 0 <= i < len(tokenizer) and i not in special for i in ids)
+    assert len(set(ids)) > 200  # spread over the vocabulary, not a few ids
+    assert all(20 <= r.prompt_len <= 60 and 6 <= r.expected_output_len <= 18 for r in requests)
+    assert len({r.prompt_len for r in requests}) > 5
 
 
 def test_shared_prefix_requests_share_their_prefix_tokens(tokenizer) -> None:

@@ -23,10 +23,9 @@ from itl_serving import (
     run_scenario,
     scenario_run,
     tokenmill_server,
-    whole_character_bias,
 )
 from itl_stats import Run, percentile, report
-from llamacpp import source_tree
+from llamacpp import source_tree, whole_character_bias
 
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.models.loader import load_tokenizer

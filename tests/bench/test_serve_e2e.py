@@ -51,12 +51,20 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:4] == PNG_MAGIC, f"{path} is not a PNG"
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("endpoint", "dataset"),
+    [
+        ("/v1/completions", "random"),
+        ("/v1/chat/completions", "random"),
+        ("/v1/completions", "random-ids"),
+    ],
+)
 def test_bench_serve_writes_a_complete_result_and_plots(
-    server: ServerProcess, tmp_path: Path, endpoint: str
+    server: ServerProcess, tmp_path: Path, endpoint: str, dataset: str
 ) -> None:
     out = tmp_path / "result.json"
     bench("serve", "--base-url", server.base_url, "--endpoint", endpoint, "--num-prompts", "6",
+          "--dataset-name", dataset,
           "--random-input-len", "24", "--random-output-len", "8", "--request-rate", "50",
           "--goodput", "ttft:60000", "tpot:60000", "--save-result", str(out),
           "--plot", str(tmp_path / "plots"))  # fmt: skip
@@ -152,6 +160,15 @@ def test_bench_compare_repeats_each_config_and_reports_a_refused_one_as_unavaila
     assert configs["refused"]["runs"] == []
     assert_png(out_dir / "compare.png")
     assert "refused | unavailable" in (out_dir / "compare.md").read_text()
+
+
+def test_token_id_prompts_refuse_the_chat_endpoint(tokenizer_dir: Path, capsys) -> None:
+    """Refused before any request (no server is contacted: port 9 has none)."""
+    args = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+            "--tokenizer", str(tokenizer_dir), "--dataset-name", "random-ids",
+            "--endpoint", "/v1/chat/completions", "--disable-tqdm"]  # fmt: skip
+    assert main(args) == 2  # bad input
+    assert "random-ids sends token ids" in capsys.readouterr().err
 
 
 def test_plots_without_matplotlib_fail_before_the_run(monkeypatch, capsys) -> None:

@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from spec_decode import generate_greedy
 from spec_decode_bound import OracleProposer, oracle_engine, reference_run
 
+from demo_training.acceptance import STORY_PROMPTS
 from tokenmill import LLM, SamplingParams
-from tokenmill.demo.acceptance import STORY_PROMPTS
-from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.step.runner_request_state import CachedRequestState
 
 PROMPTS = [STORY_PROMPTS[0], STORY_PROMPTS[2]]  # plain text (BOS added), long replies
 

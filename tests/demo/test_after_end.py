@@ -10,8 +10,9 @@ import pytest
 import torch
 import transformers
 
-from tokenmill.demo import after_end, demo_model_path
-from tokenmill.demo.data import EncodedDoc, pack
+from demo_training import after_end
+from demo_training.data import EncodedDoc, pack
+from tokenmill.demo import demo_model_path
 
 END = 5  # <|im_end|>
 EOS = 2  # </s>

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from tokenmill.demo.eagle_layer import EagleLayer
+from demo_training.eagle_layer import EagleLayer
 
 
 def _drafted(

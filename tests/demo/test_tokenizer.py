@@ -7,8 +7,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from demo_training.config import VOCAB_SIZE
 from tokenmill.demo import demo_model_path
-from tokenmill.demo.config import VOCAB_SIZE
 from tokenmill.demo.corpus import chat_prompt, heldout_examples, render
 from tokenmill.demo.eval import heldout
 
@@ -65,7 +65,7 @@ def test_plain_prompts_start_with_bos(tokenizer) -> None:
 
 def test_shipped_tokenizer_is_rebuilt_byte_for_byte(tmp_path) -> None:
     """Corpus generator + BPE training reproduce what the shipped models were trained with."""
-    from tokenmill.demo.train import build_tokenizer
+    from demo_training.train import build_tokenizer
 
     build_tokenizer(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):

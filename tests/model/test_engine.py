@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,8 +65,8 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llm: LLM) -> None:
     full = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0]
     eos = full.token_ids[3]
     first_at = full.token_ids.index(eos)
-    saved = llm.engine.eos_token_ids
-    llm.engine.eos_token_ids = {eos}
+    saved = llm.engine.intake.eos_token_ids  # the stop tokens requests are resolved with
+    llm.engine.intake.eos_token_ids = {eos}
     try:
         stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         ignored = llm.generate(PROMPT, greedy(), use_tqdm=False)
@@ -73,7 +74,7 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens(llm: LLM) -> None:
             PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=12), use_tqdm=False
         )
     finally:
-        llm.engine.eos_token_ids = saved
+        llm.engine.intake.eos_token_ids = saved
     assert stopped[0].outputs[0].token_ids == full.token_ids[: first_at + 1]
     assert stopped[0].outputs[0].finish_reason == "stop"
     assert ignored[0].outputs[0].token_ids == full.token_ids
@@ -222,12 +223,29 @@ def test_running_request_ids_name_requests_not_their_samples(llm: LLM) -> None:
 def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) -> None:
     checkpoint = tiny_checkpoint("llama", dtype=torch.bfloat16)
     llm = LLM(model=str(checkpoint), max_model_len=64)
-    from tokenmill.config import _cpu_has_fast_half_matmul
+    from tokenmill.config.engine import _cpu_has_fast_half_matmul
 
     expected = torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32
     assert llm.engine.dtype == expected
     out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3
+
+
+def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(
+    tiny_checkpoint,
+) -> None:
+    """As vLLM's CPU backend: bf16 where the CPU multiplies it natively (AVX512_BF16, AMX:
+    read from /proc/cpuinfo here, not from the function under test); an explicit float32 is
+    kept."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or torch.cuda.is_available():
+        pytest.skip("reads the CPU's flags from Linux's /proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split())
+    fast = bool(flags & {"avx512_bf16", "amx_bf16"})
+    checkpoint = str(tiny_checkpoint("llama"))  # saved in float32
+    auto = LLM(model=checkpoint, max_model_len=64)
+    assert auto.engine.dtype == (torch.bfloat16 if fast else torch.float32)
+    assert LLM(model=checkpoint, max_model_len=64, dtype="float32").engine.dtype == torch.float32
 
 
 def test_chat_prompt_has_exactly_one_bos(llm: LLM) -> None:

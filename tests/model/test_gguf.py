@@ -18,8 +18,8 @@ from tokenmill.layers.int4_linear import Int4LinearMethod
 from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization.embedding import QuantizedEmbedding
-from tokenmill.testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
-from tokenmill.testing.quantized_checkpoints import (
+from tokenmill_testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
+from tokenmill_testing.quantized_checkpoints import (
     activation_path,
     compare_with_reference,
     random_prompts,

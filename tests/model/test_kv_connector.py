@@ -12,7 +12,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv_transfer.storage import SharedStorageConnector
-from tokenmill.request import Request
+from tokenmill.step.request import Request
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 8

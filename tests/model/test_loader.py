@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
@@ -93,9 +94,9 @@ def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(tiny_checkpoint
 
 
 def test_linear_backends_give_the_same_greedy_output(tiny_checkpoint) -> None:
-    """On the CPU in float32 the default reorders linear weights for oneDNN; torch's F.linear
-    must generate the same tokens."""
-    from tokenmill.layers.linear import OneDNNLinearMethod, onednn_linear_available
+    """On the CPU in float32 the default packs linear weights for the native kernels (oneDNN's
+    layout without them); torch's F.linear must generate the same tokens."""
+    from tokenmill.layers.linear import cpu_dense_method
 
     checkpoint = str(tiny_checkpoint("qwen3"))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -103,8 +104,9 @@ def test_linear_backends_give_the_same_greedy_output(tiny_checkpoint) -> None:
     for backend in ("auto", "torch"):
         llm = LLM(model=checkpoint, dtype="float32", max_model_len=64, linear_backend=backend)
         lm_head = llm.engine.runner.model.lm_head
-        assert isinstance(lm_head.quant_method, OneDNNLinearMethod) == (
-            backend == "auto" and onednn_linear_available()
+        fast = cpu_dense_method(torch.float32)
+        assert isinstance(lm_head.quant_method, type(fast)) == (
+            backend == "auto" and fast is not None
         )
         outputs[backend] = llm.generate([[5, 9, 13, 200]], params, use_tqdm=False)[0]
     assert outputs["auto"].outputs[0].token_ids == outputs["torch"].outputs[0].token_ids

@@ -17,7 +17,7 @@ from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
 from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization.embedding import QuantizedEmbedding
-from tokenmill.testing.quantized_checkpoints import (
+from tokenmill_testing.quantized_checkpoints import (
     TOLERANCE,
     compare_with_reference,
     random_prompts,
@@ -33,7 +33,7 @@ ROUND_TRIPS: dict[str, Callable[[str, torch.Tensor], torch.Tensor]] = {
 }
 # The LM head and the embedding: int8 per row whatever the decoder's format.
 HEAD_ROUND_TRIP = lambda w: quantize_int8(w).dequantize()  # noqa: E731
-# Tolerances by kernel path: TOLERANCE in tokenmill/testing/quantized_checkpoints.py.
+# Tolerances by kernel path: TOLERANCE in tokenmill_testing/quantized_checkpoints.py.
 
 
 # hidden 128 so that int4-g128 has whole groups; llama tied, qwen2 with biases, qwen3 norms.

@@ -15,8 +15,8 @@ from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod
 from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
-from tokenmill.testing.hf_quantized_checkpoints import SCHEMES, save_quantized_checkpoint
-from tokenmill.testing.quantized_checkpoints import (
+from tokenmill_testing.hf_quantized_checkpoints import SCHEMES, save_quantized_checkpoint
+from tokenmill_testing.quantized_checkpoints import (
     compare_with_reference,
     random_prompts,
 )

@@ -12,7 +12,7 @@ import transformers
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from tokenmill.testing import random_checkpoint as rc
+from tokenmill_testing import random_checkpoint as rc
 
 ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",

@@ -20,7 +20,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
 from tokenmill.demo import demo_model_path
 from tokenmill.spec_decode import eagle
-from tokenmill.testing.random_heads import random_eagle, random_medusa
+from tokenmill_testing.random_heads import random_eagle, random_medusa
 
 MAX_TOKENS = 24
 CHATS = [

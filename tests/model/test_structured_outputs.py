@@ -18,8 +18,8 @@ from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.manager import _fill
 from tokenmill.structured_output.request_grammar import UNSATISFIABLE, RequestGrammar
-from tokenmill.testing import random_checkpoint as rc
 from tokenmill.worker.capture_backends import eager_capture
+from tokenmill_testing import random_checkpoint as rc
 
 PROMPT = "Reverse this list: apple banana cherry"
 

@@ -21,7 +21,7 @@ from tokenmill.engine.async_engine import (
     EngineStepError,
 )
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
@@ -186,7 +186,7 @@ def test_a_request_whose_data_cannot_be_hashed_fails_alone(
 ) -> None:
     """Past the boundary's validation (turned off here), a cache_salt that cannot be hashed
     fails its own add, not the engine step every running request shares."""
-    monkeypatch.setattr("tokenmill.engine.llm_engine._validate_cache_salt", lambda salt: None)
+    monkeypatch.setattr("tokenmill.engine.intake.check_cache_salt", lambda salt: None)
     engine = make_engine()
     [expected] = [o.outputs[0].text for o in _offline(engine, "Hello there")]
 

@@ -19,7 +19,7 @@ from server_utils import API_KEY
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
 
 KEYED = {"Authorization": f"Bearer {API_KEY}"}

@@ -9,7 +9,7 @@ import httpx
 from gguf import GGMLQuantizationType
 from server_utils import API_KEY, MODEL, start_server, stop_server
 
-from tokenmill.testing.gguf_checkpoint import save_gguf
+from tokenmill_testing.gguf_checkpoint import save_gguf
 
 
 def test_serve_a_gguf_file_reports_its_weight_format(tiny_checkpoint, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.structured_outputs import prepare
 from tokenmill.sampling_params import StructuredOutputsParams

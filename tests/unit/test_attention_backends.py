@@ -9,12 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.attention import TorchPagedAttention
-from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
+from tokenmill.layers.attention_backends import resolve_attention_backend
 from tokenmill.layers.attention_triton import TritonPagedAttention
-from tokenmill.worker.step_layout import layout_step, query_length_class
+from tokenmill.layers.parallel import SINGLE
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.step.layout import layout_step, query_length_class
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.cuda  # natively on a GPU under `pytest -m cuda`
@@ -105,14 +108,20 @@ def test_auto_picks_triton_only_on_cuda() -> None:
         resolve_attention_backend("flash", torch.device("cpu"))
 
 
-def test_use_attention_backend_replaces_every_layers_backend_keeping_its_shape() -> None:
-    layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
-    for layer in layers:
-        layer.attn = TorchPagedAttention(8, 2, 16, 0.25)
-    use_attention_backend(layers, "triton")
-    for layer in layers:
-        assert isinstance(layer.attn, TritonPagedAttention)
-        assert (layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.scale) == (8, 2, 0.25)
+def test_the_model_is_built_with_the_backend_asked_for_in_every_layer() -> None:
+    hf_config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    model = LlamaForCausalLM(hf_config, "LlamaForCausalLM", torch.float32, SINGLE, "triton")
+    for layer in model.layers:
+        attn = layer.self_attn.attn
+        assert isinstance(attn, TritonPagedAttention)
+        assert (attn.num_heads, attn.num_kv_heads, attn.scale) == (4, 2, 16**-0.5)
 
 
 @cuda_only

@@ -9,8 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
-from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request
 
 
 def test_blocks_are_reused_least_recently_freed_first() -> None:

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
@@ -34,8 +34,10 @@ from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.stats import EngineStats, KVTransferStats, SchedulerStats
 from tokenmill.metrics.stats_logger import format_stats_line
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 STORAGE = {
     "kv_connector": "SharedStorageConnector",
@@ -207,7 +209,7 @@ def test_external_tokens_are_computed_and_allocated() -> None:
     assert new.num_computed_tokens == 8 and len(new.block_ids) == 4  # 13 tokens, blocks of 4
     assert connector.allocated == [("a", new.block_ids, 8)]
     assert scheduler.requests["a"].num_cached_tokens == 8
-    scheduler.update_from_output(output, ModelRunnerOutput(["a"], [[1]]))
+    OutputApplier(scheduler).update_from_output(output, ModelRunnerOutput(["a"], [[1]]))
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert connector.finished == ["a"]
 

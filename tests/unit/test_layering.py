@@ -1,16 +1,22 @@
-"""The package imports only downwards through the layers of docs/architecture.md, with no
-circles: a module moved or an import added against the grain fails here, not in review."""
+"""The package imports only downwards through the layers of docs/architecture.md (one
+subpackage per layer, no exceptions), with no circles: a module moved or an import added
+against the grain fails here, not in review."""
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
-from tokenmill.testing.import_graph import (
+from tokenmill_testing.import_graph import (
+    LAYERS,
     Import,
     import_circles,
     import_graph,
     layer_of,
+    long_modules,
     module_paths,
+    subpackages,
     upward_imports,
 )
 
@@ -23,6 +29,27 @@ def graph() -> list[Import]:
 def test_every_module_has_a_layer() -> None:
     for name in module_paths():
         layer_of(name)  # raises for a module no layer covers
+
+
+def test_the_layers_are_the_subpackages_each_once() -> None:
+    assert sorted(LAYERS) == sorted(subpackages())
+
+
+def test_the_package_imports_nothing_it_does_not_ship() -> None:
+    """Test support and the demo training live beside the package, not in the wheel."""
+    outside = ("tokenmill_testing", "demo_training")
+    found = []
+    for name, path in module_paths().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{name} -> {m}" for m in modules if m.split(".")[0] in outside]
+    assert found == []
 
 
 def test_no_module_imports_from_a_higher_layer(graph: list[Import]) -> None:
@@ -47,3 +74,8 @@ def test_the_checker_sees_upward_imports_and_circles() -> None:
 def test_the_graph_includes_imports_inside_functions(graph: list[Import]) -> None:
     # entrypoints/cli.py imports the bench and demo commands lazily, inside functions.
     assert any(i.importer == "tokenmill.entrypoints.cli" and "bench" in i.imported for i in graph)
+
+
+def test_no_module_is_over_450_lines() -> None:
+    """A module has one job and fits in a few screens (issue 30)."""
+    assert long_modules(450) == {}

@@ -1,5 +1,5 @@
-"""The dense linear methods: oneDNN-reordered weights compute what nn.Linear computes, and
-replace every one; a tied weight stays shared."""
+"""The dense linear methods: oneDNN-reordered and natively packed weights compute what
+nn.Linear computes, and replace every one; a tied weight stays shared."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ import pytest
 import torch
 from torch import nn
 
+from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.linear import (
     DenseLinearMethod,
     Linear,
     OneDNNLinearMethod,
+    PackedLinearMethod,
+    cpu_dense_method,
     onednn_linear_available,
     padded_rows,
     replace_linears,
-    use_onednn_linears,
+    use_fast_cpu_linears,
 )
 
 
@@ -45,13 +48,41 @@ def test_matches_nn_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(native_kernels() is None, reason="native kernels not buildable here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 5, 300])
+def test_packed_method_matches_nn_linear_and_keeps_one_layout(
+    dtype: torch.dtype, rows: int
+) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160).to(dtype)
+    plain = linear.weight.detach().clone()
+    x = torch.randn(rows, 96).to(dtype)
+    with torch.inference_mode():
+        expected = linear(x).float()
+        layer = Linear.from_module(linear, PackedLinearMethod(dtype))
+        layer.quant_method.process_weights_after_loading(layer)
+        got = layer(x)
+    assert layer.weight is None  # the packed copy is the only one
+    assert torch.equal(PackedLinearMethod.plain_weight(layer), plain)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_cpu_default_is_packed_where_the_native_kernels_build() -> None:
+    method = cpu_dense_method(torch.bfloat16)
+    expected = PackedLinearMethod if native_kernels() is not None else OneDNNLinearMethod
+    assert isinstance(method, expected)
+
+
 def test_every_linear_is_replaced_and_the_output_kept() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
     x = torch.randn(3, 8)
     with torch.inference_mode():
         expected = model(x)
-        assert use_onednn_linears(model) == 2
+        assert use_fast_cpu_linears(model) == 2
         got = model(x)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -3,13 +3,21 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import native
 from tokenmill.kernels.attention import native_paged_attention
-from tokenmill.kernels.linear import native_few_row_linear
+from tokenmill.kernels.linear import (
+    pack_linear_weight,
+    packed_linear,
+    packed_linear_available,
+    unpack_linear_weight,
+)
 from tokenmill.layers.attention import TorchPagedAttention, build_attention_group
 from tokenmill.layers.kv_cache import write_kv
 
@@ -30,29 +38,34 @@ def isa(request: pytest.FixtureRequest):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 21, 37, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 33), (130, 64), (5, 1)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_row_linear_matches_f_linear(
+def test_packed_linear_matches_f_linear(
     isa: int, dtype: torch.dtype, rows: int, out_features: int, in_features: int, bias: bool
 ) -> None:
+    """Row counts around every kernel's tiles (four rows per weight load, AMX from five, 16-row
+    tiles with tails); shapes off the 16-row blocks and 32-wide k steps."""
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
-    got = native_few_row_linear(x, weight, b)
-    assert got is not None and got.dtype == dtype and got.shape == (rows, out_features)
+    packed = pack_linear_weight(weight)
+    assert torch.equal(unpack_linear_weight(packed, out_features, in_features), weight)
+    got = packed_linear(x, packed, out_features, b)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
     reference = F.linear(x.float(), weight.float(), None if b is None else b.float())
     scale = reference.abs().max().item()
     assert (got.float() - reference).abs().max().item() <= TOLERANCE[dtype] * scale
 
 
 @needs_native
-def test_few_row_linear_declines_what_it_does_not_run() -> None:
-    weight = torch.randn(8, 16)
-    assert native_few_row_linear(torch.randn(5, 16), weight, None) is None  # too many rows
-    assert native_few_row_linear(torch.randn(1, 16).double(), weight.double(), None) is None
-    assert native_few_row_linear(torch.randn(1, 16), weight.t().contiguous().t(), None) is None
+def test_packed_linear_takes_any_leading_shape() -> None:
+    weight = torch.randn(48, 40)
+    x = torch.randn(2, 3, 40)
+    got = packed_linear(x, pack_linear_weight(weight), 48, None)
+    assert got.shape == (2, 3, 48)
+    assert torch.allclose(got, F.linear(x, weight), atol=1e-5)
 
 
 def _paged_case(
@@ -88,13 +101,17 @@ CASES = [
     (8, 2, 80, 4, [1, 1], [37, 5]),  # GQA 4, head size not a multiple of 16
     (6, 1, 24, 8, [3, 5], [20, 5]),  # MQA, verification rows (query_len > 1), tiny head
     (2, 2, 128, 32, [16, 1], [40, 70]),  # a short chunk beside a decode
+    (9, 3, 64, 16, [1, 40, 9, 1], [300, 40, 60, 2]),  # prefill chunks across query tiles
+    (16, 2, 64, 16, [17], [17]),  # GQA 8, a whole prompt at once
+    # Tasks enough for every KV head of a sequence in one task (head size 128)
+    (8, 2, 128, 16, [1] * 9, [5, 16, 17, 33, 64, 1, 2, 90, 31]),
 ]
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("sliding_window", [None, 7, 33])
 def test_paged_attention_matches_the_torch_backend(
     isa: int, dtype: torch.dtype, case: tuple, sliding_window: int | None
 ) -> None:
@@ -152,7 +169,7 @@ def test_forced_fallback_has_no_module(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         assert native.native_kernels() is None
         assert native.active_isa() is None
-        assert native_few_row_linear(torch.randn(1, 4), torch.randn(3, 4), None) is None
+        assert not packed_linear_available(torch.float32, torch.device("cpu"))
     finally:
         monkeypatch.delenv("TOKENMILL_NATIVE_KERNELS")
         native.reset_for_tests()
@@ -172,9 +189,38 @@ def test_unbuildable_extension_warns_and_falls_back(monkeypatch: pytest.MonkeyPa
         native.reset_for_tests()
 
 
+@needs_native
+def test_a_killed_builders_lock_file_does_not_hang_the_next_start() -> None:
+    """torch waits forever on its lock file while it exists; a builder killed mid-build leaves
+    it behind. The next start clears it under tokenmill's own flock and loads."""
+    build_dir = native.cache_root() / native._build_name()
+    (build_dir / "lock").touch()
+    code = "from tokenmill.kernels import native; assert native.native_kernels() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert not (build_dir / "lock").exists()
+
+
 def test_isa_override_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
     assert native.requested_isa() == 1
     monkeypatch.setenv("TOKENMILL_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA"):
         native.requested_isa()
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 1000, 49152])
+def test_argmax_rows_matches_torch(isa: int, width: int) -> None:
+    """Ties (rounded values) go to the first index, NaN counts as the maximum, -inf rows."""
+    from tokenmill.kernels.argmax import argmax_rows
+
+    generator = torch.Generator().manual_seed(width)
+    for trial in range(8):
+        x = torch.randn(7, width, generator=generator)
+        if trial % 3 == 0:
+            x = x.round()
+        if trial == 4:
+            x[2, width // 2] = float("nan")
+        if trial == 5:
+            x[:] = float("-inf")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

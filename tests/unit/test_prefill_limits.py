@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from test_scheduler import expected_output, fake_run, make_request
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.core.prefill_budget import PREFILL_FLOOR_SHARE, PredictionError, PrefillLimits
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -89,7 +91,9 @@ def run(
             break
         out = scheduler.schedule()
         steps.append(view(scheduler, out))
-        for core_output in scheduler.update_from_output(out, fake_run(scheduler, out)):
+        for core_output in OutputApplier(scheduler).update_from_output(
+            out, fake_run(scheduler, out)
+        ):
             outputs[core_output.req_id] += core_output.new_token_ids
     assert not scheduler.has_unfinished_requests(), "requests never finished"
     return outputs, steps
@@ -157,7 +161,7 @@ def test_chunks_shrink_as_the_context_they_attend_to_grows() -> None:
         assert cost.predict(step.shape) <= 0.040 or within_floor(cost, step)
         assert step.shape.num_decode_tokens == 16  # every stream got its token
         chunks.append(step.chunks.get("long", 0))
-        scheduler.update_from_output(out, fake_run(scheduler, out))
+        OutputApplier(scheduler).update_from_output(out, fake_run(scheduler, out))
     assert sum(chunks) == 3000
     assert chunks[0] > 2 * chunks[-2] > 0, chunks
 
@@ -165,7 +169,7 @@ def test_chunks_shrink_as_the_context_they_attend_to_grows() -> None:
 def run_steps(scheduler: Scheduler, num_steps: int) -> None:
     for _ in range(num_steps):
         out = scheduler.schedule()
-        scheduler.update_from_output(out, fake_run(scheduler, out))
+        OutputApplier(scheduler).update_from_output(out, fake_run(scheduler, out))
 
 
 def test_a_long_prompt_finishes_with_a_tiny_target() -> None:
@@ -200,7 +204,7 @@ def test_the_floor_is_time_so_chunks_deep_in_a_long_context_shrink() -> None:
         assert within_floor(cost, step), step
         assert step.shape.num_decode_tokens == 8  # no stream waits, none was preempted
         chunks.append(step.chunks["long"])
-        scheduler.update_from_output(out, fake_run(scheduler, out))
+        OutputApplier(scheduler).update_from_output(out, fake_run(scheduler, out))
     assert sum(chunks) == 2000
     assert chunks[0] == 19 and chunks[-2] < chunks[0] / 2, chunks
 
@@ -238,8 +242,8 @@ def test_observed_step_times_reach_the_cost_model_and_count_steps_over_target() 
     for seconds in (0.030, 0.070):
         out = scheduler.schedule()
         shape = view(scheduler, out).shape
-        scheduler.update_from_output(out, fake_run(scheduler, out))
-        scheduler.observe_step_cost(seconds)
+        OutputApplier(scheduler).update_from_output(out, fake_run(scheduler, out))
+        scheduler.observer.stepped(seconds, ModelRunnerOutput([], []), 0.0)
         assert cost.observed[-1] == (shape, seconds)
     stats = scheduler.get_stats().itl_target
     assert stats is not None and stats.num_steps_over_target == 1
@@ -254,8 +258,10 @@ def test_a_moved_target_sizes_the_next_chunks_and_counts_steps_over_it() -> None
         scheduler.set_itl_target(target)
         out = scheduler.schedule()
         assert out.num_scheduled_tokens == {"long": chunk}
-        scheduler.update_from_output(out, fake_run(scheduler, out))
-    scheduler.observe_step_cost(0.050)  # over the first target, within the second
+        OutputApplier(scheduler).update_from_output(out, fake_run(scheduler, out))
+    scheduler.observer.stepped(
+        0.050, ModelRunnerOutput([], []), 0.0
+    )  # over the first target, within the second
     stats = scheduler.get_stats().itl_target
     assert stats is not None and stats.itl_target == 0.0601 and stats.num_steps_over_target == 0
 
@@ -278,8 +284,8 @@ def test_steps_that_run_over_their_prediction_shrink_later_chunks() -> None:
         out = scheduler.schedule()
         predicted = cost.predict(view(scheduler, out).shape)
         predictions.append(predicted)
-        scheduler.update_from_output(out, fake_run(scheduler, out))
-        scheduler.observe_step_cost(1.5 * predicted)
+        OutputApplier(scheduler).update_from_output(out, fake_run(scheduler, out))
+        scheduler.observer.stepped(1.5 * predicted, ModelRunnerOutput([], []), 0.0)
     assert 0.0398 <= predictions[0] <= 0.040  # sized to the target while nothing is known
     assert scheduler.prefill_limits.prediction_error.factor == 1.5
     assert 0.040 / 1.5 - 0.0002 <= predictions[-1] <= 0.040 / 1.5

@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.runner_output import ModelRunnerOutput
 
 BLOCK = 4
 
@@ -83,10 +84,14 @@ def test_a_victim_taken_back_within_schedule_registers_no_hash() -> None:
     `schedule()`: the block its decode was about to fill must not become findable."""
     scheduler = make_scheduler(num_blocks=3, policy="priority", max_num_batched_tokens=16)
     scheduler.add_request(request("low", list(range(6)), priority=1, max_tokens=8))
-    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(["low"], [[1]]))
+    OutputApplier(scheduler).update_from_output(
+        scheduler.schedule(), ModelRunnerOutput(["low"], [[1]])
+    )
     scheduler.add_request(request("high", [50, 51, 52, 53], priority=0, max_tokens=8))
     both = scheduler.schedule()
-    scheduler.update_from_output(both, ModelRunnerOutput(["low", "high"], [[1], [1]]))
+    OutputApplier(scheduler).update_from_output(
+        both, ModelRunnerOutput(["low", "high"], [[1], [1]])
+    )
     pool = scheduler.kv_cache_manager.block_pool
     registered = []
     real_cache_block = pool.cache_block
@@ -254,7 +259,7 @@ def run_scheduler(scheduler: Scheduler) -> list[list[str]]:
             for r, n in out.num_scheduled_tokens.items()
             if scheduler.requests[r].num_computed_tokens + n == scheduler.requests[r].num_tokens
         ]
-        scheduler.update_from_output(out, ModelRunnerOutput(ids, [[1]] * len(ids)))
+        OutputApplier(scheduler).update_from_output(out, ModelRunnerOutput(ids, [[1]] * len(ids)))
     return steps
 
 
@@ -285,7 +290,7 @@ def test_priority_policy_preempts_the_lowest_priority_running_request() -> None:
     for name, priority in (("low", 9), ("high", 0), ("mid", 5)):
         scheduler.add_request(request(name, [ord(name[0])] * 8, priority=priority, max_tokens=3))
     first = scheduler.schedule()
-    scheduler.update_from_output(
+    OutputApplier(scheduler).update_from_output(
         first, ModelRunnerOutput(list(first.num_scheduled_tokens), [[1]] * 3)
     )
     second = scheduler.schedule()
@@ -301,7 +306,7 @@ def test_swap_preemption_keeps_progress_and_swaps_back_in() -> None:
     for name in ("a", "b", "c"):
         scheduler.add_request(request(name, [ord(name)] * 8, max_tokens=3))
     first = scheduler.schedule()
-    scheduler.update_from_output(
+    OutputApplier(scheduler).update_from_output(
         first, ModelRunnerOutput(list(first.num_scheduled_tokens), [[1]] * 3)
     )
     second = scheduler.schedule()
@@ -319,7 +324,7 @@ def test_swap_preemption_keeps_progress_and_swaps_back_in() -> None:
             for r, n in out.num_scheduled_tokens.items()
             if scheduler.requests[r].num_computed_tokens + n == scheduler.requests[r].num_tokens
         ]
-        scheduler.update_from_output(out, ModelRunnerOutput(done, [[1]] * len(done)))
+        OutputApplier(scheduler).update_from_output(out, ModelRunnerOutput(done, [[1]] * len(done)))
     assert len(swapped_in) == 2
     assert scheduler.kv_cache_manager.swap_pool.num_free_blocks == 6
 
@@ -371,9 +376,9 @@ def test_prompt_tokens_count_whole_prompts_once_cached_ones_too() -> None:
     for name in ("a", "b"):
         scheduler.add_request(request(name, list(range(1, 13))))
         run_scheduler(scheduler)
-    assert scheduler.num_prompt_tokens_prefilled == 24
-    assert scheduler.num_cached_prompt_tokens_prefilled == 8
-    assert scheduler.num_prompt_tokens_scheduled == 16
+    assert scheduler.observer.num_prompt_tokens_prefilled == 24
+    assert scheduler.observer.num_cached_prompt_tokens_prefilled == 8
+    assert scheduler.observer.num_prompt_tokens_scheduled == 16
 
 
 def test_requests_that_bypass_the_prefix_cache_are_not_lookups() -> None:
@@ -387,10 +392,10 @@ def test_requests_that_bypass_the_prefix_cache_are_not_lookups() -> None:
     run_scheduler(scheduler)
     assert (
         scheduler.get_stats().prefix_cache.queries,
-        scheduler.num_cached_prompt_tokens_prefilled,
+        scheduler.observer.num_cached_prompt_tokens_prefilled,
     ) == (12, 0)
     uncached = make_scheduler(enable_caching=False)
     uncached.add_request(request("c", list(range(1, 13))))
     run_scheduler(uncached)
     assert uncached.get_stats().prefix_cache.queries == 0
-    assert uncached.num_prompt_tokens_prefilled == 12
+    assert uncached.observer.num_prompt_tokens_prefilled == 12

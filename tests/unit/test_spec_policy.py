@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 
-from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import ModelRunnerOutput
-from tokenmill.request import Request
+from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.request import Request
+from tokenmill.step.runner_output import ModelRunnerOutput
 
 
 def simulated_step(num_decodes: int, k: int, rng: random.Random) -> tuple[int, float]:
@@ -99,9 +100,9 @@ def _simulate(propose_ms_per_draft: float, steps: int = 600) -> tuple[float, int
                 output.spec_token_ids = {"r": [t if rng.random() < 0.9 else 96 - t for t in future]}
                 output.propose_seconds = propose_ms_per_draft * k / 1000
                 seconds += output.propose_seconds
-        scheduler.update_from_output(out, output)
+        OutputApplier(scheduler).update_from_output(out, output)
         num_generated = sum(len(t) for t in output.sampled_token_ids)
-        scheduler.observe_step_time(seconds, output)
+        scheduler.observer.ran(seconds, output)
         total_tokens += num_generated
         total_seconds += seconds
     assert scheduler.spec_policy is not None
@@ -185,7 +186,7 @@ def test_proposing_that_yields_no_drafts_is_billed_to_the_k_asked_for() -> None:
         output = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[7]])
         if out.num_spec_tokens_to_propose:
             output.propose_seconds = 0.5  # a catch-up, and no drafts
-        scheduler.update_from_output(out, output)
-        scheduler.observe_step_time(0.01 + output.propose_seconds, output)
+        OutputApplier(scheduler).update_from_output(out, output)
+        scheduler.observer.ran(0.01 + output.propose_seconds, output)
     assert [k for k, _ in policy.observed[1:]] == [0, 2, 0]
     assert [round(s, 3) for _, s in policy.observed[1:]] == [0.01, 0.51, 0.01]

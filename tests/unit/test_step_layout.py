@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import attention
 from tokenmill.layers.attention import DECODE_SLICE_ROWS, TorchPagedAttention
-from tokenmill.worker.step_layout import attention_group_key, layout_step
+from tokenmill.step.layout import attention_group_key, layout_step
 
 BLOCK_SIZE = 16
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8

@@ -8,8 +8,9 @@ from concurrent.futures import Future
 import pytest
 from test_scheduler import make_request, make_scheduler
 
-from tokenmill.request import RequestStatus
+from tokenmill.core.output_applier import OutputApplier
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.step.request import RequestStatus
 from tokenmill.structured_output.request_grammar import RequestGrammar
 
 
@@ -53,7 +54,7 @@ def test_grammar_that_fails_to_compile_finishes_the_request_with_the_reason() ->
     scheduler.add_request(request)
     compiled.set_exception(RuntimeError("too deep"))
 
-    (output,) = scheduler.finish_without_output()
+    (output,) = OutputApplier(scheduler).finish_unrunnable()
     assert output.req_id == "bad"
     assert output.finish_reason == "error" and "too deep" in str(output.stop_reason)
     assert list(scheduler.requests) == ["free"]

@@ -15,18 +15,16 @@ import argparse
 import asyncio
 import dataclasses
 import math
-import os
-import platform
 import shlex
 import statistics
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from tokenmill.bench import plots
 from tokenmill.bench.client import BenchError
 from tokenmill.bench.datasets import DatasetConfig, add_dataset_args, dataset_overrides
+from tokenmill.bench.machine import machine_info
 from tokenmill.bench.metrics import compute_metrics, parse_percentiles
 from tokenmill.bench.plots import format_value
 from tokenmill.bench.presets import PRESETS, THROUGHPUT, Headline, Preset, ServerConfig
@@ -225,29 +223,6 @@ def format_ratios(outcomes: list[ConfigOutcome], headlines: tuple[Headline, ...]
                 parts.append(f"{h.label} {a / b:.2f}x")
         lines.append(f"{o.config.name} / {base.config.name}: " + ", ".join(parts))
     return "\n".join(lines)
-
-
-def machine_info() -> dict[str, Any]:
-    """Where the numbers were measured: they mean little without it."""
-    return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": _cpu_model(),
-        "num_cpus": os.cpu_count(),
-        "load_average": list(os.getloadavg()),  # others' work on a shared machine shows here
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def plot_outcomes(

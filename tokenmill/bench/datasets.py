@@ -6,6 +6,10 @@ sent with `ignore_eos`, so the output lengths are the dataset's, not the model's
 
 - `random`: input/output lengths fixed, or uniform in `len * [1 - r, 1 + r]` (vLLM's
   `--random-range-ratio`).
+- `random-ids`: the `random` lengths, each prompt a list of token ids drawn uniformly from the
+  tokenizer's non-special tokens (SGLang's name), sent as `/v1/completions`' `prompt` as is:
+  every server sees the same tokens whatever its own tokenizer (tokenmill, vLLM and
+  llama-server take id prompts; benchmarks/vs_peers.py). No BOS is added.
 - `sharegpt-like`: heavy-tailed lengths matching the ShareGPT statistics published in the
   vLLM paper (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
   PagedAttention", SOSP 2023, Fig. 11a): mean input 161.31 tokens, mean output 337.99 tokens.
@@ -32,7 +36,7 @@ from statistics import NormalDist
 
 from tokenmill.bench.text import Tokenizer, fit_text
 
-DATASET_NAMES = ("random", "sharegpt-like", "shared-prefix", "long-doc-mix")
+DATASET_NAMES = ("random", "random-ids", "sharegpt-like", "shared-prefix", "long-doc-mix")
 
 # vLLM paper, Fig. 11a (ShareGPT), and vLLM's ShareGPT length filter.
 SHAREGPT_MEAN_INPUT_LEN = 161.31
@@ -52,7 +56,7 @@ SYSTEM_PROMPT = (
 
 @dataclass(frozen=True)
 class SampleRequest:
-    prompt: str | list[int]  # token ids only for /v1/completions (benchmarks/itl_serving.py)
+    prompt: str | list[int]  # token ids only for /v1/completions (`random-ids`)
     prompt_len: int  # tokens, counted as a completions prompt (special tokens included)
     expected_output_len: int
     category: str = "default"  # e.g. long-doc-mix's "short" / "long"
@@ -144,6 +148,7 @@ def generate_dataset(config: DatasetConfig, tokenizer: Tokenizer) -> list[Sample
     rng = random.Random(config.seed)
     generators = {
         "random": _random,
+        "random-ids": _random_ids,
         "sharegpt-like": _sharegpt_like,
         "shared-prefix": _shared_prefix,
         "long-doc-mix": _long_doc_mix,
@@ -174,6 +179,21 @@ def _random(config: DatasetConfig, tokenizer: Tokenizer, rng: random.Random) -> 
         )
         for _ in range(config.num_prompts)
     ]
+
+
+def _random_ids(
+    config: DatasetConfig, tokenizer: Tokenizer, rng: random.Random
+) -> list[SampleRequest]:
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    r = config.random_range_ratio
+    requests = []
+    for _ in range(config.num_prompts):
+        input_len = max(_around(rng, config.random_input_len, r), 1)
+        output_len = max(1, _around(rng, config.random_output_len, r))
+        prompt = [rng.choice(ids) for _ in range(input_len)]
+        requests.append(SampleRequest(prompt, input_len, output_len))
+    return requests
 
 
 def _sharegpt_like(

@@ -305,6 +305,8 @@ def make_target(
     extra_body = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
+    if dataset.name == "random-ids" and args.endpoint != "/v1/completions":
+        raise ValueError("--dataset-name random-ids sends token ids: --endpoint /v1/completions")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     print(f"generating the {dataset.name} dataset with the tokenizer of {tokenizer_dir}")
     requests = generate_dataset(dataset, tokenizer)

@@ -3,11 +3,16 @@
 `bench compare` and the end-to-end tests need real servers with different flags, one at a
 time. Everything here is bounded: the start waits at most `start_timeout` seconds (and stops
 early when the process exits, e.g. on a flag it does not know), and the stop escalates from
-SIGTERM to SIGKILL of this one process after `stop_timeout`.
+SIGTERM to SIGKILL after `stop_timeout`. The server starts in a process group of its own, and
+the stop ends with SIGKILL to that group: no child of the server (vLLM's engine core, a
+replica) outlives it, even when the server itself died first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,8 +47,10 @@ class ServerProcess:
         log_path: str | Path,
         start_timeout: float = 300.0,
         stop_timeout: float = 30.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.server_args = list(server_args)
+        self.env = env  # the server's whole environment; None: this process's
         self.log_path = Path(log_path)
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
@@ -66,7 +73,12 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
             )
         self._wait_until_healthy()
 
@@ -90,15 +102,19 @@ class ServerProcess:
         )
 
     def stop(self) -> None:
-        """SIGTERM (the server drains and exits), then SIGKILL if it takes too long."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM (the server drains and exits), SIGKILL if it takes too long, then SIGKILL
+        to whatever is left in its process group."""
+        if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(self.stop_timeout)
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(self.stop_timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def log_tail(self, num_lines: int = 8) -> str:
         try:

@@ -42,9 +42,13 @@ _CONNECTIVES = ("and then", "but", "because", "although", "while", "so", "until"
 
 
 class Tokenizer(Protocol):
-    """The slice of a Hugging Face fast tokenizer this module uses."""
+    """The slice of a Hugging Face fast tokenizer the datasets use."""
+
+    all_special_ids: list[int]
 
     def __call__(self, text: str, **kwargs: object) -> dict: ...
+
+    def __len__(self) -> int: ...
 
 
 def sentence(rng: random.Random) -> str:

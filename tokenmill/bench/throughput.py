@@ -9,8 +9,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
-
-from tokenmill.config import EngineConfig
+from typing import Any
 
 
 @dataclass
@@ -124,14 +123,12 @@ def run_hf_static(
     return time.perf_counter() - start
 
 
-def run_throughput(args: argparse.Namespace, config: EngineConfig) -> list[ThroughputResult]:
+def run_throughput(args: argparse.Namespace, llm: Any) -> list[ThroughputResult]:
+    """`llm`: the offline `LLM` to measure, made by the caller from the engine flags with
+    `max_num_seqs = args.batch_size` (this package sits below the entrypoints)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.entrypoints.llm import LLM
-
-    config.max_num_seqs = args.batch_size
-    llm = LLM(**asdict(config))
     workload = make_workload(
         args.num_prompts,
         tuple(args.input_len),

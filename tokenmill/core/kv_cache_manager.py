@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
-from tokenmill.request import Request
+from tokenmill.step.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,4 +1,4 @@
-"""The waiting queue, in the order requests should be admitted."""
+"""The waiting queue, in the order requests should be admitted, and which one is next."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from tokenmill.request import Request
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.step.request import Request
+
+# Cache-aware admission looks this far down the waiting queue for the request with the most
+# prompt tokens already in the prefix cache...
+CACHE_AWARE_WINDOW = 8
+# ...but the request at the head is passed over at most this many times, so the oldest request
+# waits for no more than this many extra admissions (a few steps) and never starves.
+MAX_HEAD_SKIPS = 4
 
 
 class RequestQueue:
@@ -36,6 +44,34 @@ class RequestQueue:
         else:
             self._queue.append(request)
 
+    def next_to_admit(self, manager: KVCacheManager) -> Request | None:
+        """The next request to admit: the head of the queue, unless one of the next few (of
+        the same priority) has more of its prompt in the prefix cache. Serving it now, while
+        its prefix is cached, saves recomputing that prefix after an eviction. Requests whose
+        grammar is still compiling are passed over (they keep their place)."""
+        head = next((r for r in self if _grammar_ready(r)), None)
+        if (
+            head is None
+            or not manager.enable_caching
+            or head.num_skips >= MAX_HEAD_SKIPS
+            or len(self) < 2
+        ):
+            return head
+        best, best_hits = head, -1
+        for candidate in self.head(CACHE_AWARE_WINDOW):
+            if (
+                candidate.priority != head.priority
+                or manager.is_swapped(candidate)
+                or not _grammar_ready(candidate)
+            ):
+                continue
+            num_hits = manager.get_computed_blocks(candidate)[1]
+            if num_hits > best_hits:
+                best, best_hits = candidate, num_hits
+        if best is not head:
+            head.num_skips += 1
+        return best
+
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
 
@@ -62,3 +98,9 @@ class RequestQueue:
 
     def __getitem__(self, index: int) -> Request:
         return self._queue[index]
+
+
+def _grammar_ready(request: Request) -> bool:
+    """May be admitted: no grammar, or one compiled (a failed one is finished instead)."""
+    grammar = request.grammar
+    return grammar is None or (grammar.is_ready() and grammar.error is None)

@@ -5,41 +5,31 @@ then waiting ones. A request is given `num_tokens - num_computed_tokens` tokens,
 is left of the budget, so a long prompt is simply computed over several steps (chunked
 prefill) while the decodes of others share each forward pass. A prefix-cache hit starts
 `num_computed_tokens` above zero; preemption by recompute sets it back to zero.
+
+The scheduler only plans: a step's results are applied to its requests, and finished ones
+decided, by the output applier (`output_applier.py`); what is learned from a step once it is
+measured goes to its observer (`step_observer.py`), which it tells of each plan.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 from tokenmill.config import PREEMPTION_MODES
-from tokenmill.core.draft_length_policy import SpeculationPolicy
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.core.request_queue import RequestQueue
-from tokenmill.core.scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.core.step_cost import StepShape, chunk_context
-from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
-from tokenmill.core.stop_check import advance_grammar, check_stop
+from tokenmill.core.step_observer import StepObserver
 from tokenmill.kv_transfer.base import KVConnectorBase
-from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats, SpecDecodeStats
-from tokenmill.request import Request, RequestStatus
-from tokenmill.structured_output.request_grammar import UNSATISFIABLE
-
-# Cache-aware admission looks this far down the waiting queue for the request with the most
-# prompt tokens already in the prefix cache...
-CACHE_AWARE_WINDOW = 8
-# ...but the request at the head is passed over at most this many times, so the oldest request
-# waits for no more than this many extra admissions (a few steps) and never starves.
-MAX_HEAD_SKIPS = 4
+from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats
+from tokenmill.step.request import Request, RequestStatus
+from tokenmill.step.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.structured_output.request_grammar import RequestGrammar
 
 
 @dataclass
@@ -74,9 +64,12 @@ class Scheduler:
         spec_lookahead: bool = False,
         prefill_limits: PrefillLimits | None = None,
         kv_connector: KVConnectorBase | None = None,
+        observer: StepObserver | None = None,
     ) -> None:
         """`policy` and `preemption_mode` are among `EngineConfig`'s choices (validated there):
-        `SCHEDULING_POLICIES` and `PREEMPTION_MODES` in config.py say what each does."""
+        `SCHEDULING_POLICIES` and `PREEMPTION_MODES` in config.py say what each does.
+        `observer` hears of every plan (default: one over `spec_policy` and
+        `prefill_limits`)."""
         self.policy = policy
         self.preemption_mode = preemption_mode
         self.kv_cache_manager = kv_cache_manager
@@ -89,24 +82,15 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.finished_req_ids: set[str] = set()  # to tell the runner at the next step
         self.num_preemptions_by_mode = dict.fromkeys(PREEMPTION_MODES, 0)
-        self.num_prompt_tokens_scheduled = 0  # since start; output recomputed after preemption
-        self.last_num_scheduled_tokens = 0  # is not counted as prompt
-        # Whole prompts, each counted once when its prefill completes (as vLLM counts them),
-        # and how many of those tokens came from the prefix cache.
-        self.num_prompt_tokens_prefilled = 0
-        self.num_cached_prompt_tokens_prefilled = 0
-        # Speculative decoding: the policy picking k, whether proposals need KV slots of their
-        # own (a draft model writes its cache ahead), and what the last step did for the policy.
+        # Speculative decoding: the policy picking k, and whether proposals need KV slots of
+        # their own (a draft model writes its cache ahead).
         self.spec_policy = spec_policy
         self.spec_lookahead = spec_lookahead
-        self.spec_stats = SpecDecodeStats() if spec_policy else None
-        self.spec_feedback = SpeculationFeedback()
-        # Prefill limits (ITL target, per-request threshold, partial prefills); with a target,
-        # the last step's shape waits for its measured time to feed the cost model.
+        # Prefill limits (ITL target, per-request threshold, partial prefills).
         self.prefill_limits = prefill_limits or PrefillLimits()
-        self.itl_feedback = ItlFeedback.for_limits(self.prefill_limits)
         # The scheduler half of a KV connector: KV loaded from outside, saved after steps.
         self.kv_connector = kv_connector
+        self.observer = observer or StepObserver(spec_policy, self.prefill_limits)
 
     @property
     def num_preemptions(self) -> int:
@@ -115,13 +99,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id} has {request.num_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """`request` is checked (engine/intake.py): fits the context, a new id."""
+        assert request.request_id not in self.requests and request.num_tokens <= self.max_model_len
         if self.kv_cache_manager.enable_caching:
             # Hash the prompt now: data that cannot be hashed fails this call alone, not a
             # later step that every running request is part of.
@@ -130,7 +109,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """End requests from outside the step (abort, stop string): free their blocks now."""
+        """End requests that are not running this step (aborted, or finished before it ran):
+        free their blocks now."""
         assert status.is_finished
         ids = {rid for rid in request_ids if rid in self.requests}
         if not ids:
@@ -142,6 +122,15 @@ class Scheduler:
             request.status = status
             self._free(request)
 
+    def free_finished(self, request_ids: Collection[str]) -> None:
+        """Free requests the output applier finished (their status says how)."""
+        if not request_ids:
+            return
+        ids = set(request_ids)
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for req_id in request_ids:
+            self._free(self.requests.pop(req_id))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -150,7 +139,7 @@ class Scheduler:
 
     def set_itl_target(self, seconds: float) -> None:
         """Move the ITL target of an engine started with one (its cost model is calibrated)."""
-        if self.itl_feedback is None:
+        if self.observer.itl_feedback is None:
             raise ValueError("the engine was started without an ITL target (itl_target_ms)")
         if not seconds > 0:
             raise ValueError(f"an ITL target must be positive, got {seconds} s")
@@ -177,8 +166,6 @@ class Scheduler:
         assert plan.budget >= 0 and len(self.running) <= self.max_num_seqs
         total = self.max_num_batched_tokens - plan.budget
         assert total == sum(plan.num_scheduled.values())
-        self.last_num_scheduled_tokens = total
-        self.num_prompt_tokens_scheduled += self._num_prompt_tokens(plan.num_scheduled)
         output = SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=list(plan.cached_reqs.values()),
@@ -196,11 +183,29 @@ class Scheduler:
                 output, self.requests, self.kv_cache_manager.get_block_ids
             )
         self.finished_req_ids = set()
-        if self.spec_policy is not None:
-            self.spec_feedback.planned(output, plan.cached_reqs.keys())
-        if self.itl_feedback is not None and total:
-            self.itl_feedback.planned(self._step_shape(plan), plan.prefill)
+        self.observer.planned(
+            output,
+            plan.cached_reqs.keys(),
+            self._num_prompt_tokens(plan.num_scheduled),
+            self._step_shape(plan) if self.observer.itl_feedback is not None else None,
+            plan.prefill,
+        )
         return output
+
+    def sampling_grammars(
+        self, output: SchedulerOutput
+    ) -> dict[str, tuple[RequestGrammar, list[int]]]:
+        """The grammar and drafts of each constrained request that samples in the step
+        `output` plans (its scheduled tokens reach its end): the rows the bitmask covers."""
+        sampling = {}
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.grammar is None:
+                continue
+            drafts = output.scheduled_spec_tokens.get(req_id, [])
+            if request.num_computed_tokens + num_new - len(drafts) == request.num_tokens:
+                sampling[req_id] = (request.grammar, drafts)
+        return sampling
 
     def _num_decode_tokens_running(self) -> int:
         """Tokens the running decodes will compute this step, drafts included (at most)."""
@@ -223,19 +228,6 @@ class Scheduler:
                 num_prefill += num_new
                 num_context += chunk_context(num_new, num_cached)
         return StepShape(num_decode, num_prefill, num_context)
-
-    def observe_step_cost(self, seconds: float) -> None:
-        """The whole last step took `seconds` (what every decoding request waited for its
-        token): the ITL target's cost model learns from it."""
-        if self.itl_feedback is not None:
-            self.itl_feedback.observe(seconds)
-
-    def observe_step_time(self, seconds: float, output: ModelRunnerOutput) -> None:
-        """Feed the speculation policy what the last step's decodes cost and yielded."""
-        if self.spec_policy is not None:
-            sample = self.spec_feedback.measure(seconds, output)
-            if sample is not None:
-                self.spec_policy.observe(*sample)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
@@ -281,7 +273,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         manager = self.kv_cache_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._pick_waiting()
+            request = self.waiting.next_to_admit(self.kv_cache_manager)
             if request is None:  # every waiting request's grammar is still compiling
                 break
             if manager.is_swapped(request):
@@ -366,35 +358,6 @@ class Scheduler:
         computed = request.num_computed_tokens if num_computed is None else num_computed
         return max(0, min(plan.lookahead, self.max_model_len - computed - num_new))
 
-    def _pick_waiting(self) -> Request | None:
-        """The next request to admit: the head of the queue, unless one of the next few (of
-        the same priority) has more of its prompt in the prefix cache. Serving it now, while
-        its prefix is cached, saves recomputing that prefix after an eviction. Requests whose
-        grammar is still compiling are passed over (they keep their place)."""
-        head = next((r for r in self.waiting if _grammar_ready(r)), None)
-        manager = self.kv_cache_manager
-        if (
-            head is None
-            or not manager.enable_caching
-            or head.num_skips >= MAX_HEAD_SKIPS
-            or len(self.waiting) < 2
-        ):
-            return head
-        best, best_hits = head, -1
-        for candidate in self.waiting.head(CACHE_AWARE_WINDOW):
-            if (
-                candidate.priority != head.priority
-                or manager.is_swapped(candidate)
-                or not _grammar_ready(candidate)
-            ):
-                continue
-            num_hits = manager.get_computed_blocks(candidate)[1]
-            if num_hits > best_hits:
-                best, best_hits = candidate, num_hits
-        if best is not head:
-            head.num_skips += 1
-        return best
-
     def _pick_victim(self) -> Request:
         """FCFS preempts the most recently admitted request; priority the lowest-priority one
         (largest value), the most recently arrived among equals."""
@@ -410,83 +373,12 @@ class Scheduler:
             total += max(0, prompt_end - request.num_computed_tokens)
         return total
 
-    def _count_prefill(self, request: Request, num_new_computed: int) -> None:
-        """Count a prompt once, in the step that completes its first prefill (a prefill
-        redone after preemption, with output tokens already sampled, does not count)."""
-        computed = request.num_computed_tokens
-        end = request.num_prompt_tokens
-        if computed < end <= computed + num_new_computed and not request.output_token_ids:
-            self.num_prompt_tokens_prefilled += end
-            self.num_cached_prompt_tokens_prefilled += max(request.num_cached_tokens, 0)
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        """Advance each scheduled request by what was computed and append sampled tokens."""
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is not None:
-                self._count_prefill(request, num_tokens)
-                request.num_computed_tokens += num_tokens
-
-        outputs: list[EngineCoreOutput] = []
-        finished_ids: set[str] = set()
-        prompt_logprobs = dict(runner_output.prompt_logprobs or {})
-        for row, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
-                continue
-            drafts = scheduler_output.scheduled_spec_tokens.get(req_id, [])
-            output = self._append_sampled(request, runner_output, row, drafts)
-            output.new_prompt_logprobs = prompt_logprobs.pop(req_id, None)
-            outputs.append(output)
-            if request.is_finished:
-                finished_ids.add(req_id)
-        for req_id, logprobs in prompt_logprobs.items():  # prompt chunks that sampled nothing
-            if req_id in self.requests:
-                outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=logprobs))
-        # The step has written its KV (rejected drafts rolled back above): only now may other
-        # requests find these blocks in the prefix cache.
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if (request := self.requests.get(req_id)) is not None:
-                self.kv_cache_manager.cache_computed_blocks(request)
-
-        if finished_ids:
-            self.running = [r for r in self.running if r.request_id not in finished_ids]
-            for req_id in finished_ids:
-                self._free(self.requests.pop(req_id))
-        return outputs
-
-    def finish_without_output(self) -> list[EngineCoreOutput]:
-        """Requests that must end before computing anything: `max_tokens == 0` without
-        prompt logprobs (with them, the prompt is computed and nothing sampled), and those
-        whose grammar failed to compile (finish_reason "error", the reason in stop_reason)."""
-        done = [
-            r
-            for r in self.waiting
-            if r.max_tokens <= r.num_output_tokens and r.sampling_params.prompt_logprobs is None
-        ]
-        failed = [
-            r
-            for r in self.waiting
-            if r.grammar is not None and r.grammar.is_ready() and r.grammar.error
-        ]
-        if not done and not failed:
-            return []
-        self.finish_requests([r.request_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
-        self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(r.request_id, [], finish_reason="length") for r in done] + [
-            EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=r.grammar.error)
-            for r in failed
-            if r.grammar is not None
-        ]
-
     def get_stats(self) -> SchedulerStats:
         manager = self.kv_cache_manager
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_scheduled_tokens=self.last_num_scheduled_tokens,
+            num_scheduled_tokens=self.observer.last_num_scheduled_tokens,
             num_preemptions=self.num_preemptions,
             num_kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
             num_kv_blocks=manager.num_blocks,
@@ -494,12 +386,10 @@ class Scheduler:
             prefix_cache=PrefixCacheStats(
                 manager.prefix_cache_stats.queries, manager.prefix_cache_stats.hits
             ),
-            spec_decode=None if self.spec_stats is None else copy.deepcopy(self.spec_stats),
+            spec_decode=copy.deepcopy(self.observer.spec_stats),
             itl_target=None
-            if self.itl_feedback is None
-            else replace(
-                copy.deepcopy(self.itl_feedback.stats), itl_target=self.prefill_limits.itl_target
-            ),
+            if (itl := self.observer.itl_feedback) is None
+            else replace(copy.deepcopy(itl.stats), itl_target=self.prefill_limits.itl_target),
         )
 
     # ---- internals ---------------------------------------------------------------------------
@@ -508,64 +398,6 @@ class Scheduler:
         """Under the static policy a batch is what one step admits (up to max_num_seqs and the
         token budget); nobody joins until every member has finished."""
         return self.policy != "static" or not self.running
-
-    def _append_sampled(
-        self,
-        request: Request,
-        runner_output: ModelRunnerOutput,
-        row: int,
-        drafts: list[int],
-    ) -> EngineCoreOutput:
-        generated = runner_output.sampled_token_ids[row]
-        if drafts:
-            # Roll back the rejected drafts: their KV slots will be overwritten.
-            num_accepted = len(generated) - 1
-            request.num_computed_tokens -= len(drafts) - num_accepted
-            assert self.spec_stats is not None
-            self.spec_stats.record(len(drafts), num_accepted)
-        new_token_ids = []
-        if request.max_tokens == 0:  # computed only for its prompt logprobs
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        grammar = request.grammar
-        dead_row = None if grammar is None else grammar.dead_row
-        if dead_row is not None and len(generated) > dead_row:
-            # The step sampled at a row no token can continue (its tokens, kept, led there).
-            generated = generated[:dead_row]
-        else:
-            dead_row = None
-        for token_id in generated if not request.is_finished else []:
-            request.append_output_token(token_id)
-            new_token_ids.append(token_id)
-            check_stop(request, token_id, self.max_model_len)
-            if grammar is not None and not request.is_finished:
-                advance_grammar(request, token_id)
-            if request.is_finished:  # tokens after a stop are dropped
-                break
-        if grammar is not None:
-            grammar.dead_row = None
-        if dead_row is not None and not request.is_finished:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = UNSATISFIABLE
-        spec = (runner_output.spec_token_ids or {}).get(request.request_id, [])
-        if grammar is not None and spec and not request.is_finished:
-            spec = grammar.valid_prefix(spec)  # drafts the grammar rejects are not verified
-        request.spec_token_ids = spec
-        output = EngineCoreOutput(
-            req_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-            num_preemptions=request.num_preemptions,
-        )
-        if runner_output.logprobs is not None and new_token_ids:
-            assert runner_output.logprob_token_ids and runner_output.sampled_token_ranks
-            count = len(new_token_ids)
-            output.new_logprob_token_ids = runner_output.logprob_token_ids[row][:count]
-            output.new_logprobs = runner_output.logprobs[row][:count]
-            output.new_sampled_token_ranks = runner_output.sampled_token_ranks[row][:count]
-        return output
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Swap: copy the request's blocks to the host pool and keep its progress. Recompute
@@ -608,9 +440,3 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         if request.grammar is not None:
             request.grammar.release()  # a compile nobody waits for is cancelled
-
-
-def _grammar_ready(request: Request) -> bool:
-    """May be admitted: no grammar, or one compiled (a failed one is finished instead)."""
-    grammar = request.grammar
-    return grammar is None or (grammar.is_ready() and grammar.error is None)

@@ -1,4 +1,4 @@
-"""What the scheduler learns from a step once its time is measured.
+"""What the step observer (step_observer.py) learns from a step once its time is measured.
 
 The engine times each step after `schedule()` has planned it, so what a plan was must wait
 for its time: `SpeculationFeedback` keeps what the speculation policy needs to price a
@@ -12,9 +12,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.step_cost import CostModel, StepShape
 from tokenmill.metrics.stats import ItlTargetStats
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 # (decoding requests, drafts per request, tokens they generated, seconds, prompt tokens):
 # the arguments of `SpeculationPolicy.observe`.

@@ -3,7 +3,7 @@ grammar past that token."""
 
 from __future__ import annotations
 
-from tokenmill.request import Request, RequestStatus
+from tokenmill.step.request import Request, RequestStatus
 
 
 def check_stop(request: Request, token_id: int, max_model_len: int) -> None:

@@ -2,8 +2,8 @@
 speculative heads on the target (EAGLE, Medusa).
 
 The weights ship inside the package (`weights/target`, `weights/draft`, `weights/eagle`,
-`weights/medusa`), so nobody has to train them to use them; `python -m tokenmill.demo.train`
-rebuilds the models and `python -m tokenmill.demo.train_heads` the heads, from seeds.
+`weights/medusa`), so nobody has to train them to use them; `python -m demo_training.train`
+rebuilds the models and `python -m demo_training.train_heads` the heads, from seeds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def demo_model_path(name: str = "target") -> Path:
         command = "train_heads" if name in ("eagle", "medusa") else f"train --model {name}"
         raise FileNotFoundError(
             f"demo model {name!r} is missing at {path}; rebuild it with "
-            f"`python -m tokenmill.demo.{command}`"
+            f"`python -m demo_training.{command}` (in a checkout of the repository)"
         )
     return path
 

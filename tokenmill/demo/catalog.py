@@ -47,7 +47,7 @@ def _summary(name: str) -> str:
     path = WEIGHTS_DIR / name
     info_file = path / "tokenmill_demo.json"
     if not info_file.is_file():
-        return f"  {name}: missing (python -m tokenmill.demo.train --model {name})"
+        return f"  {name}: missing (python -m demo_training.train --model {name})"
     info = json.loads(info_file.read_text())
     size_mb = sum(p.stat().st_size for p in path.iterdir()) / 1e6
     return (

@@ -12,13 +12,13 @@ import itertools
 import random
 from collections.abc import Iterable, Iterator
 
-from tokenmill.demo.tasks import ALL_TASKS, CHECKABLE_TASKS, Example
-from tokenmill.testing.special_tokens import (
+from tokenmill.demo.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
 )
+from tokenmill.demo.tasks import ALL_TASKS, CHECKABLE_TASKS, Example
 
 # Relative number of documents per task. Lookups are long (so few), the arithmetic tasks are
 # short and the hardest to learn (so many); stories keep the model's English fluent.

@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine, PromptType
-from tokenmill.engine.step_records import StepRecord
+from tokenmill.core.step_records import StepRecord
+from tokenmill.engine.intake import PromptType
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.ring import Ring
 from tokenmill.metrics.stats import EngineStats, KVBlockStates
@@ -346,18 +347,17 @@ class AsyncEngine:
         done: list[str] = []
         try:
             for r in requests:
-                params = r.params.clone()
-                params.output_kind = RequestOutputKind.DELTA
                 self.engine.add_request(
                     r.request_id,
                     r.prompt,
-                    params,
+                    r.params,
                     arrival_time,
                     priority=r.priority,
                     cache_salt=r.cache_salt,
+                    output_kind=RequestOutputKind.DELTA,
                 )
                 done.append(r.request_id)
-                self._num_samples[r.request_id] = params.n
+                self._num_samples[r.request_id] = r.params.n
         except Exception as e:
             self._abort(done, reason=None)
             added.set_exception(e)

@@ -1,5 +1,7 @@
-"""Engine-core outputs -> `RequestOutput`s: detokenize, apply stop strings, gather the `n`
-samples of a prompt, and shape the result as the caller asked (delta, cumulative, final)."""
+"""What each step did for each request -> `RequestOutput`s: the text (each sample's
+detokenizer, which the output applier feeds as it appends tokens, so that a stop string ends
+a request where a stop token would), logprobs, metrics, the `n` samples of a prompt gathered,
+shaped as the caller asked (delta, cumulative, final)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.core.scheduler_output import EngineCoreOutput, PromptLogprobs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
+from tokenmill.engine.intake import ResolvedRequest
 from tokenmill.outputs import (
     CompletionOutput,
     Logprob,
@@ -18,6 +20,8 @@ from tokenmill.outputs import (
     RequestOutput,
 )
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.step.request_step_output import RequestStepOutput
+from tokenmill.step.runner_output import PromptLogprobs
 
 
 @dataclass
@@ -55,7 +59,7 @@ class RequestState:
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
-    """The engine-core id of sample `index` of a request (the request's own id when n == 1)."""
+    """The scheduler's id of sample `index` of a request (the request's own id when n == 1)."""
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
@@ -65,22 +69,17 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.child_to_sample: dict[str, tuple[RequestState, SampleState]] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-    ) -> list[str]:
-        """Registers a request; returns the engine-core ids of its samples."""
+    def add_request(self, request: ResolvedRequest) -> list[str]:
+        """Registers a request; returns the scheduler's ids of its samples."""
+        request_id, params = request.request_id, request.params
+        prompt_token_ids = list(request.prompt_token_ids)
         state = RequestState(
             request_id=request_id,
-            prompt=prompt,
+            prompt=request.prompt,
             prompt_token_ids=prompt_token_ids,
             params=params,
             samples=[],
-            metrics=RequestMetrics(arrival_time=arrival_time),
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         child_ids = []
@@ -104,7 +103,7 @@ class OutputProcessor:
         return child_ids
 
     def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request; returns the engine-core ids to abort."""
+        """Forget a request; returns the scheduler's ids of its samples, to abort."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
@@ -113,21 +112,22 @@ class OutputProcessor:
             self.child_to_sample.pop(child_id, None)
         return child_ids
 
-    def process_outputs(
-        self, core_outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to hand to callers and the engine-core ids that a stop string
-        finished (the scheduler must stop them)."""
+    def detokenize(self, req_id: str, token_ids: list[int]) -> str | None:
+        """Feed a sample's new tokens to its detokenizer (`OutputApplier.text_stops`): the
+        stop string they complete, if any."""
+        entry = self.child_to_sample.get(req_id)
+        return None if entry is None else entry[1].detokenizer.update(token_ids)
+
+    def process_outputs(self, step_outputs: list[RequestStepOutput]) -> list[RequestOutput]:
+        """The outputs to hand to callers."""
         now = time.time()
-        stopped_by_string: list[str] = []
         touched: dict[str, RequestState] = {}
-        for core_output in core_outputs:
-            entry = self.child_to_sample.get(core_output.req_id)
+        for step_output in step_outputs:
+            entry = self.child_to_sample.get(step_output.req_id)
             if entry is None:
                 continue
             state, sample = entry
-            if self._apply(state, sample, core_output, now):
-                stopped_by_string.append(core_output.req_id)
+            self._apply(state, sample, step_output, now)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -136,11 +136,11 @@ class OutputProcessor:
                 outputs.append(output)
             if state.finished:
                 self.abort_request(state.request_id)
-        return outputs, stopped_by_string
+        return outputs
 
     def _apply(
-        self, state: RequestState, sample: SampleState, out: EngineCoreOutput, now: float
-    ) -> bool:
+        self, state: RequestState, sample: SampleState, out: RequestStepOutput, now: float
+    ) -> None:
         metrics = state.metrics
         metrics.first_scheduled_time = metrics.first_scheduled_time or out.first_scheduled_time
         if out.new_prompt_logprobs is not None:
@@ -154,25 +154,11 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
             self._append_logprobs(state.params, sample, out)
-        stop_string = sample.detokenizer.update(self._token_ids_to_detokenize(state.params, out))
-        hit_stop_string = stop_string is not None and out.finish_reason is None
-        if stop_string is not None:
-            sample.finish_reason, sample.stop_reason = "stop", stop_string
-        elif out.finish_reason is not None:
+        if out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-        if sample.finish_reason is not None and state.finished:
-            metrics.finished_time = now
+            if state.finished:
+                metrics.finished_time = now
         state.changed.add(sample.index)
-        return hit_stop_string
-
-    @staticmethod
-    def _token_ids_to_detokenize(params: SamplingParams, out: EngineCoreOutput) -> list[int]:
-        """The EOS or stop token that ended a request is not part of its text (as in vLLM),
-        unless the caller asked for stop strings in the output."""
-        stopped_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        if stopped_by_token and out.new_token_ids and not params.include_stop_str_in_output:
-            return out.new_token_ids[:-1]
-        return out.new_token_ids
 
     def _append_prompt_logprobs(self, state: RequestState, new: PromptLogprobs) -> None:
         """Positions already known (a sibling sample or a recompute after preemption computed
@@ -205,7 +191,7 @@ class OutputProcessor:
         return position
 
     def _append_logprobs(
-        self, params: SamplingParams, sample: SampleState, out: EngineCoreOutput
+        self, params: SamplingParams, sample: SampleState, out: RequestStepOutput
     ) -> None:
         num_top = params.logprobs or 0
         assert out.new_logprob_token_ids is not None and out.new_sampled_token_ranks is not None

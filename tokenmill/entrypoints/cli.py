@@ -133,8 +133,11 @@ def _add_bench_serving(kinds: argparse._SubParsersAction) -> None:
 
 def _bench_throughput(args: argparse.Namespace) -> int:
     from tokenmill.bench.throughput import run_throughput
+    from tokenmill.entrypoints.llm import LLM
 
-    run_throughput(args, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    config.max_num_seqs = args.batch_size
+    run_throughput(args, LLM(**vars(config)))
     return 0
 
 
@@ -142,7 +145,7 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "eval", help="exact-match accuracy per task of the demo model on held-out prompts"
     )
-    from tokenmill.demo.commands import add_eval_args
+    from tokenmill.entrypoints.demo_commands import add_eval_args
 
     add_eval_args(parser)
     add_engine_args(parser)
@@ -150,7 +153,7 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tokenmill.demo.commands import run_eval
+    from tokenmill.entrypoints.demo_commands import run_eval
 
     return run_eval(args)
 
@@ -161,7 +164,7 @@ def _add_models(commands: argparse._SubParsersAction) -> None:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from tokenmill.demo.commands import run_models
+    from tokenmill.entrypoints.demo_commands import run_models
 
     return run_models(args)
 

@@ -10,7 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
-from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.engine.intake import PromptType
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
@@ -74,8 +75,6 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         request_ids = []
         for prompt, params, request_priority in zip(prompts, params_list, priorities):
-            params = params.clone()
-            params.output_kind = RequestOutputKind.FINAL_ONLY
             request_id = str(next(self._request_counter))
             self.engine.add_request(
                 request_id,
@@ -83,6 +82,7 @@ class LLM:
                 params,
                 add_special_tokens=add_special_tokens,
                 priority=request_priority,
+                output_kind=RequestOutputKind.FINAL_ONLY,
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)

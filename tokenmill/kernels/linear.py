@@ -1,10 +1,9 @@
-"""Few-row dense linears at the memory roof (the C++ `few_row_linear`).
+"""Dense linears on weights packed once at load time (the C++ `packed_linear`).
 
-At one to a few rows a linear is a matrix-vector product: its time is the weight's bytes over
-the memory bandwidth. torch's `F.linear` at one row streamed 8-13 GB/s on an AMD Zen 5 (AVX-512)
-where the native kernel streams the weight once per call at 25-35 GB/s (see
-benchmarks/results/2026-12-02-cpu-vs-peers.md); above `NATIVE_LINEAR_MAX_ROWS` oneDNN's blocked
-GEMM is faster.
+The packed layout (blocks of 16 output rows, k-major inside a block; `csrc/packed_linear.h`)
+serves every row count: one row is a broadcast times each weight vector, streamed once at the
+memory roof; many rows go to AMX tiles (bf16, where the CPU has them) or to AVX-512/AVX2
+register tiles. The plain `[n, k]` weight is not kept.
 """
 
 from __future__ import annotations
@@ -13,31 +12,36 @@ import torch
 
 from tokenmill.kernels.native import native_kernels
 
-# Rows up to which the native kernel runs (it loads each weight vector once per four rows).
-NATIVE_LINEAR_MAX_ROWS = 4
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def few_row_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
+def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in PACKED_DTYPES and native_kernels() is not None
 
 
-def native_few_row_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """`x @ weight.T + bias` for a 2-D CPU `x` of a few rows in float32 or bfloat16, or None
-    where the native kernel does not apply (too many rows, another dtype or device, no build)."""
-    if (
-        x.dim() != 2
-        or x.shape[0] > NATIVE_LINEAR_MAX_ROWS
-        or x.device.type != "cpu"
-        or x.dtype not in (torch.float32, torch.bfloat16)
-        or weight.dtype != x.dtype
-        or not weight.is_contiguous()
-    ):
-        return None
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     module = native_kernels()
-    if module is None:
-        return None
-    return module.few_row_linear(x, weight, bias)
+    assert module is not None, "packed linears need the native kernels"
+    return module.pack_linear_weight(weight.detach().contiguous())
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    module = native_kernels()
+    assert module is not None, "packed linears need the native kernels"
+    return module.unpack_linear_weight(packed, out_features, in_features)
+
+
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    float32: bool = False,
+) -> torch.Tensor:
+    """`x @ W.T + bias` for `x` of any leading shape, in x's dtype (float32 or bfloat16) or,
+    with `float32`, in float32."""
+    module = native_kernels()
+    assert module is not None, "packed linears need the native kernels"
+    rows = x.reshape(-1, x.shape[-1])
+    out = module.packed_linear(rows, packed, out_features, bias, float32)
+    return out.view(*x.shape[:-1], out_features)

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 from tokenmill.config import KVTransferConfig
 from tokenmill.metrics.stats import KVTransferStats
-from tokenmill.request import Request
+from tokenmill.step.request import Request
 
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.core.scheduler_output import SchedulerOutput
     from tokenmill.layers.kv_cache import KVCacheSpec
+    from tokenmill.step.scheduler_output import SchedulerOutput
 
 
 class KVConnectorRole(enum.Enum):

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import ConfigError, KVTransferConfig
-from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorContext,
@@ -32,7 +31,8 @@ from tokenmill.kv_transfer.base import (
 )
 from tokenmill.kv_transfer.block_file import BlockLayout, CorruptBlockError, read_block, write_block
 from tokenmill.metrics.stats import KVTransferStats
-from tokenmill.request import Request
+from tokenmill.step.request import Request
+from tokenmill.step.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

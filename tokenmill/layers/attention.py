@@ -11,6 +11,7 @@ kv_heads, head_dim]`, as the fused QKV projection lays them out), one copy in an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +61,38 @@ class AttentionGroup:
 
 
 @dataclass
+class StepAttention:
+    """The whole step at once, for kernels that read the cache through the block tables (the
+    CPU backend, the fused decoder stack): sequence i's queries are the step's tokens
+    [query_start_loc[i], query_start_loc[i + 1]), the last ones of its seq_lens[i] tokens."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    sliding_window: int | None
+
+
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
-    groups: list[AttentionGroup]
+    """A step's attention inputs, shared by every layer: the cache slots of its tokens, its
+    `groups` (for the padded backends) and, on the CPU, the whole `step` at once. Groups may be
+    given as a function that builds them when a backend first asks: the CPU backend and the
+    fused stack never do, so their steps skip building masks and padded indices."""
+
+    def __init__(
+        self,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64: cache slot (block * block_size + offset)
+        groups: list[AttentionGroup] | Callable[[], list[AttentionGroup]],
+        step: StepAttention | None = None,
+    ) -> None:
+        self.slot_mapping = slot_mapping
+        self._groups = groups
+        self.step = step
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        if callable(self._groups):
+            self._groups = self._groups()
+        return self._groups
 
 
 def build_attention_group(

@@ -44,6 +44,7 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 def make_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
 ) -> PagedAttention:
+    """One attention layer's backend of kind `name` (resolved), made when the model is built."""
     if name == "triton":
         from tokenmill.layers.attention_triton import TritonPagedAttention
 
@@ -55,15 +56,3 @@ def make_attention_backend(
     if name == "torch":
         return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     raise ConfigError(f"unknown attention backend {name!r}")
-
-
-def use_attention_backend(model: torch.nn.Module, name: str) -> None:
-    """Give every attention layer of `model` (each object with an `attn` backend) a backend
-    of kind `name` with the same shape."""
-    for module in model.modules():
-        current = getattr(module, "attn", None)
-        if not isinstance(current, PagedAttention):
-            continue
-        module.attn = make_attention_backend(
-            name, current.num_heads, current.num_kv_heads, current.head_dim, current.scale
-        )

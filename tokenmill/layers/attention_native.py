@@ -1,39 +1,44 @@
-"""The CPU backend: short-query groups of few sequences (decodes, drafts verified, short
-chunks) through the native kernel that reads the paged cache in place; prefill chunks, larger
-groups, other dtypes (FP8 caches) and machines without the native build through the portable
-`TorchPagedAttention`."""
+"""The CPU backend: the whole step's attention in one call of the native kernel, which reads
+the paged cache in place (decodes, verified drafts and prefill chunks alike); FP8 caches and
+machines without the native build go through the portable `TorchPagedAttention`."""
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.attention import (
-    NATIVE_ATTENTION_MAX_QUERY_LEN,
-    NATIVE_ATTENTION_MAX_SEQS,
-    native_paged_attention,
-)
-from tokenmill.layers.attention import AttentionGroup, KVCache, TorchPagedAttention
+from tokenmill.kernels.attention import NATIVE_ATTENTION_DTYPES, native_paged_attention
+from tokenmill.kernels.native import native_kernels
+from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.kv_cache import write_kv
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    def _attend_group(
-        self, query: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, out: torch.Tensor
-    ) -> None:
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        step = metadata.step
         if (
-            group.max_query_len <= NATIVE_ATTENTION_MAX_QUERY_LEN
-            and group.block_tables.shape[0] <= NATIVE_ATTENTION_MAX_SEQS
-            and group.query_start_loc is not None
-            and group.seq_lens is not None
-            and native_paged_attention(
-                query,
-                kv_cache,
-                group.block_tables,
-                group.query_start_loc,
-                group.seq_lens,
-                group.sliding_window,
-                self.scale,
-                out,
-            )
+            step is None
+            or kv_cache.dtype not in NATIVE_ATTENTION_DTYPES
+            or query.dtype not in NATIVE_ATTENTION_DTYPES
+            or native_kernels() is None
         ):
-            return
-        super()._attend_group(query, kv_cache, group, out)
+            return super().forward(query, kv, kv_cache, metadata)
+        write_kv(kv_cache, metadata.slot_mapping, kv)
+        output = torch.empty(query.shape, dtype=query.dtype)
+        attended = native_paged_attention(
+            query,
+            kv_cache,
+            step.block_tables,
+            step.query_start_loc,
+            step.seq_lens,
+            step.sliding_window,
+            self.scale,
+            output,
+        )
+        assert attended, "the native kernel declined a CPU float32/bfloat16 step"
+        return output

@@ -4,8 +4,9 @@ weight is stored and multiplied (vLLM's `LinearMethodBase`).
 A method is chosen once, at load time, for each layer (`quantization/selection.py`: from the
 weight format, the device and the dtype); the model calls `layer(x)`, which is the method's
 `apply`, and the loader fills the weight through `load_weight`. The methods here are the
-dense ones: `DenseLinearMethod` (`F.linear`) and `OneDNNLinearMethod` (below); the int8 and
-int4 ones are in `int8_linear.py` and `int4_linear.py`.
+dense ones: `DenseLinearMethod` (`F.linear`), `PackedLinearMethod` (the native kernels' packed
+layout, the CPU default where they build) and `OneDNNLinearMethod` (below, the CPU default
+where they do not); the int8 and int4 ones are in `int8_linear.py` and `int4_linear.py`.
 
 OneDNN: `F.linear` on float32 CPU tensors goes to a BLAS whose kernels here (AMD Zen 5,
 AVX-512) reached 200 GFLOP/s at 2048 rows and far less at a few rows (5 rows of a 1536 x 256
@@ -30,8 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.linear import NATIVE_LINEAR_MAX_ROWS, native_few_row_linear
-from tokenmill.kernels.native import native_kernels
+from tokenmill.kernels.linear import (
+    pack_linear_weight,
+    packed_linear,
+    packed_linear_available,
+    unpack_linear_weight,
+)
 
 # Rows the reordered layout is tuned for; measured the same from 16 to 256.
 _ROWS_HINT = 16
@@ -77,6 +82,10 @@ class LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_float32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """`apply` with a float32 result (the logits), where a method can skip the rounding."""
+        return self.apply(layer, x).float()
+
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor's shape disagrees with the layer it is loaded into."""
@@ -97,28 +106,44 @@ class DenseLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+class PackedLinearMethod(DenseLinearMethod):
+    """float32 or bfloat16 on the CPU in the native kernels' packed layout (kernels/linear.py):
+    one copy of the weight serves every row count (few-row GEMV at the memory roof, AMX or
+    AVX-512 tiles above). After loading, `layer.weight` is None (a tied LM head's weight lives
+    on in the embedding) and `layer.packed_weight` holds the packed copy; the fused decoder
+    stack (kernels/decoder_stack.py) reads it too."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.packed_weight = pack_linear_weight(layer.weight.to(layer.dtype))
+        layer.weight = None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, layer.packed_weight, layer.out_features, layer.bias)
+
+    def apply_float32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, layer.packed_weight, layer.out_features, layer.bias, float32=True)
+
+    @staticmethod
+    def plain_weight(layer: Linear) -> torch.Tensor:
+        """The `[out_features, in_features]` weight back from its packed copy."""
+        return unpack_linear_weight(layer.packed_weight, layer.out_features, layer.in_features)
+
+
 class OneDNNLinearMethod(DenseLinearMethod):
-    """float32 or bfloat16 on the CPU with the weight reordered for oneDNN (module docstring).
-    Products of up to `NATIVE_LINEAR_MAX_ROWS` rows go to the native GEMV (kernels/linear.py),
-    which reads torch's layout at the memory roof, so where the native kernels exist the
-    weight is kept in both layouts. Without them a small weight is kept in torch's layout for
-    products of a few rows and a large one is dropped after the reorder (`layer.weight` is
-    then None)."""
+    """float32 or bfloat16 on the CPU with the weight reordered for oneDNN (module docstring),
+    where the native kernels are not built. A small weight is kept in torch's layout too, for
+    products of a few rows; a large one is dropped after the reorder (`layer.weight` is then
+    None)."""
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
         layer.few_rows_by_f_linear = weight.numel() < _SMALL_WEIGHT_ELEMENTS
-        layer.few_rows_native = native_kernels() is not None
-        if not (layer.few_rows_by_f_linear or layer.few_rows_native):
+        if not layer.few_rows_by_f_linear:
             layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if layer.few_rows_native and num_rows <= NATIVE_LINEAR_MAX_ROWS:
-            out = native_few_row_linear(x, layer.weight, layer.bias)
-            if out is not None:
-                return out
         if layer.few_rows_by_f_linear and num_rows <= _SMALL_WEIGHT_ROWS:
             return F.linear(x, layer.weight, layer.bias)
         padding = padded_rows(num_rows) - num_rows
@@ -168,6 +193,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply_float32(self, x)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -216,10 +244,24 @@ def process_linears_after_loading(model: nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-def use_onednn_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` (its weights loaded) by a oneDNN `Linear`; returns
-    how many. For float32 models on the CPU."""
-    layers = replace_linears(model, lambda name, linear: OneDNNLinearMethod())
+def cpu_dense_method(dtype: torch.dtype) -> LinearMethod | None:
+    """The fastest dense method for a CPU linear of `dtype`: the native packed layout where
+    the kernels build, else oneDNN's; None where neither runs that dtype."""
+    if packed_linear_available(dtype, torch.device("cpu")):
+        return PackedLinearMethod(dtype)
+    if dtype in (torch.float32, torch.bfloat16) and onednn_linear_available():
+        return OneDNNLinearMethod(dtype)
+    return None
+
+
+def use_fast_cpu_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` (its weights loaded) by a `Linear` of
+    `cpu_dense_method`; returns how many. For float32 models on the CPU."""
+    if cpu_dense_method(torch.float32) is None:
+        return 0
+    layers = replace_linears(
+        model, lambda name, linear: cpu_dense_method(linear.weight.dtype) or DenseLinearMethod()
+    )
     for layer in layers.values():
         layer.quant_method.process_weights_after_loading(layer)
     return len(layers)

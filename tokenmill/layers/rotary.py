@@ -70,13 +70,20 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype
     ) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, params)
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = torch.outer(positions, inv_freq)
+        self.inv_freq = inverse_frequencies(head_dim, params)
+        self.max_position = max_position
+        cos, signed_sin = self.tables(torch.float32)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, signed_sin)` of every position, `[max_position, head_dim]`, computed in
+        float32 and returned in `dtype` (the fused decoder stack keeps float32 ones)."""
+        positions = torch.arange(self.max_position, dtype=torch.float, device=self.inv_freq.device)
+        freqs = torch.outer(positions, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
+        return emb.cos().to(dtype), signed_sin.to(dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(cos, signed_sin)` of each position, `[num_tokens, 1, head_dim]`."""

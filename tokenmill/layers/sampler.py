@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -127,7 +128,7 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else argmax_rows(logits)
         if md.all_greedy:
             assert greedy is not None
             return greedy

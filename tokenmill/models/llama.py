@@ -8,15 +8,20 @@ only for the rows the runner will sample from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.attention import AttentionMetadata, KVCache
+from tokenmill.layers.attention_backends import make_attention_backend
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama_stack import LlamaDecoderStack
 
 # (cos, sin) of each token's position, `[num_tokens, 1, head_dim]`, shared by all layers.
 RopeCache = tuple[torch.Tensor, torch.Tensor]
@@ -106,7 +111,13 @@ class LlamaAttention(nn.Module):
     """This rank's heads: q/k/v column-parallel, o row-parallel (its bias on rank 0 only, so
     the all-reduce adds it once)."""
 
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        traits: ArchitectureTraits,
+        tp: TensorParallel,
+        attention_backend: str = "torch",
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads = tp.split(shape.num_heads, "number of attention heads")
@@ -121,8 +132,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
-        self.attn = TorchPagedAttention(
-            self.num_heads, self.num_kv_heads, shape.head_dim, scale=shape.head_dim**-0.5
+        self.attn = make_attention_backend(
+            attention_backend,
+            self.num_heads,
+            self.num_kv_heads,
+            shape.head_dim,
+            scale=shape.head_dim**-0.5,
         )
 
     def forward(
@@ -169,10 +184,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, traits: ArchitectureTraits, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        traits: ArchitectureTraits,
+        tp: TensorParallel,
+        attention_backend: str = "torch",
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, traits, tp)
+        self.self_attn = LlamaAttention(shape, traits, tp, attention_backend)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape, traits, tp)
 
@@ -198,7 +219,9 @@ class LlamaForCausalLM(nn.Module):
         architecture: str,
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
+        attention_backend: str = "torch",
     ) -> None:
+        """`attention_backend`: every layer's (resolved: torch, cpu or triton)."""
         super().__init__()
         self.shape = shape = ModelShape.from_hf_config(hf_config)
         self.tp = tp
@@ -208,13 +231,15 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits, tp) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape, traits, tp, attention_backend) for _ in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         vocab_rows = self.embed_tokens.weight.shape[0]
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The layers as one native call (models/llama_stack.py), set once the weights are in.
+        self.decoder_stack: LlamaDecoderStack | None = None
 
     def forward(
         self,
@@ -224,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.decoder_stack is not None and self.decoder_stack.applies(metadata, kv_caches):
+            return self.decoder_stack(hidden, positions, kv_caches, metadata)
         rope = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, metadata)
@@ -236,5 +263,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Every rank gets the whole vocabulary's logits (all-gathered, padding cut off)."""
-        logits = self.tp.all_gather(self.lm_head(hidden).float())
+        head = self.lm_head
+        logits = head.forward_float32(hidden) if isinstance(head, Linear) else head(hidden).float()
+        logits = self.tp.all_gather(logits)
         return logits[:, : self.shape.vocab_size] if self.tp.size > 1 else logits

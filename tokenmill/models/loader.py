@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,6 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.attention_backends import resolve_attention_backend, use_attention_backend
 from tokenmill.layers.linear import (
     Linear,
     WeightShapeError,
@@ -23,6 +23,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.embedding import use_quantized_embedding
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
@@ -167,24 +168,35 @@ def sampling_defaults(config_dir: str | Path) -> dict[str, float]:
     return defaults
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a checkpoint becomes a model in this engine, decided once (engine/assembly.py) and
+    used for the target on every tensor-parallel rank and for a draft model."""
+
+    dtype: torch.dtype  # the compute dtype
+    linear_backend: str = "auto"  # EngineConfig.linear_backend (or "torch" for a captured step)
+    attention_backend: str = "torch"  # resolved: torch, cpu or triton (attention_backends.py)
+    quantization: str | None = None  # EngineConfig.quantization: int8, int4, int4-g128
+
+
 def load_model(
     model_dir: str | Path,
-    hf_config: Any,
-    architecture: str,
-    dtype: torch.dtype,
+    settings: LoadSettings,
     device: torch.device,
-    linear_backend: str = "auto",
-    attention_backend: str = "auto",
     tp: TensorParallel = SINGLE,
-    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """The model, or under tensor parallelism this rank's shard of it (`tp`). Each linear's
-    method (how its weight is stored and multiplied) is chosen before the weights load
-    (`quantization/selection.py`) and converted after."""
+    """The model, or under tensor parallelism this rank's shard of it (`tp`): the one way a
+    model is loaded. Its attention layers get `settings.attention_backend` when built; each
+    linear's method (how its weight is stored and multiplied) is chosen before the weights
+    load (`quantization/selection.py`) and converted after."""
+    hf_config, architecture = load_hf_config(model_dir)
+    dtype, quantization = settings.dtype, settings.quantization
     with torch.device(device):
-        model = MODEL_REGISTRY[architecture](hf_config, architecture, dtype, tp)
+        model = MODEL_REGISTRY[architecture](
+            hf_config, architecture, dtype, tp, settings.attention_backend
+        )
     model.to(dtype=dtype)
-    plan = LinearPlan.online(dtype, device, linear_backend, quantization, tp.size > 1)
+    plan = LinearPlan.online(dtype, device, settings.linear_backend, quantization, tp.size > 1)
     tensors = _checkpoint_tensors(Path(model_dir), model, plan, hf_config, quantization)
     linears = replace_linears(model, plan.choose)
     linears.update(use_quantized_embedding(model, plan))
@@ -193,9 +205,8 @@ def load_model(
     process_linears_after_loading(model)
     model.eval().requires_grad_(False)
     log_plan(plan, model)
-    attention = resolve_attention_backend(attention_backend, device)
-    if attention != "torch":
-        use_attention_backend(model, attention)
+    if settings.attention_backend == "cpu":
+        model.decoder_stack = build_decoder_stack(model)
     return model
 
 

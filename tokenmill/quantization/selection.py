@@ -33,8 +33,7 @@ from tokenmill.layers.linear import (
     DenseLinearMethod,
     Linear,
     LinearMethod,
-    OneDNNLinearMethod,
-    onednn_linear_available,
+    cpu_dense_method,
 )
 
 logger = logging.getLogger(__name__)
@@ -114,13 +113,8 @@ class LinearPlan:
         return wanted
 
     def dense(self) -> LinearMethod:
-        if (
-            self.linear_backend == "auto"
-            and self.device.type == "cpu"
-            and self.dtype in (torch.float32, torch.bfloat16)
-            and onednn_linear_available()
-        ):
-            return OneDNNLinearMethod(self.dtype)
+        if self.linear_backend == "auto" and self.device.type == "cpu":
+            return cpu_dense_method(self.dtype) or DenseLinearMethod(self.dtype)
         return DenseLinearMethod(self.dtype)
 
     def _check_device(self, wanted: str) -> None:

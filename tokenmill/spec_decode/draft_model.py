@@ -7,7 +7,7 @@ verified since its last proposal; within a budget per step, so a request far beh
 a step or a few later), then it proposes k tokens greedily, one batched decode step per
 token. Steps where the policy drafts nothing therefore cost the draft model nothing, so
 speculation switched down to k = 0 under load costs what no speculation costs. Proposals are
-deterministic, which is what the verifier assumes (see rejection_sampler.py).
+deterministic, which is what the verifier assumes (see verification.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.catch_up import catch_up_allowances
-from tokenmill.worker.step_layout import attention_group_key, layout_step
+from tokenmill.step.layout import attention_group_key, layout_step
 
 if TYPE_CHECKING:
-    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.step.runner_request_state import CachedRequestState
 
 # Tokens per catch-up forward: a batch of new prompts is split like a prefill under a budget.
 CATCH_UP_TOKENS_PER_FORWARD = 2048

@@ -39,10 +39,10 @@ from tokenmill.models.llama import (
     ModelShape,
 )
 from tokenmill.spec_decode.catch_up import catch_up_allowances
-from tokenmill.worker.step_layout import block_table_array
+from tokenmill.step.layout import block_table_array
 
 if TYPE_CHECKING:
-    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.step.runner_request_state import CachedRequestState
 
 # Catch-up tokens per step beyond the steady state's (see catch_up.py).
 CATCH_UP_EXTRA_TOKENS = 256

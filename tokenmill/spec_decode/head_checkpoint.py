@@ -28,8 +28,9 @@ from tokenmill.layers.int8_linear import int8_linear, int8_linear_available
 from tokenmill.layers.linear import (
     DenseLinearMethod,
     OneDNNLinearMethod,
+    PackedLinearMethod,
     onednn_linear_available,
-    use_onednn_linears,
+    use_fast_cpu_linears,
 )
 from tokenmill.models.llama import LlamaForCausalLM, ModelShape
 from tokenmill.spec_decode.eagle import EagleDraft
@@ -122,7 +123,7 @@ def _load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], head_di
 def _speed_up(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     module.eval().requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
-        use_onednn_linears(module)
+        use_fast_cpu_linears(module)
 
 
 def load_eagle(
@@ -195,6 +196,8 @@ def _lm_head_weight(target: LlamaForCausalLM) -> torch.Tensor | None:
     weight = getattr(target.lm_head, "weight", None)
     if weight is None and target.shape.tie_word_embeddings:
         weight = getattr(target.embed_tokens, "weight", None)
+    if weight is None and isinstance(target.lm_head.quant_method, PackedLinearMethod):
+        weight = PackedLinearMethod.plain_weight(target.lm_head)
     return weight
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.step.runner_request_state import CachedRequestState
 
 
 class MedusaHeads(nn.Module):

@@ -8,7 +8,7 @@ from array import array
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.step.runner_request_state import CachedRequestState
 
 _ITEM = array("i").itemsize
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from tokenmill.worker.request_state import CachedRequestState
+    from tokenmill.step.runner_request_state import CachedRequestState
 
 
 class Proposer(Protocol):

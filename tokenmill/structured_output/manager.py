@@ -22,13 +22,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import StructuredOutputsConfig
-from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.sampling_params import (
     InvalidRequestError,
     SamplingParams,
@@ -37,9 +36,6 @@ from tokenmill.sampling_params import (
 from tokenmill.structured_output import backend
 from tokenmill.structured_output.bitmask import GrammarBitmask
 from tokenmill.structured_output.request_grammar import RequestGrammar
-
-if TYPE_CHECKING:
-    from tokenmill.request import Request
 
 # Distinct grammars kept compiled, at most (the byte budget usually binds first).
 MAX_CACHED_GRAMMARS = 512
@@ -202,33 +198,25 @@ class StructuredOutputManager:
         return self._cached_bytes
 
     def grammar_bitmask(
-        self, requests: Mapping[str, Request], scheduler_output: SchedulerOutput
+        self, sampling: Mapping[str, tuple[RequestGrammar, list[int]]]
     ) -> GrammarBitmask | None:
         """The allowed tokens of every constrained row this step samples: one row per sampled
         position, i.e. k + 1 for a request verifying k drafts (row j as if drafts[:j] were
-        accepted; the drafts were checked against the grammar when proposed)."""
+        accepted; the drafts were checked against the grammar when proposed). `sampling`: the
+        grammar and drafts of each request that samples this step (the scheduler knows)."""
         if self._backend is None:  # no structured request yet
             return None
-        spec = scheduler_output.scheduled_spec_tokens
-        sampling: list[tuple[str, RequestGrammar, list[int]]] = []
-        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            request = requests[req_id]
-            grammar = request.grammar
-            if grammar is None or grammar.matcher is None:
-                continue
-            drafts = spec.get(req_id, [])
-            if request.num_computed_tokens + num_new - len(drafts) == request.num_tokens:
-                sampling.append((req_id, grammar, drafts))
-        if not sampling:
+        rows = [(r, g, d) for r, (g, d) in sampling.items() if g.matcher is not None]
+        if not rows:
             return None
-        bitmask = self._rows(sum(len(d) + 1 for _, _, d in sampling))
+        bitmask = self._rows(sum(len(d) + 1 for _, _, d in rows))
         first_rows: dict[str, int] = {}
         row = 0
-        for req_id, grammar, drafts in sampling:
+        for req_id, grammar, drafts in rows:
             first_rows[req_id] = row
             row += _fill(grammar, drafts, bitmask, row)
         bitmask = bitmask[:row]
-        self._mark_unsatisfiable(bitmask, first_rows, sampling)
+        self._mark_unsatisfiable(bitmask, first_rows, rows)
         return GrammarBitmask(bitmask, first_rows)
 
     def _rows(self, num_rows: int) -> torch.Tensor:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.core.step_cost import StepShape
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner
 
 MAX_DECODE_ROWS = 32

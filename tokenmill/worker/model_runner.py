@@ -10,15 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
-from tokenmill.spec_decode.rejection_sampler import verify
+from tokenmill.spec_decode.verification import verify
+from tokenmill.step.layout import attention_group_key, layout_step
+from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
+from tokenmill.step.runner_request_state import CachedRequestState
+from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.captured_step import (
     Capture,
@@ -26,8 +28,7 @@ from tokenmill.worker.captured_step import (
     DecodeBatch,
     build_decode_step,
 )
-from tokenmill.worker.request_state import CachedRequestState
-from tokenmill.worker.step_layout import attention_group_key, layout_step
+from tokenmill.worker.runner_spec import RunnerSpec
 
 
 @dataclass
@@ -50,16 +51,12 @@ class StepInputs:
 class ModelRunner:
     kv_connector: KVConnectorBase | None = None  # the worker half of a KV connector
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_cache_spec: KVCacheSpec,
-        num_kv_blocks: int,
-        device: torch.device,
-        seed: int = 0,
-        num_swap_blocks: int = 0,
-        proposer: Proposer | None = None,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device) -> None:
+        kv_cache_spec, num_kv_blocks, num_swap_blocks = (
+            spec.kv_cache_spec,
+            spec.num_kv_blocks,
+            spec.num_swap_blocks,
+        )
         self.model = model
         self.block_size = kv_cache_spec.block_size
         self.device = device
@@ -77,13 +74,11 @@ class ModelRunner:
             else []
         )
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
+        generator.manual_seed(spec.seed)
         self.sampler = Sampler(generator=generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
-        self.proposer = proposer  # speculative decoding: n-gram, draft model, EAGLE, Medusa
-        # A proposer drafting from the target's hidden states gets them after every step.
-        self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
+        self.use_proposer(spec.proposer)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -119,6 +114,12 @@ class ModelRunner:
         if inputs.prompt_logprob_rows:
             output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         return output
+
+    def use_proposer(self, proposer: Proposer | None) -> None:
+        """Draft with `proposer` (speculative decoding: n-gram, draft model, EAGLE, Medusa);
+        one drafting from the target's hidden states gets them after every step."""
+        self.proposer = proposer
+        self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
 
     def use_kv_connector(self, connector: KVConnectorBase) -> None:
         """Load and save KV blocks around each step's forward through `connector`."""

@@ -28,14 +28,15 @@ from typing import Any, NoReturn
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.models.loader import LoadSettings
+from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
 from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.tp_worker import STOP, WorkerSetup, report_parameter_bytes
+from tokenmill.worker.runner_spec import RunnerSpec
+from tokenmill.worker.tp_worker import STOP, report_parameter_bytes
 from tokenmill.worker.worker_process import WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, load_settings: LoadSettings) -> None:
+        """`load_settings`: how every rank loads its shard (`models/loader.py`)."""
         size = config.tensor_parallel_size
         device = config.torch_device()
         self.rendezvous = Rendezvous.local(size, config.distributed_timeout, device)
@@ -64,7 +66,7 @@ class TensorParallelExecutor:
         self.on_failure: Callable[[TensorParallelError], None] | None = None
         self.workers: list[WorkerProcess] = []
         for rank in range(1, size):
-            args = (config, self.rendezvous, rank, num_threads, os.getpid())
+            args = (config, load_settings, self.rendezvous, rank, num_threads, os.getpid())
             on_exit = _weak_callback(weakref.WeakMethod(self._worker_exited), rank)
             self.workers.append(WorkerProcess(f"tokenmill-tp-{rank}", args, on_exit))
         self._finalizer = weakref.finalize(self, _release, self.workers, self._stopping)
@@ -74,25 +76,15 @@ class TensorParallelExecutor:
         self.parameter_bytes: list[int] = []  # per rank, once the runners are built
 
     def make_runner(
-        self,
-        model: LlamaForCausalLM,
-        kv_cache_spec: KVCacheSpec,
-        num_kv_blocks: int,
-        device: torch.device,
-        seed: int = 0,
-        num_swap_blocks: int = 0,
-        proposer: Proposer | None = None,
+        self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device
     ) -> ModelRunner:
         """Rank 0's runner; every worker builds the same one over its shard."""
         self._join()
-        setup = WorkerSetup(kv_cache_spec, num_kv_blocks, num_swap_blocks, seed, proposer)
-        self.collective(lambda: broadcast_object(setup, self.step_group))
+        self.collective(lambda: broadcast_object(spec, self.step_group))
         self.parameter_bytes = self.collective(
             lambda: report_parameter_bytes(model, self.step_group)
         )
-        return TensorParallelRunner(
-            self, model, kv_cache_spec, num_kv_blocks, device, seed, num_swap_blocks, proposer
-        )
+        return TensorParallelRunner(self, model, spec, device)
 
     def _join(self) -> None:
         try:
@@ -226,8 +218,14 @@ def _stop_workers(workers: list[Any], graceful: bool) -> None:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: each step goes to the workers first, then runs here in lockstep."""
 
-    def __init__(self, executor: TensorParallelExecutor, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(
+        self,
+        executor: TensorParallelExecutor,
+        model: LlamaForCausalLM,
+        spec: RunnerSpec,
+        device: torch.device,
+    ) -> None:
+        super().__init__(model, spec, device)
         self.executor = executor
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -14,16 +14,13 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import TensorParallel
-from tokenmill.models.loader import checkpoint_dtype, load_hf_config, load_model
-from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.models.loader import LoadSettings, load_model
 from tokenmill.worker.distributed import (
     Rendezvous,
     broadcast_object,
@@ -32,6 +29,7 @@ from tokenmill.worker.distributed import (
     rank_device,
 )
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.runner_spec import RunnerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +37,6 @@ logger = logging.getLogger(__name__)
 STOP = "stop"
 # How often a worker checks that its engine process is still there.
 _PARENT_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    """What rank 0 decides after loading and every rank needs to build its runner."""
-
-    kv_cache_spec: KVCacheSpec  # per rank: this rank's KV heads
-    num_kv_blocks: int
-    num_swap_blocks: int
-    seed: int
-    proposer: Proposer | None  # n-gram only: stateless, so each rank gets a copy
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -63,7 +50,12 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 
 
 def run_worker(
-    config: EngineConfig, rendezvous: Rendezvous, rank: int, num_threads: int, parent: int
+    config: EngineConfig,
+    load_settings: LoadSettings,
+    rendezvous: Rendezvous,
+    rank: int,
+    num_threads: int,
+    parent: int,
 ) -> None:
     """The worker process's entry point (started by `TensorParallelExecutor`, worker_process.py)."""
     _exit_with_parent(parent)
@@ -71,20 +63,14 @@ def run_worker(
     torch.set_num_threads(num_threads)
     device = rank_device(config.torch_device(), rank)
     # Load first, as rank 0 does: once the ranks meet, every step is bounded by the timeout.
-    model = _load_shard(config, TensorParallel(rank=rank, size=rendezvous.world_size), device)
+    torch.manual_seed(config.seed)
+    tp = TensorParallel(rank=rank, size=rendezvous.world_size)
+    model = load_model(config.model, load_settings, device, tp)
     _, step_group = join_group(rendezvous, rank)
     try:
-        setup: WorkerSetup = broadcast_object(None, step_group)
+        spec: RunnerSpec = broadcast_object(None, step_group)
         report_parameter_bytes(model, step_group)
-        runner = ModelRunner(
-            model,
-            setup.kv_cache_spec,
-            setup.num_kv_blocks,
-            device,
-            seed=setup.seed,
-            num_swap_blocks=setup.num_swap_blocks,
-            proposer=setup.proposer,
-        )
+        runner = ModelRunner(model, spec, device)
         while True:
             scheduler_output = broadcast_object(None, step_group)
             if scheduler_output == STOP:
@@ -96,23 +82,6 @@ def run_worker(
     # took 5 s after the group was gone, and there is nothing left to flush but logs.
     logging.shutdown()
     os._exit(0)
-
-
-def _load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -> torch.nn.Module:
-    hf_config, architecture = load_hf_config(config.model)
-    dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-    torch.manual_seed(config.seed)
-    return load_model(
-        config.model,
-        hf_config,
-        architecture,
-        dtype,
-        device,
-        config.linear_backend_for(device),
-        config.attention_backend,
-        tp=tp,
-        quantization=config.quantization,
-    )
 
 
 def report_parameter_bytes(model: torch.nn.Module, step_group: Any) -> list[int]:

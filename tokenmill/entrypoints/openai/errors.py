@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineStepError
+from tokenmill.engine.intake import PromptTooLongError
 from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from tokenmill.entrypoints.openai.validation import InvalidBodyError
 from tokenmill.sampling_params import InvalidRequestError
@@ -56,10 +57,37 @@ def model_not_found(model: str, served: list[str]) -> OpenAIError:
     return OpenAIError(404, message, INVALID_REQUEST, param="model", code="model_not_found")
 
 
+def context_length_error(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str,
+    input_param: str | None = None,
+) -> OpenAIError:
+    """vLLM's wording, which clients and harnesses match on, naming the input as the endpoint
+    calls it (`prompt` or `messages`; by default `param` itself)."""
+    input_name = input_param or param
+    if max_tokens is None:
+        detail = f"However, your request has {num_prompt_tokens} input tokens."
+    else:
+        detail = (
+            f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+            f"({num_prompt_tokens} in the {input_name}, {max_tokens} in the completion)."
+        )
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. {detail} "
+        f"Please reduce the length of the {input_name} or completion."
+    )
+    return bad_request(message, param=param, code="context_length_exceeded")
+
+
 def error_info(error: BaseException) -> tuple[int, ErrorInfo]:
     """The status and error body for any exception a request can end with."""
     if isinstance(error, OpenAIError):
         return error.status_code, error.info
+    if isinstance(error, PromptTooLongError):  # the engine's intake: the prompt alone
+        too_long = context_length_error(error.num_tokens, None, error.max_model_len, error.param)
+        return too_long.status_code, too_long.info
     if isinstance(error, InvalidRequestError):
         return 400, ErrorInfo(message=str(error), type=INVALID_REQUEST, param=error.param)
     if isinstance(error, EngineDeadError):

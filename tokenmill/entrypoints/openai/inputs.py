@@ -1,4 +1,6 @@
-"""Client prompts -> token ids the model can take, checked before the engine does any work."""
+"""Client prompts -> token ids. Whether the model can take them is the engine's one intake's
+to check (engine/intake.py); here only what costs the server before that: text too long to
+be worth tokenizing, chat messages a template cannot render."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatMessage, ToolCall
 
 
@@ -20,7 +22,7 @@ class Prompt:
 
 
 class PromptBuilder:
-    """Tokenizes and checks prompts. Runs on the server's tokenizer thread
+    """Tokenizes prompts. Runs on the server's tokenizer thread
     (`ServerContext.off_loop`): the fast tokenizer's Rust core only reads shared state, so the
     engine thread's detokenizing is not disturbed."""
 
@@ -46,15 +48,12 @@ class PromptBuilder:
             raise bad_request("prompt must not be empty", param="prompt")
         if isinstance(prompt[0], int):
             prompt = [prompt]  # type: ignore[list-item]
-        prompts = [
+        return [
             Prompt(self.encode(p, add_special_tokens), p)
             if isinstance(p, str)
             else Prompt(list(p), None)
             for p in prompt
         ]
-        for p in prompts:
-            self.check(p.token_ids, "prompt")
-        return prompts
 
     def chat_prompt(
         self,
@@ -64,9 +63,7 @@ class PromptBuilder:
         tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         text = self.render_chat(messages, add_generation_prompt, tools)
-        prompt = Prompt(self.encode(text, add_special_tokens, "messages"), text)
-        self.check(prompt.token_ids, "messages")
-        return prompt
+        return Prompt(self.encode(text, add_special_tokens, "messages"), text)
 
     def render_chat(
         self,
@@ -102,43 +99,8 @@ class PromptBuilder:
                 code="context_length_exceeded",
             )
         # verbose=False: no "Token indices sequence length is longer than..." warning from
-        # transformers; `check` refuses a prompt too long for the context with a 400 anyway.
+        # transformers; a prompt too long for the context is a 400 anyway (max_tokens' rule).
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
-
-    def check(self, token_ids: list[int], param: str) -> None:
-        if not token_ids:
-            raise bad_request(f"{param} must not be empty", param=param)
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param
-            )
-        if len(token_ids) > self.max_model_len:
-            raise context_length_error(len(token_ids), None, self.max_model_len, param)
-
-
-def context_length_error(
-    num_prompt_tokens: int,
-    max_tokens: int | None,
-    max_model_len: int,
-    param: str,
-    input_param: str | None = None,
-) -> OpenAIError:
-    """vLLM's wording, which clients and harnesses match on, naming the input as the endpoint
-    calls it (`prompt` or `messages`; by default `param` itself)."""
-    input_name = input_param or param
-    if max_tokens is None:
-        detail = f"However, your request has {num_prompt_tokens} input tokens."
-    else:
-        detail = (
-            f"However, you requested {num_prompt_tokens + max_tokens} tokens "
-            f"({num_prompt_tokens} in the {input_name}, {max_tokens} in the completion)."
-        )
-    message = (
-        f"This model's maximum context length is {max_model_len} tokens. {detail} "
-        f"Please reduce the length of the {input_name} or completion."
-    )
-    return bad_request(message, param=param, code="context_length_exceeded")
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.openai.errors import bad_request
-from tokenmill.entrypoints.openai.inputs import context_length_error
+from tokenmill.entrypoints.openai.errors import bad_request, context_length_error
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,9 +38,9 @@ def resolve_max_tokens(
     the request together exceed the context, as vLLM answers. `input_param` names the input
     (`prompt` or `messages`) in the error."""
     room = max_model_len - num_prompt_tokens
+    if room < 0 or (room == 0 and requested is None):  # the prompt alone leaves no room
+        raise context_length_error(num_prompt_tokens, None, max_model_len, input_param)
     if requested is None:
-        if room <= 0:
-            raise context_length_error(num_prompt_tokens, None, max_model_len, input_param)
         return room if model_default is None else min(room, model_default)
     if requested < 0:
         raise bad_request(f"{param} must be >= 0, got {requested}", param=param)

@@ -30,7 +30,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.dashboard.slo import parse_slo
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
-from tokenmill.entrypoints.openai.api_server import build_app
+from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.connections import (
     default_max_connections,
     guarded_protocol,

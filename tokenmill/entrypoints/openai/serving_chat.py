@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.context import ServerContext, finish_reason
+from tokenmill.entrypoints.openai.generation_run import Chunk, GenerationRun, begin_request
 from tokenmill.entrypoints.openai.inputs import Prompt
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs
 from tokenmill.entrypoints.openai.params import chat_params
@@ -35,7 +36,6 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.reasoning import ReasoningParser
 from tokenmill.entrypoints.openai.reply_parsing import ReplyStream, parse_reply
-from tokenmill.entrypoints.openai.serving import Chunk, GenerationRun, begin_request
 from tokenmill.entrypoints.openai.tool_calling import ToolPlan, plan_tools, template_tools
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams

@@ -13,6 +13,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.context import ServerContext, finish_reason
+from tokenmill.entrypoints.openai.generation_run import (
+    ChoiceState,
+    Chunk,
+    GenerationRun,
+    PromptState,
+    begin_request,
+)
 from tokenmill.entrypoints.openai.inputs import Prompt
 from tokenmill.entrypoints.openai.logprobs import completion_logprobs, extend_completion_logprobs
 from tokenmill.entrypoints.openai.params import completion_params
@@ -22,13 +29,6 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-)
-from tokenmill.entrypoints.openai.serving import (
-    ChoiceState,
-    Chunk,
-    GenerationRun,
-    PromptState,
-    begin_request,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tokenmill.layers.attention import AttentionGroup, AttentionMetadata, build_attention_group
+from tokenmill.layers.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    StepAttention,
+    build_attention_group,
+)
 
 # Contexts up to this long share a group whatever their lengths; beyond it a group's contexts
 # are within 2x of each other.
@@ -67,10 +72,17 @@ def layout_step(
     )
     metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
-        groups=_attention_groups(
+        groups=lambda: _attention_groups(
             query_lens, seq_lens, block_tables, starts, block_size, sliding_window, device
         ),
     )
+    if device.type == "cpu":
+        metadata.step = StepAttention(
+            query_start_loc=torch.from_numpy(np.append(0, ends).astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_tables=torch.from_numpy(block_tables),
+            sliding_window=sliding_window,
+        )
     return positions, metadata
 
 

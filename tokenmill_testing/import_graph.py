@@ -1,6 +1,6 @@
 """tokenmill's import graph, checked against its layering (docs/architecture.md, "Layers").
 
-    python -m tokenmill.testing.import_graph
+    python -m tokenmill_testing.import_graph
 
 prints the import circles, the upward imports, the modules over 400 lines and the functions
 over 60 lines. Every import counts, also those inside functions or under `TYPE_CHECKING`: each
@@ -15,45 +15,34 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-MAX_MODULE_LINES = 400
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "tokenmill"
+MAX_MODULE_LINES = 450  # issue 30: no module in tokenmill/ over this
 MAX_FUNCTION_LINES = 60
 
-# Lowest first. A module belongs to the layer of its longest matching prefix and may import
-# only from its own layer or the layers below it.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    # values every layer shares: settings, requests, sampling parameters, outputs
-    (
-        "tokenmill.version",
-        "tokenmill.openmp",
-        "tokenmill.config",
-        "tokenmill.sampling_params",
-        "tokenmill.request",
-        "tokenmill.outputs",
-        "tokenmill.structured_output.request_grammar",  # a request's matcher
-    ),
-    ("tokenmill.metrics",),  # stats records, Prometheus, the stats line
-    ("tokenmill.kernels",),  # native CPU kernels (C++ built at first use) and their loader
-    ("tokenmill.layers",),  # KV-cache tensors, attention, linear, rotary, sampler
-    ("tokenmill.quantization",),  # which method each linear gets; GGUF files
-    ("tokenmill.models",),
-    ("tokenmill.structured_output",),  # grammars (xgrammar) and the step's bitmask
-    # scheduler, KV-cache manager, block pool; the KV connectors the scheduler and runner call
-    ("tokenmill.core", "tokenmill.kv_transfer"),
-    # what a proposer sees of the runner (its requests' state, a step's layout)...
-    ("tokenmill.worker.request_state", "tokenmill.worker.step_layout"),
-    ("tokenmill.spec_decode",),
-    ("tokenmill.worker",),  # ...so the runner can use proposers and verification
-    ("tokenmill.engine", "tokenmill.structured_output.manager"),
-    ("tokenmill.testing",),  # random checkpoints, this checker
-    ("tokenmill.demo",),  # the demo models: where they are, their corpus, their training
-    # the offline API, which fills in the demo models where no model is given
-    ("tokenmill.entrypoints.llm", "tokenmill.entrypoints.default_model"),
-    ("tokenmill.bench", "tokenmill.demo.acceptance"),  # measurements through the APIs
-    # the CLI and the server; `eval` is a CLI command that lives beside the demo models
-    ("tokenmill.entrypoints", "tokenmill.demo.commands"),
-    ("tokenmill",),  # the package's public names (`from tokenmill import LLM`)
+# The layers, lowest first: each is one subpackage of tokenmill, which may import only from
+# its own layer and those below it. Below them all: the package's own modules
+# (sampling_params, outputs, version, openmp), values every layer shares; above them all:
+# the package itself (`from tokenmill import LLM`).
+LAYERS: tuple[str, ...] = (
+    "config",  # EngineConfig and the JSON-valued settings: every knob, validated
+    "metrics",  # stats records, Prometheus, the stats line
+    "kernels",  # native CPU kernels (C++ built at first use) and their loader
+    "layers",  # KV-cache tensors, attention, linear, rotary, sampler
+    "quantization",  # which method each linear gets; GGUF and pre-quantized checkpoints
+    "models",  # the model code and its loader
+    "structured_output",  # grammars: validation, compiles, a request's matcher, the bitmask
+    "step",  # a step's vocabulary: requests as scheduler and runner see them, the seam values
+    "kv_transfer",  # KV connectors, which the scheduler and the runner call
+    "core",  # scheduler, KV-cache manager, block pool, speculation policy
+    "spec_decode",  # proposers and verification
+    "worker",  # the model runner (which calls proposers), tensor-parallel workers
+    "engine",  # the step loop, its assembly, the output processor, the async engine
+    "demo",  # the built-in demo models: where they are, their corpus, their eval
+    "bench",  # load generators and measurements (given an engine or a server)
+    "entrypoints",  # the offline LLM, the CLI, the OpenAI server, the router, the dashboard
 )
+BASE_LAYER = 0  # tokenmill's own modules
+TOP_LAYER = len(LAYERS) + 1  # tokenmill/__init__.py
 
 
 @dataclass(frozen=True)
@@ -96,15 +85,22 @@ def import_graph() -> list[Import]:
 
 
 def layer_of(module: str) -> int:
-    matches = [
-        (len(prefix), index)
-        for index, prefixes in enumerate(LAYERS)
-        for prefix in prefixes
-        if module == prefix or module.startswith(prefix + ".")
-    ]
-    if not matches:
-        raise ValueError(f"{module} is in no layer of LAYERS")
-    return max(matches)[1]
+    """1 + the index in LAYERS of the subpackage `module` is in; BASE_LAYER for the package's
+    own modules, TOP_LAYER for the package itself."""
+    parts = module.split(".")
+    if parts[0] != "tokenmill":
+        raise ValueError(f"{module} is not in tokenmill")
+    if len(parts) == 1:
+        return TOP_LAYER
+    if (PACKAGE_DIR / f"{parts[1]}.py").is_file():
+        return BASE_LAYER
+    if parts[1] not in LAYERS:
+        raise ValueError(f"{module} is in no layer: add tokenmill.{parts[1]} to LAYERS")
+    return LAYERS.index(parts[1]) + 1
+
+
+def subpackages() -> set[str]:
+    return {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()}
 
 
 def upward_imports(graph: list[Import]) -> list[Import]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tokenmill.testing.quantized_checkpoints import DECODER_LINEAR, copy_checkpoint_files
+from tokenmill_testing.quantized_checkpoints import DECODER_LINEAR, copy_checkpoint_files
 
 SCHEMES = ("ct-w8a8", "ct-w4a16", "ct-w4a16-asym", "gptq", "awq")
 _AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -61,12 +61,8 @@ def quantize_module(weight: torch.Tensor, scheme: str, group: int):
     if scheme == "ct-w8a8":
         scales = (weight.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-8).half().float()
         q = (weight / scales).round().clamp(-127, 127).to(torch.int8)
-        saved = {
-            "weight": q,
-            "weight_scale": scales.half(),
-            "weight_zero_point": torch.zeros(scales.shape, dtype=torch.int8),
-        }
-        return saved, q.float() * scales
+        # Symmetric: compressed-tensors writes no zero point (vLLM refuses one).
+        return {"weight": q, "weight_scale": scales.half()}, q.float() * scales
     if scheme == "ct-w4a16":
         q, scales = _symmetric_int4(weight, group)
         packed = _to_int32(_pack_rows(q + 8))

@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 import transformers
 
-from tokenmill.demo.data import EncodedDoc
+from demo_training.data import EncodedDoc
 
 DOCS_PER_CHUNK = 512  # documents tokenized (and continued) at a time: few are left unpacked
 _BATCH = 64  # sequences of one length decoded together

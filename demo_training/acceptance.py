@@ -166,9 +166,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tokenmill.demo.acceptance", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m demo_training.acceptance", description=__doc__)
     parser.add_argument("--num-per-task", type=int, default=30)
     parser.add_argument("--output-json", type=Path, default=None)
     parser.add_argument(

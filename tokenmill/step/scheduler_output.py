@@ -1,4 +1,5 @@
-"""The value objects that cross the scheduler / model runner seam."""
+"""What the scheduler hands the model runner each step: who runs, how many tokens each, which
+blocks, what to copy, what to verify."""
 
 from __future__ import annotations
 
@@ -55,52 +56,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class PromptLogprobs:
-    """Log-probabilities of prompt tokens `first_position ...` given the tokens before each;
-    per position the actual token first, then the top-N."""
-
-    first_position: int
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Tokens generated this step by each request whose scheduled tokens reached its end:
-    one, or with speculation the accepted drafts plus one."""
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    # Per request, per generated token: (token ids, logprobs) with that token first, then the
-    # top-N; and its rank. None when no request asked for logprobs.
-    logprob_token_ids: list[list[list[int]]] | None = None
-    logprobs: list[list[list[float]]] | None = None
-    sampled_token_ranks: list[list[int]] | None = None
-    prompt_logprobs: dict[str, PromptLogprobs] | None = None
-    spec_token_ids: dict[str, list[int]] | None = None  # drafts for the next step
-    propose_seconds: float = 0.0  # of this step's time, spent proposing those drafts
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step did for one request."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    new_logprob_token_ids: list[list[int]] | None = None
-    new_logprobs: list[list[float]] | None = None
-    new_sampled_token_ranks: list[int] | None = None
-    new_prompt_logprobs: PromptLogprobs | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    num_preemptions: int = 0  # of this request so far
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -1,10 +1,15 @@
-"""Every engine knob, with its default and its validation, in one place."""
+"""`EngineConfig`: every engine knob, with its default, its help (the CLI flag is generated
+from it) and its validation; the JSON-valued settings have their own modules."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from tokenmill.config.base import ConfigError, check_choice, config_field
+from tokenmill.config.kv_transfer import KVTransferConfig
+from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.config.structured_outputs import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     import torch
@@ -35,177 +40,6 @@ KV_CACHE_DTYPES = {
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-class ConfigError(ValueError):
-    """An engine setting is invalid or inconsistent with the model."""
-
-
-def json_config_fields(value: str | dict[str, Any], name: str, cls: type) -> dict[str, Any]:
-    """A JSON-valued setting (`--speculative-config '{...}'` or a dict) as a dict whose keys are
-    fields of the dataclass `cls`; one ConfigError naming the setting otherwise."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{name} is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a JSON object")
-    unknown = set(value) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ConfigError(f"unknown {name} keys: {sorted(unknown)}")
-    return value
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-# ngram: prompt lookup; draft_model: a smaller model; eagle / medusa: heads on the target.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
-
-
-@dataclass
-class SpeculativeConfig:
-    """`--speculative-config` as vLLM takes it, e.g. `{"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 5}`, `{"method": "draft_model",
-    "model": PATH, "num_speculative_tokens": 4}`, or `{"method": "eagle"}` / `{"method":
-    "medusa"}` with `model` the heads' directory (default: the demo target's heads)."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None  # the draft model's (draft_model) or the heads' directory
-    # Pick k per step (down to 0) from measured throughput; False: always num_speculative_tokens.
-    adaptive: bool = True
-    # EAGLE's layer and LM head for drafting: "int8" weights (a quarter of the bytes a draft
-    # streams), "full" (the model's dtype), "auto" (int8 on the CPU in float32 where torch has
-    # the kernel). Drafts only: verification is the target's, in its own dtype.
-    draft_weights: str = "auto"
-
-    @classmethod
-    def parse(
-        cls, value: str | dict[str, Any] | SpeculativeConfig | None
-    ) -> SpeculativeConfig | None:
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        value = json_config_fields(value, "speculative_config", cls)
-        if "method" not in value:
-            raise ConfigError(
-                f"speculative_config needs a method: one of {', '.join(SPECULATIVE_METHODS)}"
-            )
-        value = {"num_speculative_tokens": 4, **value}
-        for name, given in value.items():
-            _check_json_type(name, given, SPECULATIVE_FIELD_TYPES[name])
-        return cls(**value)
-
-    def __post_init__(self) -> None:
-        _check_choice("speculative method", self.method, SPECULATIVE_METHODS)
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError(
-                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
-            )
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        _check_choice("speculative draft_weights", self.draft_weights, ("auto", "int8", "full"))
-
-
-# The JSON types each `--speculative-config` key takes (bool is not an int here).
-SPECULATIVE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "method": (str,),
-    "num_speculative_tokens": (int,),
-    "prompt_lookup_min": (int,),
-    "prompt_lookup_max": (int,),
-    "model": (str, type(None)),
-    "adaptive": (bool,),
-    "draft_weights": (str,),
-}
-_JSON_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", type(None): "null"}
-
-
-def _check_json_type(name: str, given: Any, allowed: tuple[type, ...]) -> None:
-    if type(given) in allowed:  # exact: True is not an integer, 4.0 is not one either
-        return
-    expected = " or ".join(_JSON_TYPE_NAMES[t] for t in allowed)
-    raise ConfigError(f"speculative_config {name} must be {expected}, got {json.dumps(given)[:80]}")
-
-
-# Structured outputs: the backends vLLM names; "auto" and "xgrammar" both mean xgrammar, the
-# only one here.
-STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
-
-
-@dataclass
-class StructuredOutputsConfig:
-    """`--structured-outputs-config` as vLLM takes it (JSON), e.g. `{"max_whitespace": null}`.
-    vLLM's keys: `backend`, `disable_any_whitespace`; the rest bound what one tenant's schema
-    can cost everyone else (docs/server.md, "Structured outputs")."""
-
-    backend: str = "auto"
-    disable_any_whitespace: bool = False  # every request's JSON compact, as if it asked
-    # Whitespace characters allowed between two JSON tokens (1: `{"a": 1}` or a newline, not
-    # an indented line); None: any amount, which a small model at temperature 1 spends
-    # padding to max_tokens with spaces and newlines.
-    max_whitespace: int | None = 1
-    # Bytes of a schema, regex, grammar or choice list (as JSON text); larger ones are a 400.
-    max_schema_bytes: int = 64 * 1024
-    # Seconds a request waits for its grammar to compile; past it, a 400 (a request of the
-    # offline API ends with finish_reason "error").
-    compile_timeout: float = 30.0
-    # Compiled grammars kept, by xgrammar's own size of each (vLLM's default, 512 MiB).
-    cache_max_bytes: int = 512 * 1024**2
-
-    @classmethod
-    def parse(
-        cls, value: str | dict[str, Any] | StructuredOutputsConfig | None
-    ) -> StructuredOutputsConfig:
-        if value is None or isinstance(value, StructuredOutputsConfig):
-            return value or cls()
-        value = json_config_fields(value, "structured_outputs_config", cls)
-        return cls(**value)
-
-    def __post_init__(self) -> None:
-        _check_choice(
-            "structured_outputs_config backend", self.backend, STRUCTURED_OUTPUTS_BACKENDS
-        )
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ConfigError("structured_outputs_config disable_any_whitespace must be a boolean")
-        if self.max_whitespace is not None and not _positive_int(self.max_whitespace):
-            raise ConfigError(
-                "structured_outputs_config max_whitespace must be a positive integer or null "
-                f"(any whitespace), got {self.max_whitespace!r}"
-            )
-        for name in ("max_schema_bytes", "cache_max_bytes"):
-            if not _positive_int(getattr(self, name)):
-                raise ConfigError(
-                    f"structured_outputs_config {name} must be a positive integer, "
-                    f"got {getattr(self, name)!r}"
-                )
-        timeout = self.compile_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise ConfigError(
-                f"structured_outputs_config compile_timeout must be > 0 s, got {timeout!r}"
-            )
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def config_field(
-    default: Any,
-    help: str,
-    *,
-    choices: tuple[str, ...] | None = None,
-    flags: tuple[str, ...] = (),
-) -> Any:
-    """A config field that also describes its CLI flag (entrypoints/engine_args.py): `help`,
-    `choices` (also checked by `EngineConfig.__post_init__`) and `flags`, the flag names when
-    they differ from the field's (vLLM's name first, older names after it as aliases)."""
-    metadata: dict[str, Any] = {"help": help, "choices": choices, "flags": flags}
-    return field(default=default, metadata=metadata)
-
-
 # fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
 # first, and the lowest-priority running request is preempted first. static: the baseline that
 # continuous batching is measured against: a batch is what one step admits, and nobody joins
@@ -226,7 +60,8 @@ class EngineConfig:
     tokenizer: str | None = config_field(None, "tokenizer directory (default: the model's)")
     dtype: str = config_field(
         "auto",
-        "compute dtype; auto takes the checkpoint's unless this CPU can't run it fast",
+        "compute dtype; auto: the checkpoint's, but bfloat16 for float32 checkpoints on CPUs "
+        "with native bf16 (AVX512_BF16/AMX) and float32 where a CPU has no fast half",
         choices=("auto", *_DTYPES),
     )
     device: str = config_field("auto", "auto, cpu, cuda or cuda:N")
@@ -359,7 +194,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.metadata["choices"] is not None and getattr(self, f.name) is not None:
-                _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
+                check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -458,64 +293,30 @@ class EngineConfig:
         return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """The compute dtype: the one asked for, or under `auto` the checkpoint's unless this
-        device can't run it fast (CPUs without native bf16/fp16 matmuls get float32)."""
+        """The compute dtype: the one asked for, or under `auto` the checkpoint's, except on a
+        CPU: float32 checkpoints run in bfloat16 where the CPU multiplies bf16 natively
+        (AVX512_BF16 or AMX; vLLM's CPU backend does the same), half ones in float32 where it
+        does not. Measured on an Intel Xeon with AMX (SmolLM2-135M shape, process CPU ms per
+        decode step, one thread, the native kernels): bfloat16 takes 0.67x, 0.53x and 0.48x of
+        float32's time at 1, 16 and 64 rows (benchmarks/results/2026-12-03-cpu-fused-stack.md).
+        An explicit `float32` stays exact."""
         import torch
 
         if self.dtype != "auto":
             return getattr(torch, _DTYPES[self.dtype])
         wanted = checkpoint_dtype or torch.float32
-        if wanted == torch.float32 or self.torch_device().type == "cuda":
+        if self.torch_device().type == "cuda":
             return wanted
-        return wanted if _cpu_has_fast_half_matmul() else torch.float32
+        fast_half = _cpu_has_fast_half_matmul()
+        if wanted == torch.float32:
+            return torch.bfloat16 if fast_half else torch.float32
+        return wanted if fast_half else torch.float32
 
 
 def _cpu_has_fast_half_matmul() -> bool:
+    """AVX512_BF16 or AMX tiles (torch's own checks; torch._C._cpu lost them in torch 2.13,
+    which made this silently False)."""
     import torch
 
-    cpu = getattr(torch._C, "_cpu", None)
-    if cpu is None:
-        return False
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
-
-
-# kv_producer: saves the KV it computes; kv_consumer: loads KV computed elsewhere; kv_both.
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass
-class KVTransferConfig:
-    """`--kv-transfer-config` as vLLM takes it, e.g. `{"kv_connector": "SharedStorageConnector",
-    "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}}`: which
-    KV connector moves KV blocks in and out of this engine (tokenmill/kv_transfer/)."""
-
-    kv_connector: str
-    kv_role: str = "kv_both"
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def parse(
-        cls, value: str | dict[str, Any] | KVTransferConfig | None
-    ) -> KVTransferConfig | None:
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        value = json_config_fields(value, "kv_transfer_config", cls)
-        if "kv_connector" not in value:
-            raise ConfigError("kv_transfer_config needs a kv_connector (its name)")
-        return cls(**value)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kv_connector, str) or not self.kv_connector:
-            raise ConfigError(f"kv_connector must be a connector name, got {self.kv_connector!r}")
-        _check_choice("kv_role", self.kv_role, KV_ROLES)
-        if not isinstance(self.kv_connector_extra_config, dict):
-            raise ConfigError("kv_connector_extra_config must be a JSON object")
-
-    @property
-    def is_kv_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_kv_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)

@@ -33,7 +33,7 @@ from tokenizers import (
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from tokenmill.testing.special_tokens import (
+from tokenmill.demo.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,

@@ -1,4 +1,4 @@
-"""Train the demo target's speculative heads: `python -m tokenmill.demo.train_heads`.
+"""Train the demo target's speculative heads: `python -m demo_training.train_heads`.
 
 Both heads learn from the frozen target (`weights/target`) on the demo corpus. The target
 runs once over `HeadsSpec.num_rows` packed rows and its post-norm hidden states h_p are
@@ -46,16 +46,16 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from demo_training.after_end import DOCS_PER_CHUNK, after_end_mask, continue_past_end
+from demo_training.config import HEADS, HeadsSpec
+from demo_training.data import IGNORE_INDEX, PackedRows
+from demo_training.eagle_layer import EagleLayer
+from demo_training.train import lr_factor, pack_rows
 from tokenmill.demo import WEIGHTS_DIR
-from tokenmill.demo.after_end import DOCS_PER_CHUNK, after_end_mask, continue_past_end
-from tokenmill.demo.config import HEADS, HeadsSpec
 from tokenmill.demo.corpus import iter_corpus, training_exclusions
-from tokenmill.demo.data import IGNORE_INDEX, PackedRows
-from tokenmill.demo.eagle_layer import EagleLayer
-from tokenmill.demo.train import lr_factor, pack_rows
 from tokenmill.spec_decode.head_checkpoint import save_eagle, save_medusa
 
-logger = logging.getLogger("tokenmill.demo.train_heads")
+logger = logging.getLogger("demo_training.train_heads")
 
 
 class MedusaHeads(nn.Module):
@@ -437,7 +437,7 @@ def _info(kind: str, module: nn.Module, summary: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tokenmill.demo.train_heads", description=__doc__
+        prog="python -m demo_training.train_heads", description=__doc__
     )
     parser.add_argument("--out", type=Path, default=WEIGHTS_DIR, help="OUT/eagle, OUT/medusa")
     parser.add_argument("--work-dir", type=Path, default=Path("demo_runs/heads"))

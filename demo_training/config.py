@@ -1,6 +1,6 @@
 """Every number that decides what the demo models are: seeds, sizes, corpus and schedule.
 
-Change something here, retrain (`python -m tokenmill.demo.train`), and the shipped weights,
+Change something here, retrain (`python -m demo_training.train`), and the shipped weights,
 docs/demo_models.md and the accuracy bars in tests/demo follow from it.
 """
 
@@ -104,7 +104,7 @@ DEMO_MODELS: dict[str, DemoModelSpec] = {
 
 @dataclass(frozen=True)
 class HeadsSpec:
-    """The speculative heads on the frozen demo target (`python -m tokenmill.demo.train_heads`):
+    """The speculative heads on the frozen demo target (`python -m demo_training.train_heads`):
     an EAGLE layer and Medusa heads, trained together on the same batches of target features
     (stage 1), then, if `eagle_more_steps`, the EAGLE layer alone (stage 2, a new warmup and
     cosine from `eagle_more_lr`: without the Medusa heads a step costs about half). The

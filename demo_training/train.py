@@ -1,6 +1,6 @@
-"""Train a demo model on this CPU: `python -m tokenmill.demo.train --model target|draft`.
+"""Train a demo model on this CPU: `python -m demo_training.train --model target|draft`.
 
-Reproducible from `tokenmill.demo.config` alone: the tokenizer, the corpus and the init come
+Reproducible from `demo_training.config` alone: the tokenizer, the corpus and the init come
 from fixed seeds. One thread per process, so the target and the draft can train side by side
 on a 2-core machine (see docs/demo_models.md for the exact commands and wall time). The
 finished checkpoint is written to `--out` (default: the weights shipped in the package); loss
@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tokenmill.demo import WEIGHTS_DIR
-from tokenmill.demo.config import (
+from demo_training.config import (
     DEMO_MODELS,
     GENERATION_DEFAULTS,
     NUM_VAL_DOCS,
@@ -36,6 +35,9 @@ from tokenmill.demo.config import (
     DemoModelSpec,
     TrainSpec,
 )
+from demo_training.data import IGNORE_INDEX, EncodedDoc, PackedRows, encode, pack
+from demo_training.tokenizer import train_tokenizer
+from tokenmill.demo import WEIGHTS_DIR
 from tokenmill.demo.corpus import (
     CURRICULUM_FRACTION,
     CURRICULUM_WEIGHTS,
@@ -46,12 +48,10 @@ from tokenmill.demo.corpus import (
     render,
     training_exclusions,
 )
-from tokenmill.demo.data import IGNORE_INDEX, EncodedDoc, PackedRows, encode, pack
 from tokenmill.demo.tasks import Example
-from tokenmill.demo.tokenizer import train_tokenizer
-from tokenmill.testing.random_checkpoint import IM_END_TOKEN
+from tokenmill_testing.random_checkpoint import IM_END_TOKEN
 
-logger = logging.getLogger("tokenmill.demo.train")
+logger = logging.getLogger("demo_training.train")
 
 TASK_NAMES = list(TASK_WEIGHTS)
 _ENCODE_CHUNK = 20_000  # documents tokenized per batch while building the corpus
@@ -374,13 +374,13 @@ def _format_losses(losses: dict[str, float]) -> str:
 
 
 def _plot(work_dir: Path) -> None:
-    from tokenmill.demo.plot import plot_loss_curves  # matplotlib loads slowly: only here
+    from demo_training.plot import plot_loss_curves  # matplotlib loads slowly: only here
 
     plot_loss_curves(work_dir, work_dir / "loss_curves.png")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tokenmill.demo.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m demo_training.train", description=__doc__)
     parser.add_argument("--model", choices=sorted(DEMO_MODELS), required=True)
     parser.add_argument("--out", type=Path, default=None, help="default: the shipped weights")
     parser.add_argument("--work-dir", type=Path, default=Path("demo_runs"))

@@ -14,7 +14,7 @@ tries every k; later ones first compare k = 0 with the best k of the nearest buc
 measured (batch sizes next to each other behave alike), because for a draft model or EAGLE
 every switch from k = 0 to drafting costs a catch-up over what the requests verified
 meanwhile (bounded per step: spec_decode/catch_up.py). That catch-up is part of proposing,
-and a step is charged the proposing of the drafts it verifies (Scheduler.observe_step_time),
+and a step is charged the proposing of the drafts it verifies (StepObserver.ran),
 so exploring k >= 1 pays for it.
 Under load most steps also carry prefill chunks of newly admitted requests, so a step's time
 is modelled as

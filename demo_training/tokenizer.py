@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from tokenmill.testing.random_checkpoint import train_bpe, wrap_tokenizer
+from tokenmill_testing.random_checkpoint import train_bpe, wrap_tokenizer
 
 
 def train_tokenizer(

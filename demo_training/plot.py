@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on a training box
 import matplotlib.pyplot as plt
 
-from tokenmill.demo.config import DEMO_MODELS
+from demo_training.config import DEMO_MODELS
 
 
 def plot_loss_curves(work_dir: Path, out_path: Path) -> None:

@@ -1,0 +1,368 @@
+"""The engine's parts, built from its config once, in dependency order: how models load, the
+target (rank 0's shard, the other ranks started first), the context length, the KV cache's
+size and manager, the draft and its proposer, the runner, the KV connectors, the scheduler
+and the grammar compiler. `LLMEngine` only runs them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.prefill_budget import PrefillLimits
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.speculation_policy import SpeculationPolicy
+from tokenmill.core.step_cost import StepCostModel
+from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
+from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
+from tokenmill.kv_transfer.factory import create_connector_pair
+from tokenmill.kv_transfer.fingerprint import model_fingerprint
+from tokenmill.layers.attention_backends import resolve_attention_backend
+from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.parallel import SINGLE
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.loader import (
+    LoadSettings,
+    checkpoint_dtype,
+    eos_token_ids,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    sampling_defaults,
+)
+from tokenmill.quantization.selection import weight_format_summary
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.eagle import EagleDraft, EagleProposer
+from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
+from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.worker.calibration import calibrate
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.runner_spec import RunnerSpec
+from tokenmill.worker.tp_executor import TensorParallelExecutor
+
+logger = logging.getLogger(__name__)
+
+Draft = LlamaForCausalLM | EagleDraft | MedusaHeads
+
+
+@dataclass
+class EngineParts:
+    model_dir: Path
+    architecture: str
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str  # resolved: torch, cpu or triton
+    weight_format: str  # what the linears hold (/v1/models, the start-up log)
+    executor: TensorParallelExecutor | None  # ranks 1..N-1 under tensor parallelism
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: set[int]
+    default_sampling: dict[str, Any]  # from generation_config.json
+    kv_cache_manager: KVCacheManager
+    runner: ModelRunner
+    kv_connectors: tuple[KVConnectorBase, ...] | None  # (scheduler half, worker half)
+    scheduler: Scheduler
+    structured_output: StructuredOutputManager
+
+
+def assemble(config: EngineConfig) -> EngineParts:
+    if config.model is None:
+        raise ConfigError("no model given: set EngineConfig.model to a checkpoint directory")
+    model_dir = Path(config.model)
+    hf_config, architecture = load_hf_config(model_dir)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    device = config.torch_device()
+    settings = LoadSettings(
+        dtype=config.torch_dtype(checkpoint_dtype(hf_config)),
+        linear_backend=config.linear_backend_for(device),
+        attention_backend=resolve_attention_backend(config.attention_backend, device),
+        quantization=config.quantization,
+    )
+    torch.manual_seed(config.seed)
+    # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1, which load
+    # their shards while this one loads its own.
+    executor = TensorParallelExecutor(config, settings) if config.tensor_parallel_size > 1 else None
+    model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
+    default_sampling = _default_sampling(config, model_dir)
+    max_model_len = _max_model_len(config, model.shape.max_position)
+    kv_spec = _kv_spec(config, model, settings.dtype)
+    runner, kv_cache_manager, draft_has_kv = _runner(
+        config, model, settings, device, executor, kv_spec, max_model_len
+    )
+    kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
+    if kv_connectors is not None:
+        runner.use_kv_connector(kv_connectors[1])
+    scheduler = _scheduler(
+        config,
+        runner,
+        kv_cache_manager,
+        max_model_len,
+        spec_lookahead=draft_has_kv,
+        kv_connector=kv_connectors[0] if kv_connectors else None,
+    )
+    vocab_size = model.shape.vocab_size
+    eos_ids = eos_token_ids(model_dir, hf_config)
+    parts = EngineParts(
+        model_dir=model_dir,
+        architecture=architecture,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=settings.dtype,
+        attention_backend=settings.attention_backend,
+        weight_format=weight_format_summary(model),
+        executor=executor,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        eos_token_ids=eos_ids,
+        default_sampling=default_sampling,
+        kv_cache_manager=kv_cache_manager,
+        runner=runner,
+        kv_connectors=kv_connectors,
+        scheduler=scheduler,
+        structured_output=StructuredOutputManager(
+            tokenizer, vocab_size, eos_ids, config.structured_outputs_config
+        ),
+    )
+    _log_start(parts, kv_spec, kv_cache_manager.num_blocks, config.block_size)
+    return parts
+
+
+def _runner(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    settings: LoadSettings,
+    device: torch.device,
+    executor: TensorParallelExecutor | None,
+    kv_spec: KVCacheSpec,
+    max_model_len: int,
+) -> tuple[ModelRunner, KVCacheManager, bool]:
+    """The runner, over a KV cache sized for the target and the draft (if it keeps KV), and
+    the manager of that cache's blocks; whether the draft keeps KV (proposals need slots)."""
+    draft = None
+    if config.speculative_config is not None:
+        draft = _load_draft(config, model, settings, device, max_model_len)
+    # A draft model and an EAGLE layer keep KV in the paged pool; Medusa heads need none.
+    draft_spec = (
+        None
+        if draft is None or isinstance(draft, MedusaHeads)
+        else _kv_spec(config, draft, settings.dtype)
+    )
+    num_blocks = num_kv_blocks(config, kv_spec, max_model_len, device, draft_spec)
+    swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
+    kv_cache_manager = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        enable_caching=config.enable_prefix_caching,
+        num_swap_blocks=swap_blocks,
+    )
+    proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
+    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
+    runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
+    if config.captures_decode(device):
+        runner.use_captured_decode(config.max_num_seqs, max_model_len)
+    return runner, kv_cache_manager, draft_spec is not None
+
+
+def _kv_connectors(
+    config: EngineConfig,
+    model_dir: Path,
+    settings: LoadSettings,
+    kv_spec: KVCacheSpec,
+    kv_cache_manager: KVCacheManager,
+) -> tuple[KVConnectorBase, ...] | None:
+    """The configured KV connector's scheduler and worker halves."""
+    if config.kv_transfer_config is None:
+        return None
+    fingerprint = model_fingerprint(model_dir, str(settings.dtype), kv_spec)
+    context = KVConnectorContext(kv_spec, fingerprint, kv_cache_manager.block_hashes)
+    return create_connector_pair(config.kv_transfer_config, context)
+
+
+def _scheduler(
+    config: EngineConfig,
+    runner: ModelRunner,
+    kv_cache_manager: KVCacheManager,
+    max_model_len: int,
+    spec_lookahead: bool,
+    kv_connector: KVConnectorBase | None,
+) -> Scheduler:
+    return Scheduler(
+        kv_cache_manager,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        policy=config.scheduling_policy,
+        preemption_mode=config.preemption_mode,
+        spec_policy=_speculation_policy(config.speculative_config),
+        spec_lookahead=spec_lookahead,
+        prefill_limits=_prefill_limits(config, runner, kv_cache_manager.num_blocks, max_model_len),
+        kv_connector=kv_connector,
+    )
+
+
+def _max_model_len(config: EngineConfig, model_max: int) -> int:
+    max_model_len = model_max if config.max_model_len is None else config.max_model_len
+    if max_model_len > model_max:
+        raise ConfigError(
+            f"max_model_len={max_model_len} is longer than the model's "
+            f"max_position_embeddings={model_max}"
+        )
+    # Without chunking a prompt must fit one step's budget, or it would wait forever.
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"without chunked prefill, max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}); "
+            "raise it, lower max_model_len, or enable chunked prefill"
+        )
+    return max_model_len
+
+
+def _kv_spec(
+    config: EngineConfig, model: LlamaForCausalLM | EagleDraft, dtype: torch.dtype
+) -> KVCacheSpec:
+    """Per rank: a tensor-parallel rank caches only its own KV heads."""
+    return KVCacheSpec(
+        num_layers=model.shape.num_layers,
+        block_size=config.block_size,
+        num_kv_heads=model.num_local_kv_heads,
+        head_dim=model.shape.head_dim,
+        dtype=config.kv_cache_torch_dtype(dtype),
+    )
+
+
+def _load_draft(
+    config: EngineConfig,
+    target: LlamaForCausalLM,
+    settings: LoadSettings,
+    device: torch.device,
+    max_model_len: int,
+) -> Draft | None:
+    spec = config.speculative_config
+    assert spec is not None
+    if spec.method == "ngram":
+        return None
+    if spec.model is None:
+        raise ConfigError(
+            f"speculative_config method {spec.method} needs a model path (only the "
+            "built-in demo target has a default draft and heads)"
+        )
+    if spec.method == "eagle":
+        return load_eagle(spec.model, target, settings.dtype, device, spec.draft_weights)
+    if spec.method == "medusa":
+        return load_medusa(spec.model, target, settings.dtype, device)
+    # A draft model runs eagerly (oneDNN linears unless asked otherwise) and unquantized.
+    draft_settings = replace(settings, linear_backend=config.linear_backend, quantization=None)
+    draft = load_model(spec.model, draft_settings, device)
+    if draft.shape.vocab_size != target.shape.vocab_size:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.shape.vocab_size}) differs from the "
+            f"target's ({target.shape.vocab_size}); they must share a tokenizer"
+        )
+    if draft.shape.max_position < max_model_len:
+        raise ConfigError(
+            f"the draft model's max_position_embeddings ({draft.shape.max_position}) is "
+            f"shorter than max_model_len={max_model_len}"
+        )
+    return draft
+
+
+def _proposer(
+    spec: SpeculativeConfig | None,
+    draft: Draft | None,
+    draft_spec: KVCacheSpec | None,
+    num_blocks: int,
+    device: torch.device,
+) -> Proposer | None:
+    if spec is None:
+        return None
+    if isinstance(draft, MedusaHeads):
+        return MedusaProposer(draft)
+    if isinstance(draft, EagleDraft) and draft_spec is not None:
+        return EagleProposer(draft, draft_spec, num_blocks, device)
+    if draft is not None and draft_spec is not None:
+        return DraftModelProposer(draft, draft_spec, num_blocks, device)
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _speculation_policy(spec: SpeculativeConfig | None) -> SpeculationPolicy | None:
+    if spec is None:
+        return None
+    return SpeculationPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive)
+
+
+def _prefill_limits(
+    config: EngineConfig, runner: ModelRunner, num_blocks: int, max_model_len: int
+) -> PrefillLimits:
+    """The prefill limits; with an ITL target, the cost model, warmed up by timing a few
+    synthetic steps (the cache is still empty)."""
+    limits = PrefillLimits(
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        max_num_partial_prefills=config.max_num_partial_prefills,
+    )
+    if config.itl_target_ms is None:
+        return limits
+    start = time.perf_counter()
+    samples = calibrate(runner, num_blocks, config.max_num_seqs, max_model_len)
+    limits.cost_model = StepCostModel.calibrated(samples)
+    limits.itl_target = config.itl_target_ms / 1000
+    logger.info(
+        "ITL target %.0f ms: calibrated the step cost model in %.2f s (%d steps): %s",
+        config.itl_target_ms,
+        time.perf_counter() - start,
+        len(samples),
+        limits.cost_model.describe(),
+    )
+    return limits
+
+
+def _default_sampling(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
+    """Sampling parameters a request gets for the fields it leaves unset."""
+    source = config.generation_config
+    if source == "vllm":
+        return {}
+    if source != "auto" and not (Path(source) / "generation_config.json").is_file():
+        raise ConfigError(
+            f"generation_config must be auto, vllm or a directory with a "
+            f"generation_config.json; {source!r} has none"
+        )
+    defaults = sampling_defaults(model_dir if source == "auto" else source)
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        raise ConfigError(f"generation_config.json sets an invalid default: {e}") from e
+    if defaults:
+        logger.info("default sampling parameters from generation_config.json: %s", defaults)
+    return defaults
+
+
+def _log_start(parts: EngineParts, kv_spec: KVCacheSpec, num_blocks: int, block_size: int) -> None:
+    logger.info(
+        "loaded %s (%s, %s on %s, attention %s, weights %s); KV cache (%s): %d blocks of "
+        "%d tokens = %d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
+        parts.model_dir,
+        parts.architecture,
+        parts.dtype,
+        parts.device,
+        parts.attention_backend,
+        parts.weight_format,
+        kv_spec.dtype,
+        num_blocks,
+        block_size,
+        num_blocks * block_size,
+        num_blocks * kv_spec.bytes_per_block / 1024**3,
+        parts.max_model_len,
+        num_blocks * block_size / parts.max_model_len,
+    )

@@ -1,0 +1,379 @@
+// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) run layer after layer in one call:
+// the whole stack of a step is one phased job on the worker pool (thread_pool.h), its phases
+// the norms, the packed linears, RoPE with the cache write, attention and SiLU-mul. What it
+// replaces is ~100 torch ops and ~10 thread wake-ups per layer from Python.
+//
+// Numbers: the residual stream and every linear's output are float32; a linear's input is in
+// the weights' dtype (bf16 rounding only where a bf16 product needs it). In float32 this is
+// the arithmetic of transformers' Llama (summation orders aside).
+#include "decoder_stack.h"
+
+#include "thread_pool.h"
+
+#include <cmath>
+
+namespace tokenmill {
+namespace {
+
+template <typename T>
+__attribute__((always_inline)) inline void rms_norm_row(const float* x, const float* weight,
+                                                        int64_t size, float eps, T* out) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t j = 0; j < size; ++j) squares += x[j] * x[j];
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
+  if constexpr (std::is_same_v<T, float>) {
+#pragma omp simd
+    for (int64_t j = 0; j < size; ++j) out[j] = weight[j] * (x[j] * inverse);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < size; ++j) store_float(out + j, weight[j] * (x[j] * inverse));
+  }
+}
+
+// residual (+)= delta; out = rms_norm(residual) * weight, for rows [r0, r1).
+template <typename Act>
+__attribute__((always_inline)) inline void add_norm_rows(float* residual, const float* delta,
+                                                         const float* weight, int64_t hidden,
+                                                         float eps, Act* out, int64_t ld_out,
+                                                         int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* x = residual + r * hidden;
+    if (delta != nullptr) {
+      const float* dx = delta + r * hidden;
+#pragma omp simd
+      for (int64_t j = 0; j < hidden; ++j) x[j] += dx[j];
+    }
+    rms_norm_row(x, weight, hidden, eps, out + r * ld_out);
+  }
+}
+
+// silu(gate) * up of a [rows, 2 * size] gate/up row pair -> out.
+template <typename Act>
+__attribute__((always_inline)) inline void silu_mul_rows(const float* gate_up, int64_t ld,
+                                                         int64_t size, Act* out, int64_t ld_out,
+                                                         int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* gate = gate_up + r * ld;
+    const float* up = gate + size;
+    Act* o = out + r * ld_out;
+#pragma omp simd
+    for (int64_t j = 0; j < size; ++j)
+      store_float(o + j, gate[j] / (1.0f + exp_approx(-gate[j])) * up[j]);
+  }
+}
+
+// One head of one token in the QKV output: (q/k norm), RoPE, and for a key head the write of
+// its key and value into the cache.
+template <typename C>
+__attribute__((always_inline)) inline void rope_head(const StackShape& s, float* head,
+                                                     const float* norm_weight, const float* cos,
+                                                     const float* sin, float* rotated) {
+  const int64_t d = s.head_dim, half = d / 2;
+  if (norm_weight != nullptr) rms_norm_row(head, norm_weight, d, s.eps, head);
+  for (int64_t j = 0; j < d; ++j)
+    rotated[j] = head[j] * cos[j] + head[j < half ? j + half : j - half] * sin[j];
+  std::memcpy(head, rotated, d * sizeof(float));
+}
+
+template <typename C>
+__attribute__((always_inline)) inline void rope_and_cache(const StackShape& s, const StepArgs& step,
+                                                          const LayerWeights& layer, float* qkv,
+                                                          int64_t ld_qkv, C* cache,
+                                                          int64_t num_cache_blocks, int64_t u0,
+                                                          int64_t u1) {
+  const int64_t d = s.head_dim, heads_per_token = s.num_heads + s.num_kv_heads;
+  const int64_t cache_block = s.block_size * s.num_kv_heads * d;
+  const int64_t value_offset = num_cache_blocks * cache_block;
+  float rotated[512];
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t token = u / heads_per_token, h = u % heads_per_token;
+    float* row = qkv + token * ld_qkv;
+    const int64_t pos = step.positions[token];
+    const float* cos = s.cos + pos * d;
+    const float* sin = s.sin + pos * d;
+    const bool is_key = h >= s.num_heads;
+    rope_head<C>(s, row + h * d, is_key ? layer.k_norm : layer.q_norm, cos, sin, rotated);
+    if (!is_key) continue;
+    const int64_t slot = step.slot_mapping[token];
+    if (slot < 0) continue;
+    const int64_t kv_head = h - s.num_heads;
+    C* key = cache + (slot * s.num_kv_heads + kv_head) * d;
+    C* value = key + value_offset;
+    const float* k = row + h * d;
+    const float* v = row + (s.num_heads + s.num_kv_heads + kv_head) * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) {
+      store_float(key + j, k[j]);
+      store_float(value + j, v[j]);
+    }
+  }
+}
+
+// The elementwise phases, each compiled for three ISA levels.
+#define TM_ELEMENTWISE_VARIANTS(NAME, ATTR)                                                      \
+  template <typename Act>                                                                        \
+  ATTR void add_norm_##NAME(float* residual, const float* delta, const float* weight,            \
+                            int64_t hidden, float eps, Act* out, int64_t ld, int64_t r0,         \
+                            int64_t r1) {                                                        \
+    add_norm_rows(residual, delta, weight, hidden, eps, out, ld, r0, r1);                        \
+  }                                                                                              \
+  template <typename Act>                                                                        \
+  ATTR void silu_mul_##NAME(const float* gate_up, int64_t ld, int64_t size, Act* out,            \
+                            int64_t ld_out, int64_t r0, int64_t r1) {                            \
+    silu_mul_rows(gate_up, ld, size, out, ld_out, r0, r1);                                       \
+  }                                                                                              \
+  template <typename C>                                                                          \
+  ATTR void rope_cache_##NAME(const StackShape& s, const StepArgs& step, const LayerWeights& l,  \
+                              float* qkv, int64_t ld, C* cache, int64_t blocks, int64_t u0,      \
+                              int64_t u1) {                                                      \
+    rope_and_cache(s, step, l, qkv, ld, cache, blocks, u0, u1);                                  \
+  }
+
+TM_ELEMENTWISE_VARIANTS(portable, )
+TM_ELEMENTWISE_VARIANTS(avx2, TM_AVX2)
+TM_ELEMENTWISE_VARIANTS(avx512, TM_AVX512)
+
+template <typename Act>
+void add_norm(int isa, float* residual, const float* delta, const float* weight, int64_t hidden,
+              float eps, Act* out, int64_t ld, int64_t r0, int64_t r1) {
+  if (isa >= kAvx512) add_norm_avx512(residual, delta, weight, hidden, eps, out, ld, r0, r1);
+  else if (isa >= kAvx2) add_norm_avx2(residual, delta, weight, hidden, eps, out, ld, r0, r1);
+  else add_norm_portable(residual, delta, weight, hidden, eps, out, ld, r0, r1);
+}
+
+template <typename Act>
+void silu_mul(int isa, const float* gate_up, int64_t ld, int64_t size, Act* out, int64_t ld_out,
+              int64_t r0, int64_t r1) {
+  if (isa >= kAvx512) silu_mul_avx512(gate_up, ld, size, out, ld_out, r0, r1);
+  else if (isa >= kAvx2) silu_mul_avx2(gate_up, ld, size, out, ld_out, r0, r1);
+  else silu_mul_portable(gate_up, ld, size, out, ld_out, r0, r1);
+}
+
+template <typename C>
+void rope_cache(int isa, const StackShape& s, const StepArgs& step, const LayerWeights& l,
+                float* qkv, int64_t ld, C* cache, int64_t blocks, int64_t u0, int64_t u1) {
+  if (isa >= kAvx512) rope_cache_avx512(s, step, l, qkv, ld, cache, blocks, u0, u1);
+  else if (isa >= kAvx2) rope_cache_avx2(s, step, l, qkv, ld, cache, blocks, u0, u1);
+  else rope_cache_portable(s, step, l, qkv, ld, cache, blocks, u0, u1);
+}
+
+const float* optional_data(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
+
+at::Tensor float_copy(const c10::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  return t->detach().to(at::kFloat).contiguous();
+}
+
+}  // namespace
+
+DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
+                           const at::Tensor& final_norm, const at::Tensor& cos,
+                           const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t intermediate_size, double eps,
+                           int64_t sliding_window) {
+  TORCH_CHECK(!layers.empty(), "DecoderStack: no layers");
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 512, "DecoderStack: head_dim");
+  shape_.num_heads = num_heads;
+  shape_.num_kv_heads = num_kv_heads;
+  shape_.head_dim = head_dim;
+  shape_.hidden = final_norm.size(0);
+  shape_.intermediate = intermediate_size;
+  shape_.eps = static_cast<float>(eps);
+  shape_.window = sliding_window;
+  final_norm_ = final_norm.detach().to(at::kFloat).contiguous();
+  cos_ = cos.detach().to(at::kFloat).contiguous();
+  sin_ = sin.detach().to(at::kFloat).contiguous();
+  TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == head_dim && sin_.sizes() == cos_.sizes(),
+              "DecoderStack: cos/sin [positions, head_dim]");
+  shape_.cos = cos_.data_ptr<float>();
+  shape_.sin = sin_.data_ptr<float>();
+  shape_.max_position = cos_.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t hidden = shape_.hidden;
+  // Per layer: input_norm, qkv_packed, qkv_bias, q_norm, k_norm, o_packed, o_bias,
+  // post_norm, gate_up_packed, gate_up_bias, down_packed, down_bias.
+  for (const auto& entry : layers) {
+    TORCH_CHECK(entry.size() == 12, "DecoderStack: 12 tensors per layer");
+    Layer layer;
+    for (size_t i = 0; i < entry.size(); ++i) {
+      const bool packed = i == 1 || i == 5 || i == 8 || i == 10;
+      layer.tensors.push_back(packed && entry[i].has_value() ? *entry[i] : float_copy(entry[i]));
+    }
+    const auto& t = layer.tensors;
+    layer.qkv = packed_view(t[1], q_size + 2 * kv_size, hidden);
+    layer.o = packed_view(t[5], hidden, q_size);
+    layer.gate_up = packed_view(t[8], 2 * intermediate_size, hidden);
+    layer.down = packed_view(t[10], hidden, intermediate_size);
+    layer.weights = LayerWeights{optional_data(t[0]), optional_data(t[2]), optional_data(t[3]),
+                                 optional_data(t[4]), optional_data(t[6]), optional_data(t[7]),
+                                 optional_data(t[9]), optional_data(t[11])};
+    TORCH_CHECK(layer.weights.input_norm && layer.weights.post_norm, "DecoderStack: norms");
+    TORCH_CHECK(layer.qkv.is_bf16 == layer.o.is_bf16 && layer.o.is_bf16 == layer.gate_up.is_bf16 &&
+                    layer.gate_up.is_bf16 == layer.down.is_bf16,
+                "DecoderStack: one weight dtype");
+    layers_.push_back(std::move(layer));
+  }
+  is_bf16_ = layers_[0].qkv.is_bf16;
+}
+
+at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& positions,
+                                 const std::vector<at::Tensor>& kv_caches,
+                                 const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                                 const at::Tensor& seq_lens, const at::Tensor& block_tables) {
+  const StackShape& s = shape_;
+  const int64_t tokens = hidden_in.size(0), hidden = s.hidden;
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(1) == hidden, "DecoderStack: hidden [T, H]");
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "DecoderStack: one cache per layer");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() &&
+                  positions.numel() == tokens && slot_mapping.numel() == tokens,
+              "DecoderStack: positions and slot_mapping int64 [T]");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "DecoderStack: attention metadata dtypes");
+  TORCH_CHECK(tokens > 0 && query_start_loc[-1].item<int32_t>() == tokens,
+              "DecoderStack: query_start_loc must cover every token");
+  TORCH_CHECK(positions.max().item<int64_t>() < s.max_position, "DecoderStack: position range");
+  const at::Tensor& cache0 = kv_caches[0];
+  const bool cache_bf16 = cache0.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(cache_bf16 || cache0.scalar_type() == at::kFloat, "DecoderStack: cache dtype");
+  for (const auto& cache : kv_caches)
+    TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(3) == s.num_kv_heads &&
+                    cache.size(4) == s.head_dim && cache.scalar_type() == cache0.scalar_type() &&
+                    cache.sizes() == cache0.sizes(),
+                "DecoderStack: caches [2, blocks, block_size, kv_heads, head_dim]");
+  StackShape shape = s;
+  shape.block_size = cache0.size(2);
+  const int64_t num_cache_blocks = cache0.size(1);
+
+  const Layer& first = layers_[0];
+  const auto act_type = is_bf16_ ? at::kBFloat16 : at::kFloat;
+  const int64_t ld_x = std::max(first.qkv.k_pad, first.gate_up.k_pad);
+  const int64_t ld_attn = first.o.k_pad, ld_act = first.down.k_pad;
+  const int64_t ld_qkv = first.qkv.n_pad, ld_gate_up = first.gate_up.n_pad;
+  Buffers& b = buffers_;
+  b.ensure(tokens, hidden, ld_x, ld_qkv, ld_attn, ld_gate_up, ld_act, act_type);
+  at::Tensor out = at::empty({tokens, hidden}, hidden_in.options());
+  b.residual.narrow(0, 0, tokens).copy_(hidden_in);
+
+  StepArgs step{positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>()};
+  const int64_t num_seqs = seq_lens.size(0);
+  const std::vector<AttentionTask> tasks =
+      attention_tasks(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), num_seqs,
+                      s.num_kv_heads, team_size());
+  AttentionArgs attention{b.qkv.data_ptr(), false, ld_qkv, nullptr, cache_bf16, num_cache_blocks,
+                          shape.block_size, s.num_kv_heads, s.head_dim, s.num_heads,
+                          block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                          query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                          s.window, 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                          b.attn.data_ptr(), is_bf16_, ld_attn};
+  const int64_t scratch_floats = attention_scratch_floats(attention);
+  const int isa = current_isa();
+  if (isa >= kAmx && is_bf16_) amx_permitted();
+  const int threads = team_size();
+  std::vector<float> scratch(scratch_floats * threads);
+  float* residual = b.residual.data_ptr<float>();
+  float* delta = b.delta.data_ptr<float>();
+  float* qkv = b.qkv.data_ptr<float>();
+  float* gate_up = b.gate_up.data_ptr<float>();
+  void* x = b.x.data_ptr();
+  void* attn = b.attn.data_ptr();
+  void* act = b.act.data_ptr();
+  const int64_t units = tokens * (s.num_heads + s.num_kv_heads);
+  const int64_t rows_per_chunk = (tokens + 4 * threads - 1) / (4 * threads);
+  const int64_t units_per_chunk = (units + 4 * threads - 1) / (4 * threads);
+  const int64_t row_chunks = (tokens + rows_per_chunk - 1) / rows_per_chunk;
+  const bool bf16_act = is_bf16_;
+
+  PhasedJob job;
+  auto rows_of = [=](int64_t chunk, int64_t& r0, int64_t& r1) {
+    r0 = chunk * rows_per_chunk;
+    r1 = std::min(tokens, r0 + rows_per_chunk);
+  };
+  auto add_norm_phase = [&](const float* add, const float* weight, void* dst, int64_t ld,
+                            bool to_bf16) {
+    job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
+      int64_t r0, r1;
+      rows_of(chunk, r0, r1);
+      if (to_bf16) {
+        add_norm(isa, residual, add, weight, s.hidden, s.eps, static_cast<bf16*>(dst), ld, r0, r1);
+      } else {
+        add_norm(isa, residual, add, weight, s.hidden, s.eps, static_cast<float*>(dst), ld, r0, r1);
+      }
+    });
+  };
+  auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
+                        int64_t ld_out, const float* bias) {
+    const int64_t per = gemm_chunk_blocks(w, tokens, threads);
+    const GemmOut o{output, ld_out, false, bias, w.n_pad};
+    job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
+      packed_gemm(w, input, ld_in, tokens, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per),
+                  isa);
+    });
+  };
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& layer = layers_[li];
+    const LayerWeights& lw = layer.weights;
+    void* cache = kv_caches[li].data_ptr();
+    add_norm_phase(li == 0 ? nullptr : delta, lw.input_norm, x, ld_x, bf16_act);
+    gemm_phase(layer.qkv, x, ld_x, qkv, ld_qkv, lw.qkv_bias);
+    job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &step, &lw](int64_t chunk, int) {
+      const int64_t u0 = chunk * units_per_chunk, u1 = std::min(units, u0 + units_per_chunk);
+      if (cache_bf16) {
+        rope_cache(isa, shape, step, lw, qkv, ld_qkv, static_cast<bf16*>(cache), num_cache_blocks,
+                   u0, u1);
+      } else {
+        rope_cache(isa, shape, step, lw, qkv, ld_qkv, static_cast<float*>(cache), num_cache_blocks,
+                   u0, u1);
+      }
+    });
+    job.add_phase(static_cast<int64_t>(tasks.size()),
+                  [=, &attention, &tasks, &scratch](int64_t i, int participant) {
+                    AttentionArgs a = attention;
+                    a.cache = cache;
+                    attend(a, tasks[i], scratch.data() + participant * scratch_floats, isa);
+                  });
+    gemm_phase(layer.o, attn, ld_attn, delta, hidden, lw.o_bias);
+    add_norm_phase(delta, lw.post_norm, x, ld_x, bf16_act);
+    gemm_phase(layer.gate_up, x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias);
+    job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
+      int64_t r0, r1;
+      rows_of(chunk, r0, r1);
+      if (bf16_act) {
+        silu_mul(isa, gate_up, ld_gate_up, s.intermediate, static_cast<bf16*>(act), ld_act, r0, r1);
+      } else {
+        silu_mul(isa, gate_up, ld_gate_up, s.intermediate, static_cast<float*>(act), ld_act, r0,
+                 r1);
+      }
+    });
+    gemm_phase(layer.down, act, ld_act, delta, hidden, lw.down_bias);
+  }
+  // The final norm, into the output's dtype.
+  add_norm_phase(delta, final_norm_.data_ptr<float>(), out.data_ptr(), hidden,
+                 out.scalar_type() == at::kBFloat16);
+  WorkerPool::instance().run(job, threads);
+  return out;
+}
+
+void DecoderStack::Buffers::ensure(int64_t tokens, int64_t hidden, int64_t ld_x, int64_t ld_qkv,
+                                   int64_t ld_attn, int64_t ld_gate_up, int64_t ld_act,
+                                   at::ScalarType act_type) {
+  if (tokens <= rows) return;
+  rows = std::max<int64_t>(tokens, 16);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto act_options = at::TensorOptions().dtype(act_type);
+  residual = at::empty({rows, hidden}, f32);
+  delta = at::empty({rows, hidden}, f32);
+  qkv = at::empty({rows, ld_qkv}, f32);
+  gate_up = at::empty({rows, ld_gate_up}, f32);
+  // Inputs of the linears: zero past each row's k (products read up to k_pad).
+  x = at::zeros({rows, ld_x}, act_options);
+  attn = at::zeros({rows, ld_attn}, act_options);
+  act = at::zeros({rows, ld_act}, act_options);
+}
+
+}  // namespace tokenmill

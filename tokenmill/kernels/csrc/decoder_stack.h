@@ -1,0 +1,77 @@
+// The fused decoder stack of a Llama-family model (decoder_stack.cpp).
+#pragma once
+
+#include <vector>
+
+#include "cpu_common.h"
+#include "packed_linear.h"
+#include "paged_attention.h"
+
+namespace tokenmill {
+
+struct StackShape {
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, hidden = 0, intermediate = 0;
+  float eps = 1e-6f;
+  int64_t window = 0;  // sliding window, 0: none
+  const float* cos = nullptr;  // [max_position, head_dim]
+  const float* sin = nullptr;  // the same, first half negated (x * cos + swap_halves(x) * sin)
+  int64_t max_position = 0;
+  int64_t block_size = 0;  // of the KV cache, per call
+};
+
+struct StepArgs {
+  const int64_t* positions;
+  const int64_t* slot_mapping;
+};
+
+// float32 copies of a layer's small tensors (null where the architecture has none).
+struct LayerWeights {
+  const float* input_norm;
+  const float* qkv_bias;
+  const float* q_norm;
+  const float* k_norm;
+  const float* o_bias;
+  const float* post_norm;
+  const float* gate_up_bias;
+  const float* down_bias;
+};
+
+class DecoderStack {
+ public:
+  // `layers[i]`: input_norm, qkv (packed), qkv_bias, q_norm, k_norm, o (packed), o_bias,
+  // post_norm, gate_up (packed), gate_up_bias, down (packed), down_bias; None where absent.
+  DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
+               const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               int64_t intermediate_size, double eps, int64_t sliding_window);
+
+  // The final-normed hidden states of `hidden_in` (the embeddings, [T, H]) after every layer;
+  // each layer's keys and values go to its cache at `slot_mapping`. Sequence i's queries are
+  // tokens [query_start_loc[i], query_start_loc[i + 1]), the last of its seq_lens[i].
+  at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_tables);
+
+ private:
+  struct Layer {
+    std::vector<at::Tensor> tensors;  // owns what the views below point into
+    PackedWeight qkv{}, o{}, gate_up{}, down{};
+    LayerWeights weights{};
+  };
+  // Activations, kept between calls and grown to the largest step seen.
+  struct Buffers {
+    int64_t rows = 0;
+    at::Tensor residual, delta, qkv, gate_up, x, attn, act;
+    void ensure(int64_t tokens, int64_t hidden, int64_t ld_x, int64_t ld_qkv, int64_t ld_attn,
+                int64_t ld_gate_up, int64_t ld_act, at::ScalarType act_type);
+  };
+
+  StackShape shape_;
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_, cos_, sin_;
+  bool is_bf16_ = false;
+  Buffers buffers_;
+};
+
+}  // namespace tokenmill

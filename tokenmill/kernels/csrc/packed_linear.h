@@ -1,0 +1,49 @@
+// Dense linears on weights packed once at load time in blocks of 16 output rows:
+//   bfloat16: [n_pad / 16, k_pad / 2, 16, 2]  (k_pad = k rounded up to 32; pairs of k per row)
+//   float32:  [n_pad / 16, k, 16]
+// Within a block the layout is k-major, so that one 64-byte load gives 16 outputs' weights for
+// one k (two for bf16): one row of activations is a broadcast times that vector, with no
+// horizontal sums (the GEMV), and a 16 x 32 bf16 block is exactly an AMX B tile (the GEMM).
+// One layout serves every row count; the plain [n, k] weight is not kept.
+#pragma once
+
+#include "cpu_common.h"
+
+namespace tokenmill {
+
+struct PackedWeight {
+  const void* data;
+  int64_t n, k, n_pad, k_pad;
+  bool is_bf16;
+  int64_t blocks() const { return n_pad / 16; }
+};
+
+// Where a GEMM writes: columns [0, n) of `ld`-strided rows, as float32 or bfloat16, plus a
+// float32 bias (or null).
+struct GemmOut {
+  void* data;
+  int64_t ld;
+  bool is_bf16;
+  const float* bias;
+  int64_t n;
+};
+
+// out[r, c] = sum_k x[r, k] * w[c, k] (+ bias[c]) for rows [0, m) and the columns of 16-row
+// blocks [block_begin, block_end). `x` rows are `ldx` elements apart: bfloat16 for bf16
+// weights (zero from k up to k_pad), float32 for float32 weights. Runs on the calling thread.
+void packed_gemm(const PackedWeight& w, const void* x, int64_t ldx, int64_t m, const GemmOut& out,
+                 int64_t block_begin, int64_t block_end, int isa);
+
+// Blocks per chunk when `threads` threads share a product of `m` rows: a few chunks per thread
+// (claimed in turn, so a descheduled thread leaves its share to the others); one chunk on one
+// thread.
+int64_t gemm_chunk_blocks(const PackedWeight& w, int64_t m, int threads);
+
+PackedWeight packed_view(const at::Tensor& packed, int64_t n, int64_t k);
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t n, int64_t k);
+// x @ W.T + bias, in x's dtype or float32.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias, bool float32_out);
+
+}  // namespace tokenmill
