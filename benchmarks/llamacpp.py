@@ -117,8 +117,8 @@ def batched_bench(
 ) -> BatchedBenchRun:
     """`llama-batched-bench -npp P -ntg G -npl B -t THREADS [flags]`, llama.cpp's defaults
     otherwise, with a context of exactly B x (P + G). A run that exits 0 having printed
-    no result (its warnings only) is run again, up to `attempts` times: with OpenMP's threads spinning (no
-    OMP_WAIT_POLICY, its default) it lost its whole output, results included, in about
+    no result (its warnings only) is run again, up to `attempts` times: with OpenMP's threads
+    spinning (no OMP_WAIT_POLICY, its default) it lost its whole output, results included, in about
     half the runs of a tiny model (well under a second); never seen on the 135M model."""
     context = batch * (prompt_len + gen_len)
     command = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(context)]

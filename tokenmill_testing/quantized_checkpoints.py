@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import INT8_ACTIVATIONS_LEVEL, best_quant_isa, using_quant_isa
+from tokenmill.kernels.native import native_kernels, using_isa
+from tokenmill.kernels.quant import INT8_ACTIVATIONS_LEVEL
 from tokenmill.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
-# 70: a prefill of more than DENSE_MIN_ROWS rows (the dense bfloat16 path where AMX runs it).
+# 40, 70: prefills of at least 32 rows (the AMX path where the CPU has it: quant_amx_min_rows).
 PROMPT_LENS = [1, 6, 19, 40, 70]
 # |logprob - reference| allowed (and under which two tokens count as tied), by how the
 # quantized product runs: the native kernels with float activations compute the dequantized
@@ -72,16 +72,17 @@ def activation_path(path: str) -> Iterator[float]:
     """Run the quantized kernels with float (`path` "float") or int8 activations inside the
     block; yields the tolerance of the path in use (the torch ops' where there are no native
     kernels). A path this CPU cannot run raises `Unavailable`."""
-    if native_kernels() is None:
+    module = native_kernels()
+    if module is None:
         if path == "int8":
             raise Unavailable("no native kernels here")
         yield TOLERANCE["torch"]
         return
-    best = best_quant_isa()
+    best = module.detect_isa()
     if path == "int8" and best < INT8_ACTIVATIONS_LEVEL:
-        raise Unavailable("this CPU has no AVX-512 VNNI")
+        raise Unavailable("this CPU has no AVX512_BF16 / VNNI")
     level = best if path == "int8" else min(best, INT8_ACTIVATIONS_LEVEL - 1)
-    with using_quant_isa(level):
+    with using_isa(level):
         yield TOLERANCE[path]
 
 

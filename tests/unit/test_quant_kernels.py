@@ -1,7 +1,8 @@
 """The native quantized-linear kernels against their torch reference at every ISA level this
-CPU runs (portable, AVX2, AVX-512 with float activations, AVX-512 VNNI with int8 ones), over
-odd shapes, both code widths, group sizes, offsets and row counts; the packed layout's round
-trip; the int8 and int4 layers with and without the native kernels."""
+CPU runs (portable, AVX2, AVX-512 with float activations, AVX512_BF16/VNNI with int8 ones, AMX
+tiles for many rows), over odd shapes, both code widths, group sizes, offsets and row counts;
+the packed layout's round trip; the int8 and int4 layers with and without the native
+kernels."""
 
 from __future__ import annotations
 
@@ -11,20 +12,17 @@ import torch
 from tokenmill.kernels import native
 from tokenmill.kernels.native import ISA_LEVELS
 from tokenmill.kernels.quant import (
-    DENSE_MIN_ROWS,
+    AMX_LEVEL,
     INT8_ACTIVATIONS_LEVEL,
-    activations_quantized,
-    best_quant_isa,
-    dense_bf16_fast,
+    amx_min_rows,
     dense_bf16_reference,
     dequantize,
-    dequantize_transposed,
+    kernel_reference,
     pack,
     packed_rows,
     quant_linear,
     quant_linear_reference,
     quantize_activations_reference,
-    using_quant_isa,
 )
 from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
 from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
@@ -33,7 +31,9 @@ from tokenmill.layers.linear import Linear
 needs_native = pytest.mark.skipif(
     native.native_kernels() is None, reason="native kernels not buildable here"
 )
-LEVELS = list(range(best_quant_isa() + 1)) if native.native_kernels() is not None else []
+MODULE = native.native_kernels()
+BEST = MODULE.detect_isa() if MODULE is not None else -1
+LEVELS = list(range(BEST + 1))
 # (out, in, group): odd row counts (padded to blocks of 16), widths padded to 32, groups of
 # 16 / 32 / 128 and per row (None).
 SHAPES = [(960, 576, None), (7, 40, None), (33, 96, 32), (130, 256, 128), (17, 64, 16)]
@@ -71,14 +71,14 @@ def test_packing_round_trips(out_features, in_features, group, bits, offsets) ->
 
 @pytest.fixture(params=LEVELS, ids=lambda level: ISA_LEVELS[level])
 def isa(request: pytest.FixtureRequest):
-    with using_quant_isa(request.param) as level:
+    with native.using_isa(request.param) as level:
         assert level == request.param
         yield level
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
 def test_quant_linear_matches_its_reference(
@@ -94,10 +94,11 @@ def test_quant_linear_matches_its_reference(
         bias = torch.randn(out_features, generator=generator)
         got = quant_linear(x, weight, bias)
         assert got.dtype == dtype and got.shape == (rows, out_features)
-        quantized = isa >= INT8_ACTIVATIONS_LEVEL
-        reference = quant_linear_reference(x, weight, bias, quantized)
+        reference = kernel_reference(x, weight, bias)
         scale = reference.abs().max().item()
-        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16 outputs: 8 bits
+        # bfloat16 outputs: 8 bits; AMX: bfloat16 products summed in float32
+        exact = dtype == torch.float32 and not (isa >= AMX_LEVEL and rows >= amx_min_rows())
+        tolerance = 1e-5 if exact else 1e-2
         assert (got.float() - reference).abs().max().item() <= tolerance * scale
 
 
@@ -107,45 +108,30 @@ def test_many_rows_on_the_dot_product_kernel() -> None:
     codes, scales, offsets = random_weight(200, 320, 4, 32, seed=3)
     weight = pack(codes, scales, offsets, 4, 32)
     x = torch.randn(300, 320)
-    quantized = best_quant_isa() >= INT8_ACTIVATIONS_LEVEL
-    reference = quant_linear_reference(x, weight, None, quantized)
-    got = torch.ops.tokenmill.quant_linear(
-        x, weight.codes, weight.scales, weight.offsets, None, 4, 32, 200
-    )
+    with native.using_isa(min(BEST, INT8_ACTIVATIONS_LEVEL)):
+        reference = kernel_reference(x, weight, None)
+        got = quant_linear(x, weight, None)
     assert (got - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
 
 
 @needs_native
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
-def test_dequantized_transpose_is_the_weight_in_bfloat16(
-    isa: int, out_features, in_features, group, bits
-) -> None:
-    if bits == 4 and group is None:
-        pytest.skip("int4 comes in groups")
-    codes, scales, offsets = random_weight(out_features, in_features, bits, group, seed=11)
-    weight = pack(codes, scales, offsets, bits, group)
-    got = dequantize_transposed(weight)
-    expected = dequantize(weight).T
-    assert got.dtype == torch.bfloat16 and got.shape == (in_features, out_features)
-    # One bfloat16 rounding (to nearest even) of the float32 weight.
-    assert ((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-30).all()
-
-
-@needs_native
-def test_many_rows_where_amx_runs_go_to_the_dense_bfloat16_path() -> None:
-    if not dense_bf16_fast():
+def test_many_rows_where_amx_runs_go_to_its_tiles(bits: int) -> None:
+    """From `amx_min_rows()` rows the weight is dequantized to bfloat16 chunk by chunk and
+    multiplied on AMX tiles (bfloat16 rows); below, the VNNI kernel runs (int8 rows)."""
+    if BEST < AMX_LEVEL:
         pytest.skip("no AMX bfloat16 tiles here (or not allowed)")
-    codes, scales, offsets = random_weight(96, 128, 8, 32, seed=4)
-    weight = pack(codes, scales, offsets, 8, 32)
-    x = torch.randn(DENSE_MIN_ROWS, 128)
-    bias = torch.randn(96)
+    codes, scales, offsets = random_weight(600, 128, bits, 32, seed=4)  # > 16 blocks: chunks
+    weight = pack(codes, scales, offsets, bits, 32)
+    rows = amx_min_rows()
+    x = torch.randn(rows + 37, 128)
+    bias = torch.randn(600)
     got = quant_linear(x, weight, bias)
     reference = dense_bf16_reference(x, weight, bias)
-    # bfloat16 outputs of the dense GEMM (8 bits), then the bias added in float32.
-    assert (got - reference).abs().max().item() <= 1e-2 * reference.abs().max().item()
-    few = quant_linear(x[: DENSE_MIN_ROWS - 1], weight, bias)  # the dot-product kernel
-    dot_reference = quant_linear_reference(x[: DENSE_MIN_ROWS - 1], weight, bias, True)
+    # bfloat16 products summed in float32, then the bias added in float32.
+    assert (got - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
+    few = quant_linear(x[: rows - 1], weight, bias)  # the dot-product kernel
+    dot_reference = quant_linear_reference(x[: rows - 1], weight, bias, True)
     assert (few - dot_reference).abs().max().item() <= 1e-5 * dot_reference.abs().max().item()
 
 
@@ -153,8 +139,8 @@ def test_many_rows_where_amx_runs_go_to_the_dense_bfloat16_path() -> None:
 def test_int8_activations_round_as_their_reference_says() -> None:
     """The VNNI path multiplies activations rounded per block of 32 (the reference's rounding,
     not float ones): it is much closer to that reference than to the float product."""
-    if best_quant_isa() < INT8_ACTIVATIONS_LEVEL:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if BEST < INT8_ACTIVATIONS_LEVEL:
+        pytest.skip("this CPU has no AVX512_BF16 / VNNI")
     codes, scales, _ = random_weight(64, 256, 8, None, seed=5)
     weight = pack(codes, scales, None, 8)
     x = torch.randn(4, 256)
@@ -171,7 +157,7 @@ def test_bad_inputs_are_clear_errors() -> None:
     weight = pack(codes, scales, None, 8)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         quant_linear(torch.randn(1, 64).double(), weight, None)
-    with pytest.raises(RuntimeError, match="do not fit x"):
+    with pytest.raises(RuntimeError, match="200 columns, the weight 64"):
         quant_linear(torch.randn(1, 200), weight, None)
     with pytest.raises(ValueError, match="do not tile"):
         pack(codes[:, :48], torch.ones(16, 3), None, 8, group_size=16)
@@ -206,7 +192,7 @@ def test_layers_compute_the_dequantized_product(
         assert (layer.packed is not None) == native_kernels
         if native_kernels:
             assert torch.equal(dequantize(layer.packed), dequantized)
-            reference = quant_linear_reference(x, layer.packed, None, activations_quantized())
+            reference = kernel_reference(x, layer.packed, None)
             torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-4)
         else:  # bfloat16 inputs and outputs
             torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=2e-2, atol=0.2)

@@ -1,4 +1,4 @@
-"""Quantized linears on the native kernels (`csrc/quant_kernels.cpp`): the packed layout they
+"""Quantized linears on the native kernels (`csrc/quant_linear.h`): the packed layout they
 stream, packing into it at load time, and a torch reference of what they compute.
 
 A weight arrives as signed integer codes with a float scale (and optionally an offset) per
@@ -18,25 +18,21 @@ embedding lookup are read back out of it (`packed_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tokenmill.kernels.native import native_kernels
+from tokenmill.kernels.native import ISA_LEVELS, native_kernels
 
 BLOCK_ROWS = 16
 ACTIVATION_BLOCK = 32
 # The first ISA level (tokenmill/kernels/native.py's ISA_LEVELS) whose kernels quantize the
-# activations: AVX-512 with VNNI (a CPU with AVX512_BF16 has VNNI too).
-INT8_ACTIVATIONS_LEVEL = 3
+# activations: avx512_bf16, which includes VNNI; and the level whose AMX tiles take products
+# of many rows (csrc/quant_linear.h).
+INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
+AMX_LEVEL = ISA_LEVELS.index("amx")
 _CENTER = {8: 128, 4: 8}
-# Rows from which a product goes to the dense bfloat16 path where AMX runs it. One thread, 48
-# products of SmolLM2-135M's shapes (int8 and int4 groups of 32), Intel Xeon with AMX, loaded:
-# the VNNI kernel / dequantize + oneDNN bfloat16 took 35 / 41 ms at 64 rows, 67 / 49 at 128,
-# 135 / 60 at 256, 551 / 196 at 1024 (benchmarks/quantized_linear.py --many-rows).
-DENSE_MIN_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -153,28 +149,26 @@ def quantize_activations_reference(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 127.0)).view(rows, width)[:, :cols]
 
 
-def activations_quantized() -> bool:
-    """Whether the kernels quantize activations to int8 (the level in use has VNNI)."""
-    return native_kernels() is not None and quant_isa() >= INT8_ACTIVATIONS_LEVEL
+def activations_quantized(rows: int = 1) -> bool:
+    """Whether the kernels quantize the activations of a product of `rows` rows to int8: at
+    the ISA level in use, VNNI's (AVX512_BF16 and up), below the AMX path's rows."""
+    module = native_kernels()
+    if module is None or module.get_isa() < INT8_ACTIVATIONS_LEVEL:
+        return False
+    return not on_amx_tiles(rows)
 
 
-def quant_isa() -> int:
-    return int(torch.ops.tokenmill.quant_get_isa())
+def on_amx_tiles(rows: int) -> bool:
+    """Whether a product of `rows` rows runs on AMX tiles, with bfloat16 activations and the
+    weight dequantized to bfloat16 chunk by chunk (ISA level amx, `quant_amx_min_rows()`)."""
+    module = native_kernels()
+    return module is not None and module.get_isa() >= AMX_LEVEL and rows >= amx_min_rows()
 
 
-def best_quant_isa() -> int:
-    return int(torch.ops.tokenmill.quant_detect_isa())
-
-
-@contextmanager
-def using_quant_isa(level: int) -> Iterator[int]:
-    """Run the quantized kernels at `level` (at most the CPU's best) inside the block, as
-    TOKENMILL_CPU_ISA does for a process: tests run every path on one machine."""
-    before = quant_isa()
-    try:
-        yield int(torch.ops.tokenmill.quant_set_isa(level))
-    finally:
-        torch.ops.tokenmill.quant_set_isa(before)
+def amx_min_rows() -> int:
+    module = native_kernels()
+    assert module is not None, "quantized kernels need the native kernels"
+    return int(module.quant_amx_min_rows())
 
 
 def quant_linear_reference(
@@ -187,29 +181,12 @@ def quant_linear_reference(
     return out if bias is None else out + bias.float()
 
 
-def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` on the native kernels, for 2-D float32 or bfloat16 `x` on the CPU (the
-    caller checks `native_kernels()` once): the dot-product kernel, or for `DENSE_MIN_ROWS`
-    rows and more where AMX runs bfloat16 tiles, the weight dequantized to bfloat16 for the
-    call and multiplied densely."""
-    if x.shape[0] >= DENSE_MIN_ROWS and dense_bf16_fast():
-        return dense_bf16_linear(x, weight, bias)
-    return torch.ops.tokenmill.quant_linear(
-        x,
-        weight.codes,
-        weight.scales,
-        weight.offsets,
-        bias,
-        weight.bits,
-        weight.group_size,
-        weight.out_features,
-    )
-
-
-def dequantize_transposed(weight: PackedWeight) -> torch.Tensor:
-    """The weight as bfloat16 `[in, out]` (native; rows of the transposed weight are what a
-    block's vector of 16 output rows holds)."""
-    return torch.ops.tokenmill.quant_dequantize_t(
+def native_quant_linear(weight: PackedWeight) -> Any:
+    """The packed weight as the native `PackedLinear` (what a layer calls, and the fused
+    decoder stack multiplies)."""
+    module = native_kernels()
+    assert module is not None, "quantized kernels need the native kernels"
+    return module.PackedLinear.quantized(
         weight.codes,
         weight.scales,
         weight.offsets,
@@ -220,39 +197,24 @@ def dequantize_transposed(weight: PackedWeight) -> torch.Tensor:
     )
 
 
-def dense_bf16_linear(
-    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The many-row path: bfloat16 activations times the weight dequantized to bfloat16 for
-    this call only (freed after it: the layer keeps its packed codes alone)."""
-    out = torch.matmul(x.to(torch.bfloat16), dequantize_transposed(weight))
-    if bias is not None:
-        return torch.add(out, bias).to(x.dtype)  # one pass: bfloat16 + float32 -> float32
-    return out.to(x.dtype)
+def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` on the native kernels for 2-D float32 or bfloat16 `x` (tests; a layer
+    holds its `native_quant_linear` and calls it)."""
+    return native_quant_linear(weight).forward(x, bias, False)
 
 
 def dense_bf16_reference(
     x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """float32 product of what the many-row path multiplies: bfloat16 `x` and weights."""
+    """float32 product of what the AMX path multiplies: bfloat16 `x` and weights."""
     out = x.to(torch.bfloat16).float() @ dequantize(weight).to(torch.bfloat16).float().T
     return out if bias is None else out + bias.float()
 
 
-def dense_bf16_fast() -> bool:
-    """Whether the many-row path runs here: the kernels at their VNNI level (not forced lower)
-    on a CPU whose AMX bfloat16 tiles the OS lets this process use (DENSE_MIN_ROWS)."""
-    if "amx" not in _cache:
-        _cache["amx"] = _amx_bf16_usable()
-    return _cache["amx"] and quant_isa() >= INT8_ACTIVATIONS_LEVEL
-
-
-def _amx_bf16_usable() -> bool:
-    try:  # private torch helpers: checked, not assumed
-        features = torch._C._cpu._get_cpu_capability()
-        return bool(features.get("amx_bf16")) and bool(torch._C._cpu._init_amx())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_cache: dict[str, bool] = {}
+def kernel_reference(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 `x @ W.T + bias` as the kernels compute it at the ISA level in use."""
+    if on_amx_tiles(x.shape[0]):
+        return dense_bf16_reference(x, weight, bias)
+    return quant_linear_reference(x, weight, bias, activations_quantized(x.shape[0]))

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import pack, packed_rows, quant_linear
+from tokenmill.kernels.quant import pack
 from tokenmill.layers.int8_linear import Int8GroupWeight
-from tokenmill.layers.linear import Linear, LinearMethod, check_shape
+from tokenmill.layers.linear import Linear, check_shape
+from tokenmill.layers.quantized_linear import PackedQuantMethod
 
 INT4_GROUP_SIZES = (32, 64, 128)
 # Rows of an int4 weight must divide into torch's kernel's tiles (the native one pads).
@@ -95,11 +96,9 @@ def int4_linear_available() -> bool:
     return True
 
 
-class Int4LinearMethod(LinearMethod):
+class Int4LinearMethod(PackedQuantMethod):
     """Loads float rows (quantized as they arrive: online quantization) or `Int4GroupWeight`s
     of the same group size (a pre-quantized checkpoint's), then packs them for the kernel."""
-
-    holds_float_weight = False
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -131,7 +130,7 @@ class Int4LinearMethod(LinearMethod):
             delattr(layer, name)
         if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
             offsets = weight.zeros if weight.zeros.any() else None
-            layer.packed = pack(weight.codes(), weight.scales, offsets, 4, self.group_size)
+            self.use_packed(layer, pack(weight.codes(), weight.scales, offsets, 4, self.group_size))
             return
         layer.packed = None
         layer.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -140,20 +139,11 @@ class Int4LinearMethod(LinearMethod):
         scale_zeros = torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1)
         layer.scale_zeros = scale_zeros.contiguous().to(_COMPUTE_DTYPE)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed is not None:
-            return quant_linear(x, layer.packed, layer.bias)
+    def torch_apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(_COMPUTE_DTYPE), layer.packed_weight, self.group_size, layer.scale_zeros
         ).to(x.dtype)
         return out if layer.bias is None else out + layer.bias
-
-    def dequantize_rows(self, layer: Linear, rows: torch.Tensor) -> torch.Tensor:
-        """float32 rows `rows` of the weight (an embedding's lookup from a tied LM head); only
-        from the native layout (torch's int4 layout is opaque)."""
-        if layer.packed is None:
-            raise NotImplementedError("rows of torch's int4 layout")
-        return packed_rows(layer.packed, rows)
 
 
 def int4_shape_supported(out_features: int, in_features: int, group_size: int) -> bool:

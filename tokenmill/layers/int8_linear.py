@@ -17,12 +17,14 @@ copy and sends more than `MAX_INT8_ROWS` rows to a dense `fallback` method.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import pack, packed_rows, quant_linear
+from tokenmill.kernels.quant import pack
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
+from tokenmill.layers.quantized_linear import PackedQuantMethod
 
 # Rows up to which a draft's int8 product runs; more go to its float fallback.
 MAX_INT8_ROWS = 4
@@ -95,7 +97,7 @@ def int8_linear_available() -> bool:
     return True
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(PackedQuantMethod):
     """int8 codes with a scale per output row (`group_size` None) or per group, and offsets
     for groups where the checkpoint has them. Loads float rows (quantized as they arrive:
     online quantization), `Int8GroupWeight`s (kept as they are) or `Int4GroupWeight`s (their
@@ -173,7 +175,9 @@ class Int8LinearMethod(LinearMethod):
             if hasattr(layer, name):
                 delattr(layer, name)
         if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
-            layer.packed = pack(weight.values, weight.scales, weight.offsets, 8, self.group_size)
+            self.use_packed(
+                layer, pack(weight.values, weight.scales, weight.offsets, 8, self.group_size)
+            )
             return
         if weight.scales.shape[1] > 1 or weight.offsets is not None:
             weight = quantize_int8(weight.dequantize())  # torch's kernel: per-row scales only
@@ -181,10 +185,22 @@ class Int8LinearMethod(LinearMethod):
         layer.qweight, layer.row_scales = weight.values, weight.scales[:, 0].to(_TORCH_DTYPE)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.fallback is not None and x.shape[0] > self.max_rows:
+        if self._falls_back(x):
             return self.fallback.apply(layer, x)
-        if layer.packed is not None:
-            return quant_linear(x, layer.packed, layer.bias)
+        return super().apply(layer, x)
+
+    def apply_float32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._falls_back(x):
+            return self.fallback.apply_float32(layer, x)
+        return super().apply_float32(layer, x)
+
+    def _falls_back(self, x: torch.Tensor) -> bool:
+        return self.fallback is not None and x.shape[0] > self.max_rows
+
+    def native_linear(self, layer: Linear) -> Any | None:
+        return None if self.fallback is not None else super().native_linear(layer)
+
+    def torch_apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int8pack_mm(
             x.to(_TORCH_DTYPE), layer.qweight, layer.row_scales
         ).to(x.dtype)
@@ -193,7 +209,7 @@ class Int8LinearMethod(LinearMethod):
     def dequantize_rows(self, layer: Linear, rows: torch.Tensor) -> torch.Tensor:
         """float32 rows `rows` of the weight (an embedding's lookup from a tied LM head)."""
         if layer.packed is not None:
-            return packed_rows(layer.packed, rows)
+            return super().dequantize_rows(layer, rows)
         return layer.qweight[rows].float() * layer.row_scales[rows].float()[:, None]
 
     def weight_bytes(self, layer: Linear) -> int:
