@@ -8,9 +8,10 @@ One pass is each layer's four products for `--layers` copies (so that the weight
 memory as in a model, not from cache) at each row count. Formats: float32 through oneDNN (the
 engine's CPU default), bfloat16 `F.linear` (oneDNN; AMX tiles where the CPU has them), the
 native kernels' int8 per row, int8 in groups of 32 (GGUF Q8_0) and int4 in groups of 32 with
-offsets (Q4_K, `--quantization int4`) as the layers run them (dot-product kernel; the dense
-bfloat16 path from `DENSE_MIN_ROWS` rows where AMX runs), and torch's `_weight_int8pack_mm`
-/ `_weight_int4pack_mm_for_cpu` (the fallback without a compiler). Interleaved repeats,
+offsets (Q4_K, `--quantization int4`) as the layers run them (dot-product kernel; AMX tiles
+on chunk-wise bfloat16 dequantization from `quant_amx_min_rows()` rows where AMX runs), and
+torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (the fallback without a
+compiler). Interleaved repeats,
 medians, milliseconds per pass and the ratio to float32. With one thread (the default) times
 are the thread's CPU time, which load from other jobs disturbs least.
 """
