@@ -1,21 +1,24 @@
-"""Quantized linear layers vs float ones, on the shapes of SmolLM2-135M (hidden 576, 9 / 3
-heads of 64, MLP 1536, 30 layers: 120 products per token).
+"""Quantized linear products against float ones and against torch's int8/int4 ops, on the
+shapes of SmolLM2-135M (hidden 576, 9 / 3 heads of 64, MLP 1536: qkv, o, gate_up, down).
 
-    python benchmarks/quantized_linear.py [--repeats 5] [--e2e] [--e2e-tokens 32]
+    python benchmarks/quantized_linear.py [--rows 1,8,16,64,128,256,1024] [--layers 30]
+        [--repeats 5] [--threads 1]
 
-Micro: one token's (and 16 tokens') 120 products through 30 copies of each layer (so the
-weights stream from memory as in a model, not from cache), for float32 (oneDNN, the engine's
-CPU default), bfloat16 (F.linear), int8 (per channel) and int4 (groups of 32); interleaved
-repeats, medians, each format's time as a ratio to float32. With --e2e, offline generation
-with the random SmolLM2-shaped model (benchmarks/make_smollm_shaped_model.py) at batch 1 and
-16 (128-token prompts, --e2e-tokens generated, greedy): output tokens/s of --quantization
-int8 / int4 against the default, interleaved.
+One pass is each layer's four products for `--layers` copies (so that the weights stream from
+memory as in a model, not from cache) at each row count. Formats: float32 through oneDNN (the
+engine's CPU default), bfloat16 `F.linear` (oneDNN; AMX tiles where the CPU has them), the
+native kernels' int8 per row, int8 in groups of 32 (GGUF Q8_0) and int4 in groups of 32 with
+offsets (Q4_K, `--quantization int4`) as the layers run them (dot-product kernel; AMX tiles
+on chunk-wise bfloat16 dequantization from `quant_amx_min_rows()` rows where AMX runs), and
+torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (the fallback without a
+compiler). Interleaved repeats,
+medians, milliseconds per pass and the ratio to float32. With one thread (the default) times
+are the thread's CPU time, which load from other jobs disturbs least.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -29,102 +32,91 @@ from tokenmill.layers.linear import DenseLinearMethod, Linear, LinearMethod, One
 
 # (in, out) of qkv, o, gate_up, down in SmolLM2-135M.
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
-NUM_LAYERS = 30
-FORMATS: dict[str, tuple[torch.dtype, Callable[[], LinearMethod]]] = {
-    "float32": (torch.float32, OneDNNLinearMethod),
-    "bfloat16": (torch.bfloat16, lambda: DenseLinearMethod(torch.bfloat16)),
-    "int8": (torch.bfloat16, Int8LinearMethod),
-    "int4-g32": (torch.bfloat16, lambda: Int4LinearMethod(32)),
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+def layer(method: LinearMethod, weight: torch.Tensor) -> Product:
+    out_features, in_features = weight.shape
+    dense = method.holds_float_weight
+    param = nn.Parameter(weight, requires_grad=False) if dense else None
+    linear = Linear(in_features, out_features, method, weight=param, dtype=weight.dtype)
+    if not dense:
+        method.load_weight(linear, weight.float(), 0)
+    method.process_weights_after_loading(linear)
+    return linear
+
+
+def torch_int8(weight: torch.Tensor) -> Product:
+    scales = weight.abs().amax(dim=1) / 127
+    codes = (weight / scales[:, None]).round().to(torch.int8)
+    scales = scales.to(torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), codes, scales)
+
+
+def torch_int4(weight: torch.Tensor) -> Product:
+    out_features, in_features = weight.shape
+    codes = torch.randint(0, 16, weight.shape, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scale_zeros = torch.full((in_features // 32, out_features, 2), 0.01, dtype=torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), packed, 32, scale_zeros
+    )
+
+
+FORMATS: dict[str, Callable[[torch.Tensor], Product]] = {
+    "float32": lambda w: layer(OneDNNLinearMethod(), w),
+    "bfloat16": lambda w: layer(DenseLinearMethod(torch.bfloat16), w.bfloat16()),
+    "int8": lambda w: layer(Int8LinearMethod(), w),
+    "int8-g32": lambda w: layer(Int8LinearMethod(32), w),
+    "int4-g32": lambda w: layer(Int4LinearMethod(32), w),
+    "torch-int8": torch_int8,
+    "torch-int4": torch_int4,
 }
 
 
-def build(fmt: str) -> list[Linear]:
-    dtype, method = FORMATS[fmt]
-    layers = []
-    for _ in range(NUM_LAYERS):
-        for in_features, out_features in SHAPES:
-            linear = nn.Linear(in_features, out_features, bias=False).to(dtype)
-            layer = Linear.from_module(linear, method())
-            if not layer.quant_method.holds_float_weight:
-                layer.quant_method.load_weight(layer, linear.weight.detach().float(), 0)
-            layer.quant_method.process_weights_after_loading(layer)
-            layers.append(layer)
-    return layers
-
-
-def time_products(layers: list[Linear], rows: int, dtype: torch.dtype) -> float:
-    inputs = {n: torch.randn(rows, n, dtype=dtype) for n, _ in SHAPES}
-    start = time.perf_counter()
-    for layer in layers:
-        layer(inputs[layer.in_features])
-    return time.perf_counter() - start
-
-
-def micro(repeats: int) -> None:
-    models = {fmt: build(fmt) for fmt in FORMATS}
-    print(f"{'rows':>4} " + " ".join(f"{fmt + ' ms':>12}" for fmt in FORMATS) + "  (x float32)")
-    with torch.inference_mode():
-        for rows in (1, 16):
-            times: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
-            for _ in range(repeats + 1):  # the first round warms up
-                for fmt, layers in models.items():
-                    times[fmt].append(time_products(layers, rows, FORMATS[fmt][0]))
-            medians = {fmt: statistics.median(t[1:]) * 1e3 for fmt, t in times.items()}
-            cells = " ".join(f"{m:>12.2f}" for m in medians.values())
-            ratios = " ".join(f"{medians[f] / medians['float32']:.2f}" for f in FORMATS)
-            print(f"{rows:>4} {cells}  ({ratios})", flush=True)
-
-
-def e2e(repeats: int, max_tokens: int, batches: tuple[int, ...]) -> None:
-    from make_smollm_shaped_model import model_dir
-
-    from tokenmill import LLM, SamplingParams
-
-    model = str(model_dir())
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    rng = random.Random(0)
-    settings = {"default": None, "int8": "int8", "int4": "int4"}
-    print(f"{'batch':>5} " + " ".join(f"{s + ' tok/s':>14}" for s in settings) + "  (x default)")
-    for batch in batches:
-        engines = {
-            name: LLM(
-                model=model,
-                max_num_seqs=batch,
-                quantization=q,
-                max_model_len=512,
-                kv_cache_memory=2**28,
-            )
-            for name, q in settings.items()
-        }
-        prompts = [[rng.randrange(10, 2000) for _ in range(128)] for _ in range(batch)]
-        rates: dict[str, list[float]] = {name: [] for name in engines}
-        for _ in range(repeats):
-            for name, llm in engines.items():
-                llm.reset_prefix_cache()
-                start = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                seconds = time.perf_counter() - start
-                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
-        medians = {name: statistics.median(r) for name, r in rates.items()}
-        cells = " ".join(f"{m:>14.1f}" for m in medians.values())
-        ratios = " ".join(f"{medians[n] / medians['default']:.2f}" for n in settings)
-        print(f"{batch:>5} {cells}  ({ratios})", flush=True)
-        del engines
+def time_pass(products: list[Product], inputs: dict[int, torch.Tensor], clock) -> float:
+    start = clock()
+    for product, in_features in products:
+        product(inputs[in_features])
+    return clock() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,8,16,64,128,256,1024")
+    parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--e2e", action="store_true", help="also offline generation")
-    parser.add_argument("--e2e-tokens", type=int, default=32)
-    parser.add_argument("--no-micro", action="store_true", help="skip the per-layer products")
-    parser.add_argument("--batches", default="1,16", help="e2e batch sizes")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
-    if not args.no_micro:
-        micro(args.repeats)
-    if args.e2e:
-        batches = tuple(int(b) for b in args.batches.split(","))
-        e2e(max(args.repeats // 2, 1), args.e2e_tokens, batches)
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    formats = args.formats.split(",")
+    generator = torch.Generator().manual_seed(0)
+    weights = [
+        torch.randn(out_features, in_features, generator=generator) * 0.05
+        for _ in range(args.layers)
+        for in_features, out_features in SHAPES
+    ]
+    passes = {f: [(FORMATS[f](w), w.shape[1]) for w in weights] for f in formats}
+    print(f"{'rows':>5} " + " ".join(f"{f + ' ms':>14}" for f in formats) + "  (x float32)")
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            inputs = {k: torch.randn(rows, k, generator=generator) for k, _ in SHAPES}
+            times: dict[str, list[float]] = {f: [] for f in formats}
+            for _ in range(args.repeats + 1):  # the first round warms up
+                for f in formats:
+                    dtype_inputs = {k: v.to(_dtype(f)) for k, v in inputs.items()}
+                    times[f].append(time_pass(passes[f], dtype_inputs, clock))
+            medians = {f: statistics.median(t[1:]) * 1e3 for f, t in times.items()}
+            cells = " ".join(f"{m:>14.2f}" for m in medians.values())
+            base = medians.get("float32")
+            ratios = " ".join(f"{m / base:.2f}" for m in medians.values()) if base else ""
+            print(f"{rows:>5} {cells}  ({ratios})", flush=True)
+
+
+def _dtype(fmt: str) -> torch.dtype:
+    return torch.bfloat16 if fmt == "bfloat16" else torch.float32
 
 
 if __name__ == "__main__":

@@ -47,3 +47,16 @@ def tiny_checkpoint(
         return cache[key]
 
     return build
+
+
+@pytest.fixture(params=["float", "int8"], ids=lambda path: f"{path}-activations")
+def activation_tolerance(request: pytest.FixtureRequest):
+    """Runs the test with the quantized kernels' float or int8 (VNNI) activations; the value
+    is that path's |logprob - reference| tolerance. Skips a path this CPU cannot run."""
+    from tokenmill_testing.quantized_checkpoints import Unavailable, activation_path
+
+    try:
+        with activation_path(request.param) as tolerance:
+            yield tolerance
+    except Unavailable as reason:
+        pytest.skip(str(reason))

@@ -1,7 +1,8 @@
 """GGUF files from the random Hugging Face test checkpoints, written as llama.cpp's converter
 writes them (its tensor names, q/k rows permuted for its RoPE, the tokenizer in the metadata)
-with the weights in a chosen GGML type. The gguf package quantizes Q8_0 and Q4_0; it has no
-Q4_K encoder, so `encode_q4_k` (round to nearest, valid blocks) is here."""
+with the weights in a chosen GGML type. The gguf package quantizes Q8_0, Q5_0 and Q4_0; it has
+no K-quant encoders, so round-to-nearest ones for Q4_K, Q5_K and Q6_K are here (valid blocks,
+read back by the gguf package's own decoders in the tests)."""
 
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[module]}.{suffix}"
 
 
-def encode_q4_k(weight: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of `weight` `[rows, cols]` (cols a multiple of 256): uint8 `[rows, cols //
-    256 * 144]`. Per group of 32: min (at most 0) and range onto 0..15; 6-bit scales and mins
-    relative to the block's fp16 `d` and `dmin`."""
-    rows = weight.shape[0]
+def _k_quant(weight: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's shared part for `weight` `[rows, cols]` (cols a multiple of 256): per
+    group of 32 its min (at most 0) and range onto 0..levels-1, 6-bit scales and mins relative
+    to the block's fp16 `d` and `dmin`. Returns (the first 16 bytes of each block: d, dmin,
+    packed scales, `[blocks, 16]`; the values `[blocks, 8, 32]`)."""
     groups = weight.astype(np.float32).reshape(-1, 8, 32)
     low = np.minimum(groups.min(axis=-1), 0)
-    step = np.maximum((groups.max(axis=-1) - low) / 15, 1e-8)
+    step = np.maximum((groups.max(axis=-1) - low) / (levels - 1), 1e-8)
     d = (step.max(axis=-1) / 63).astype(np.float16)
     dmin = np.maximum(-low.max(axis=-1, initial=0), -low.min(axis=-1)) / 63
     dmin = np.maximum(dmin, 1e-8).astype(np.float16)
@@ -63,7 +64,8 @@ def encode_q4_k(weight: np.ndarray) -> np.ndarray:
     m = np.clip(np.round(-low / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
     scale = d.astype(np.float32)[:, None] * sc
     offset = dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.round((groups + offset[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    q = np.round((groups + offset[..., None]) / scale[..., None])
+    q = np.clip(q, 0, levels - 1).astype(np.uint8)
     packed_scales = np.concatenate(
         [
             (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
@@ -72,23 +74,67 @@ def encode_q4_k(weight: np.ndarray) -> np.ndarray:
         ],
         axis=1,
     )
-    qs = q.reshape(-1, 4, 2, 32)
-    nibbles = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(-1, 128)
+    head = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales],
+        axis=1,
+    )
+    return head, q
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """`[blocks, 8, 32]` values -> 128 bytes: chunk c holds group 2c low, 2c + 1 high."""
+    qs = (q & 0x0F).reshape(-1, 4, 2, 32)
+    return (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def encode_q4_k(weight: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of `weight` `[rows, cols]`: uint8 `[rows, cols // 256 * 144]`, round to
+    nearest (valid blocks; llama.cpp searches its scales, this does not)."""
+    head, q = _k_quant(weight, 16)
+    return np.concatenate([head, _low_nibbles(q)], axis=1).reshape(weight.shape[0], -1)
+
+
+def encode_q5_k(weight: np.ndarray) -> np.ndarray:
+    """Q5_K blocks (176 bytes per 256 weights): Q4_K's with a fifth bit per weight (qh: bit g
+    of byte l is weight l of group g)."""
+    head, q = _k_quant(weight, 32)
+    high = (q >> 4) & 1  # [blocks, 8, 32]
+    qh = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
+    blocks = np.concatenate([head, qh, _low_nibbles(q)], axis=1)
+    return blocks.reshape(weight.shape[0], -1)
+
+
+def encode_q6_k(weight: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (210 bytes per 256 weights): an int8 scale per 16 relative to the block's
+    fp16 `d`, values -32..31 stored + 32 as 4 low bits (ql) and 2 high ones (qh)."""
+    groups = weight.astype(np.float32).reshape(-1, 16, 16)
+    step = np.maximum(np.abs(groups).max(axis=-1) / 31.5, 1e-8)  # [blocks, 16]
+    d = (step.max(axis=-1) / 127).astype(np.float16)
+    sc = np.clip(np.round(step / d.astype(np.float32)[:, None]), 1, 127).astype(np.int8)
+    scale = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.round(groups / scale[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128
+    ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)  # [blocks, 2, 64]
+    pairs = ((q >> 4) & 3).reshape(-1, 2, 4, 32)
+    qh = (pairs << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2)
     blocks = np.concatenate(
         [
+            ql.reshape(-1, 128),
+            qh.astype(np.uint8).reshape(-1, 64),
+            sc.view(np.uint8),
             d.view(np.uint8).reshape(-1, 2),
-            dmin.view(np.uint8).reshape(-1, 2),
-            packed_scales,
-            nibbles,
         ],
         axis=1,
     )
-    return blocks.reshape(rows, -1)
+    return blocks.reshape(weight.shape[0], -1)
+
+
+_ENCODERS = {Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k, Q.Q6_K: encode_q6_k}
 
 
 def encode(weight: np.ndarray, qtype: Q) -> np.ndarray:
-    if qtype == Q.Q4_K:
-        return encode_q4_k(weight)
+    if qtype in _ENCODERS:
+        return _ENCODERS[qtype](weight)
     return gguf.quants.quantize(weight, qtype)
 
 

@@ -17,23 +17,31 @@ from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod
 from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
+from tokenmill.quantization.embedding import QuantizedEmbedding
 from tokenmill_testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
 from tokenmill_testing.quantized_checkpoints import (
-    agreed_lengths,
-    greedy,
+    activation_path,
+    compare_with_reference,
     random_prompts,
-    reference_run,
     save_dequantized_checkpoint,
 )
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
-# |logprob - reference| allowed, per type. F16 and BF16 are dequantized (measured 0.000).
-# Q4_0 / Q4_K blocks go into the int4 layout exactly but for bfloat16 scales, zeros and
-# activations (measured 0.04 / 0.05). Q8_0's blocks of 32 are requantized per output row,
-# the int8 kernel's layout, which adds a rounding of its own (measured 0.11).
-TOLERANCE = {Q.F16: 0.02, Q.BF16: 0.02, Q.Q8_0: 0.3, Q.Q4_0: 0.25, Q.Q4_K: 0.25}
-EXPECTED_METHOD = {Q.F16: None, Q.BF16: None, Q.Q8_0: Int8LinearMethod, Q.Q4_0: Int4LinearMethod}
-EXPECTED_METHOD[Q.Q4_K] = Int4LinearMethod
+# Every quantized type's blocks go into an int8 or int4 layout as they are (scales rounded to
+# float16: exact for all but the K-quants' d x sc products), the LM head and the embedding
+# too; F16 and BF16 are dequantized. Tolerances by kernel path (quantized_checkpoints.py):
+# with float activations measured 0.000-0.002.
+EXPECTED_METHOD = {
+    Q.F16: None,
+    Q.BF16: None,
+    Q.Q8_0: Int8LinearMethod,
+    Q.Q5_0: Int8LinearMethod,
+    Q.Q5_K: Int8LinearMethod,
+    Q.Q6_K: Int8LinearMethod,
+    Q.Q4_0: Int4LinearMethod,
+    Q.Q4_K: Int4LinearMethod,
+}
+HEADS = ("token_embd.weight", "output.weight")
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +68,26 @@ def gguf_round_trip(qtype: Q, num_heads: int, num_kv_heads: int):
     return round_trip
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
-def test_gguf_matches_the_dequantized_float_model(checkpoint, tmp_path: Path, qtype) -> None:
-    path = save_gguf(checkpoint, tmp_path / "model.gguf", qtype)
+@pytest.mark.parametrize("qtype", list(EXPECTED_METHOD), ids=lambda q: q.name)
+def test_gguf_matches_the_dequantized_float_model(
+    checkpoint, tmp_path: Path, qtype, activation_tolerance: float
+) -> None:
+    """Decoder, LM head and embedding all in `qtype` (llama.cpp's pure mixes)."""
+    path = save_gguf(checkpoint, tmp_path / "model.gguf", qtype, dict.fromkeys(HEADS, qtype))
+    round_trip = gguf_round_trip(qtype, 4, 2)
     reference_dir = save_dequantized_checkpoint(
-        checkpoint, tmp_path / "ref", gguf_round_trip(qtype, 4, 2)
+        checkpoint, tmp_path / "ref", round_trip, lambda w: round_trip("head", w)
     )
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     method = EXPECTED_METHOD[qtype]
-    decoder = [m for n, m in llm.engine.runner.model.named_modules() if n.startswith("layers.")]
-    linears = [m for m in decoder if isinstance(m, Linear)]
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert method is None or all(isinstance(m.quant_method, method) for m in linears)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) == (method is not None)
     prompts = random_prompts(llm.engine.vocab_size)
-    expected, ref_logprobs = reference_run(reference_dir, prompts)
-    outputs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
-    agreed = agreed_lengths([o.outputs[0].token_ids for o in outputs], expected, ref_logprobs)
-    max_diff = 0.0
-    for output, ref, length in zip(outputs, ref_logprobs, agreed, strict=True):
-        for position, logprobs in enumerate(output.outputs[0].logprobs[: length + 1]):
-            for candidate, logprob in logprobs.items():
-                max_diff = max(max_diff, abs(logprob.logprob - ref[position, candidate].item()))
+    max_diff = compare_with_reference(llm, reference_dir, prompts, activation_tolerance)
     print(f"{qtype.name}: max |logprob - reference| = {max_diff:.3f}")
-    assert max_diff < TOLERANCE[qtype]
+    assert max_diff < activation_tolerance
 
 
 def test_the_tokenizer_comes_from_the_gguf_metadata(checkpoint, tmp_path: Path) -> None:
@@ -92,15 +98,35 @@ def test_the_tokenizer_comes_from_the_gguf_metadata(checkpoint, tmp_path: Path) 
     assert from_gguf(text).input_ids == from_dir(text).input_ids
 
 
-def test_a_mixed_fused_layer_is_dequantized_and_named(checkpoint, tmp_path, caplog) -> None:
-    """q and k in Q4_K, v in Q8_0 (llama.cpp's *_M mixes): no single layout holds the fused
-    QKV, so it is dequantized, and the log line names it."""
-    overrides = {f"blk.{i}.attn_v.weight": Q.Q8_0 for i in range(2)}
+def test_a_mixed_fused_layer_keeps_every_part_exactly(checkpoint, tmp_path: Path) -> None:
+    """q and k in Q4_K, v in Q6_K (llama.cpp's *_M mixes): the fused QKV is held as int8 in
+    groups of 16, which hold both types' blocks as they are; the engine computes the model
+    `gguf.quants.dequantize` reads (float activations: to float32 rounding)."""
+    mixed = {f"blk.{i}.attn_v.weight": Q.Q6_K for i in range(2)}
+    path = save_gguf(checkpoint, tmp_path / "mixed.gguf", Q.Q4_K, mixed)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    model = llm.engine.runner.model
+    assert model.layers[0].self_attn.qkv_proj.quant_method.weight_format == "int8-g16"
+    assert isinstance(model.layers[0].mlp.down_proj.quant_method, Int4LinearMethod)
+    q4_k, q6_k = gguf_round_trip(Q.Q4_K, 4, 2), gguf_round_trip(Q.Q6_K, 4, 2)
+    reference_dir = save_dequantized_checkpoint(
+        checkpoint,
+        tmp_path / "ref",
+        lambda name, w: (q6_k if ".v_proj." in name else q4_k)(name, w),
+    )
+    with activation_path("float") as tolerance:
+        max_diff = compare_with_reference(llm, reference_dir, random_prompts(1024), tolerance)
+    assert max_diff < tolerance
+
+
+def test_a_type_without_an_int_form_is_dequantized_and_named(checkpoint, tmp_path, caplog) -> None:
+    """A fused layer with an F16 part: dequantized to floats, and the log line names it."""
+    overrides = {f"blk.{i}.attn_v.weight": Q.F16 for i in range(2)}
     path = save_gguf(checkpoint, tmp_path / "mixed.gguf", Q.Q4_K, overrides)
     with caplog.at_level("INFO", logger="tokenmill"):
         llm = LLM(model=str(path), dtype="float32", max_model_len=64)
     model = llm.engine.runner.model
-    assert not isinstance(model.layers[0].self_attn.qkv_proj.quant_method, Int4LinearMethod)
+    assert model.layers[0].self_attn.qkv_proj.quant_method.holds_float_weight
     assert isinstance(model.layers[0].mlp.down_proj.quant_method, Int4LinearMethod)
     assert "blk.0.attn_q/attn_k/attn_v" in caplog.text
 

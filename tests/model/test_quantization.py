@@ -16,10 +16,10 @@ from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
 from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
 from tokenmill.layers.linear import Linear
+from tokenmill.quantization.embedding import QuantizedEmbedding
 from tokenmill_testing.quantized_checkpoints import (
-    LOGPROB_TOLERANCE,
-    agreed_lengths,
-    greedy,
+    TOLERANCE,
+    compare_with_reference,
     random_prompts,
     reference_run,
     save_dequantized_checkpoint,
@@ -31,9 +31,9 @@ ROUND_TRIPS: dict[str, Callable[[str, torch.Tensor], torch.Tensor]] = {
     "int4": lambda name, w: quantize_int4(w, 32).dequantize(),
     "int4-g128": lambda name, w: quantize_int4(w, 128).dequantize(),
 }
-# LOGPROB_TOLERANCE (0.25) bounds |logprob - reference| of the top tokens: the kernels compute
-# in bfloat16 (inputs and outputs rounded to 8 bits), the reference in float32. Measured
-# 0.04-0.16 (logits' std 4).
+# The LM head and the embedding: int8 per row whatever the decoder's format.
+HEAD_ROUND_TRIP = lambda w: quantize_int8(w).dequantize()  # noqa: E731
+# Tolerances by kernel path: TOLERANCE in tokenmill_testing/quantized_checkpoints.py.
 
 
 # hidden 128 so that int4-g128 has whole groups; llama tied, qwen2 with biases, qwen3 norms.
@@ -48,42 +48,36 @@ CHECKPOINTS = {
 @pytest.mark.parametrize("scheme", sorted(ROUND_TRIPS))
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_quantized_engine_matches_the_dequantized_float_model(
-    tiny_checkpoint, tmp_path: Path, name: str, scheme: str
+    tiny_checkpoint, tmp_path: Path, name: str, scheme: str, activation_tolerance: float
 ) -> None:
     kwargs = dict(CHECKPOINTS[name])
     checkpoint = tiny_checkpoint(kwargs.pop("architecture", name), **kwargs)
-    reference_dir = save_dequantized_checkpoint(checkpoint, tmp_path / "ref", ROUND_TRIPS[scheme])
+    reference_dir = save_dequantized_checkpoint(
+        checkpoint, tmp_path / "ref", ROUND_TRIPS[scheme], HEAD_ROUND_TRIP
+    )
     llm = LLM(model=str(checkpoint), dtype="float32", quantization=scheme, max_model_len=128)
     prompts = random_prompts(llm.engine.vocab_size)
-    expected, ref_logprobs = reference_run(reference_dir, prompts)
-    outputs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    agreed = agreed_lengths(tokens, expected, ref_logprobs)
-    max_diff = 0.0
-    for output, ref, length in zip(outputs, ref_logprobs, agreed, strict=True):
-        for position, logprobs in enumerate(output.outputs[0].logprobs[: length + 1]):
-            for candidate, logprob in logprobs.items():
-                max_diff = max(max_diff, abs(logprob.logprob - ref[position, candidate].item()))
+    max_diff = compare_with_reference(llm, reference_dir, prompts, activation_tolerance)
     print(f"{name} {scheme}: max |logprob - reference| = {max_diff:.3f}")
-    assert max_diff < LOGPROB_TOLERANCE
+    assert max_diff < activation_tolerance
 
 
 def test_the_float_model_differs_from_the_dequantized_one(tiny_checkpoint, tmp_path) -> None:
     """The comparison above could not pass by accident: int4 rounding changes the float
-    model's logprobs by far more than the tolerance."""
+    model's logprobs by far more than the largest tolerance."""
     checkpoint = tiny_checkpoint("llama", **CHECKPOINTS["llama"])
     reference_dir = save_dequantized_checkpoint(checkpoint, tmp_path / "ref", ROUND_TRIPS["int4"])
     prompts = random_prompts(1024)
     _, float_logprobs = reference_run(checkpoint, prompts)
     _, int4_logprobs = reference_run(reference_dir, prompts)
     worst = max((a - b).abs().max().item() for a, b in zip(float_logprobs, int4_logprobs))
-    assert worst > LOGPROB_TOLERANCE
+    assert worst > max(TOLERANCE.values())
 
 
 @pytest.mark.parametrize(
     ("scheme", "method"), [("int8", Int8LinearMethod), ("int4", Int4LinearMethod)]
 )
-def test_decoder_linears_are_quantized_and_the_lm_head_is_not(
+def test_decoder_linears_take_the_scheme_and_the_head_is_int8(
     tiny_checkpoint, scheme: str, method: type, caplog: pytest.LogCaptureFixture
 ) -> None:
     checkpoint = tiny_checkpoint("llama", **CHECKPOINTS["llama"])
@@ -94,8 +88,26 @@ def test_decoder_linears_are_quantized_and_the_lm_head_is_not(
     decoder = [m for n, m in linears.items() if n.startswith("layers.")]
     assert len(decoder) == 4 * model.shape.num_layers
     assert all(isinstance(m.quant_method, method) for m in decoder)
-    assert not isinstance(linears["lm_head"].quant_method, Int8LinearMethod | Int4LinearMethod)
-    assert "LM head keep their own format" in caplog.text
+    assert linears["lm_head"].quant_method.weight_format == "int8"
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert model.embed_tokens.weight_format == "int8"
+    assert "LM head and the embedding choose their own format" in caplog.text
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["llama", "llama-tied"])
+def test_a_quantized_model_holds_no_float_weights(tiny_checkpoint, name: str, scheme: str) -> None:
+    """Only the packed weights are kept: no float matrix beside them (norms and biases are
+    vectors), and a tied embedding reads the LM head's rows (one table)."""
+    kwargs = dict(CHECKPOINTS[name])
+    checkpoint = tiny_checkpoint(kwargs.pop("architecture", name), **kwargs)
+    llm = LLM(model=str(checkpoint), dtype="float32", quantization=scheme, max_model_len=64)
+    model = llm.engine.runner.model
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    matrices = [n for n, t in tensors if t.is_floating_point() and t.dim() >= 2]
+    assert [n for n in matrices if "rotary" not in n] == []
+    if model.shape.tie_word_embeddings:
+        assert model.embed_tokens.rows_owner() is model.lm_head
 
 
 def test_unknown_quantization_is_a_config_error(tiny_checkpoint) -> None:

@@ -50,7 +50,8 @@ const report = {};
 if (source.onopen) source.onopen();
 report.opened = seen("connection");
 source.on.setup({ data: JSON.stringify(setup) });
-report.setUp = { connection: seen("connection"), steps: seen("steps-empty") };
+report.setUp = { connection: seen("connection"), steps: seen("steps-empty"),
+  weights: seen("weights") };
 source.on.update({ data: JSON.stringify(update) });
 report.updated = { connection: seen("connection"), steps: seen("steps-empty"),
   latency: seen("latency-empty"), texts };
@@ -88,12 +89,20 @@ def test_every_canvas_has_a_fixed_css_height() -> None:
 
 @pytest.fixture(scope="module")
 def idle_feed_events(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=128))
+    """A quantized engine's, so that the weight format is not the model's dtype."""
+    config = EngineConfig(model=str(model_dir), max_model_len=128, quantization="int8")
+    engine = LLMEngine(config)
     try:
         feed = DashboardFeed(AsyncEngine(engine, log_stats_interval=None), "m", {})
         return feed.setup(), feed.update()
     finally:
         engine.shutdown()
+
+
+def test_the_setup_names_the_weight_format_as_v1_models_does(idle_feed_events) -> None:
+    setup, _ = idle_feed_events
+    assert setup["weight_format"].startswith("int8 (")
+    assert "int8 lm_head" in setup["weight_format"]
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
@@ -116,6 +125,7 @@ def test_the_page_goes_live_on_its_first_update_and_labels_no_empty_scale(
     assert report["opened"]["state"] == "connecting"  # an open stream is not yet numbers
     assert report["setUp"]["connection"]["text"] == "connecting"
     assert "idle" not in report["setUp"]["steps"]["text"]
+    assert report["setUp"]["weights"]["text"] == f"weights {setup['weight_format']}"
     updated = report["updated"]
     assert updated["connection"] == {"state": "live", "text": "live", "hidden": False}
     assert updated["steps"]["text"] == "No steps in this window: the engine is idle."

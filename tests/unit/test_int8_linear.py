@@ -1,6 +1,7 @@
-"""Weight-only int8 linears compute nn.Linear's product up to the quantization of their weight
-(each row to 127 steps of its largest entry) and of their input (bfloat16); a draft's layer,
-which keeps its float weight, gives more rows the float layer's product itself."""
+"""int8 linears compute nn.Linear's product up to the quantization of their weight (each row to
+127 steps of its largest entry) and of their input (int8 per block of 32 with the native
+kernels on a VNNI CPU, bfloat16 in torch's kernel); a draft's layer, which keeps its float
+weight, gives more rows the float layer's product itself."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from tokenmill.kernels.quant import dequantize, kernel_reference, on_amx_tiles
 from tokenmill.layers.int8_linear import (
     MAX_INT8_ROWS,
-    Int8ChannelWeight,
+    Int8GroupWeight,
     Int8LinearMethod,
     int8_linear,
     int8_linear_available,
@@ -48,7 +50,9 @@ def test_many_rows_take_the_float_layer(rows: int) -> None:
     linear = nn.Linear(256, 160)
     x = torch.randn(rows, 256)
     with torch.inference_mode():
-        assert torch.equal(draft_linear(linear)(x), linear(x))
+        layer = draft_linear(linear)
+        assert torch.equal(layer(x), linear(x))
+        assert torch.equal(layer.forward_float32(x), linear(x))  # a draft's LM head: logits
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -59,6 +63,12 @@ def test_without_a_fallback_every_row_count_is_the_dequantized_product(rows: int
     weight = torch.randn(96, 128)
     layer = int8_linear(weight, None)
     x = torch.randn(rows, 128)
+    if layer.packed is not None:  # the native kernel: its own reference, exactly
+        reference = kernel_reference(x, layer.packed, None)
+        tolerance = 1e-3 if on_amx_tiles(rows) else 1e-5  # AMX: float32 sums of bf16 products
+        torch.testing.assert_close(layer(x), reference, rtol=tolerance, atol=100 * tolerance)
+        assert torch.equal(dequantize(layer.packed), quantize_int8(weight).dequantize())
+        return
     reference = x @ quantize_int8(weight).dequantize().T
     # bfloat16 keeps 8 bits: outputs of magnitude ~10 round by up to ~0.06.
     torch.testing.assert_close(layer(x), reference, rtol=2e-2, atol=0.1)
@@ -77,7 +87,9 @@ def test_loads_fused_parts_quantized_or_prequantized_alike() -> None:
             layer.quant_method.load_weight(layer, part, start)
         layer.quant_method.process_weights_after_loading(layer)
         layers.append(layer)
-    assert torch.equal(layers[0].qweight, layers[1].qweight)
-    expected = torch.cat([quantize_int8(top).values, quantize_int8(bottom).values])
-    assert torch.equal(layers[0].qweight, expected)
-    assert isinstance(quantize_int8(top), Int8ChannelWeight)
+    rows = torch.arange(48)
+    got = [layer.quant_method.dequantize_rows(layer, rows) for layer in layers]
+    assert torch.equal(got[0], got[1])
+    expected = torch.cat([quantize_int8(top).dequantize(), quantize_int8(bottom).dequantize()])
+    assert torch.equal(got[0], expected)
+    assert isinstance(quantize_int8(top), Int8GroupWeight)

@@ -8,6 +8,8 @@ register tiles. The plain `[n, k]` weight is not kept.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tokenmill.kernels.native import native_kernels
@@ -23,6 +25,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     module = native_kernels()
     assert module is not None, "packed linears need the native kernels"
     return module.pack_linear_weight(weight.detach().contiguous())
+
+
+def native_dense_linear(packed: torch.Tensor, out_features: int, in_features: int) -> Any:
+    """A packed weight as the native `PackedLinear` the fused decoder stack takes (a view)."""
+    module = native_kernels()
+    assert module is not None, "packed linears need the native kernels"
+    return module.PackedLinear.dense(packed, out_features, in_features)
 
 
 def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ into a directory under the user's cache keyed by the source's hash, torch's vers
 compiler flags: a restart, or another process, reuses it. One process builds at a time, under
 an `flock` that the kernel releases if the builder dies; torch's own lock file, which a killed
 builder leaves behind (and torch then waits on forever), is cleared under it. Building takes
-~50 s of CPU (six files, compiled in parallel), once per machine and source version; it is
+~60 s of CPU (seven files, compiled in parallel), once per machine and source version; it is
 logged.
 
 Where it cannot be built (no compiler, no ninja, an unsupported CPU) every caller falls back to
@@ -24,6 +24,8 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -122,6 +124,19 @@ def active_isa() -> str | None:
     """The instruction set the kernels run (None: the portable torch path)."""
     module = native_kernels()
     return None if module is None else ISA_LEVELS[module.get_isa()]
+
+
+@contextmanager
+def using_isa(level: int) -> Iterator[int]:
+    """Run the kernels at `level` (at most the CPU's best) inside the block, as
+    TOKENMILL_CPU_ISA does for a process: tests run every path on one machine."""
+    module = native_kernels()
+    assert module is not None, "no native kernels here"
+    before = module.get_isa()
+    try:
+        yield module.set_isa(level)
+    finally:
+        module.set_isa(before)
 
 
 def reset_for_tests() -> None:

@@ -1,12 +1,14 @@
-"""Weight-only int4 linear layers: asymmetric groups of `group_size` weights along the input
-dimension, each with a scale and a zero, multiplied by torch's `_weight_int4pack_mm_for_cpu`
-(the kernel behind torchao's int4 weight-only CPU layout) in bfloat16.
+"""int4 linear layers: asymmetric groups of `group_size` weights along the input dimension,
+each with a scale and a zero.
 
 A weight is `(q - 8) * scale + zero` with q in [0, 15]: torch's convention, which also holds
 llama.cpp's Q4_0 (`d * (q - 8)`: zero 0) and Q4_K (`d * sc * q - dmin * m`: scale `d * sc`,
-zero `8 * d * sc - dmin * m`) blocks of 32 exactly, up to the bfloat16 rounding of the scales
-and zeros. The product is in bfloat16 whatever the model's dtype: float32 inputs take a
-reference path about 40x slower here.
+zero `8 * d * sc - dmin * m`) blocks of 32 exactly, up to the float16 rounding of the scales
+and zeros. Where tokenmill's native kernels are built the weight is packed into their
+interleaved layout (`kernels/quant.py`; activations quantized to int8 per token and block of
+32 on CPUs with AVX-512 VNNI); without them it goes to torch's `_weight_int4pack_mm_for_cpu`
+(the kernel behind torchao's int4 CPU layout) in bfloat16 (float32 inputs take a reference
+path about 40x slower there), whose scales and zeros are bfloat16.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers.linear import Linear, LinearMethod, check_shape
+from tokenmill.kernels.native import native_kernels
+from tokenmill.kernels.quant import pack
+from tokenmill.layers.int8_linear import Int8GroupWeight
+from tokenmill.layers.linear import Linear, check_shape
+from tokenmill.layers.quantized_linear import PackedQuantMethod
 
 INT4_GROUP_SIZES = (32, 64, 128)
+# Rows of an int4 weight must divide into torch's kernel's tiles (the native one pads).
+_TORCH_ROW_MULTIPLE = 16
 _COMPUTE_DTYPE = torch.bfloat16
 
 
@@ -47,11 +55,20 @@ class Int4GroupWeight:
     def permute_rows(self, order: torch.Tensor) -> Int4GroupWeight:
         return Int4GroupWeight(self.values[order], self.scales[order], self.zeros[order])
 
+    def codes(self) -> torch.Tensor:
+        """Signed codes, -8..7."""
+        return (self.values.to(torch.int16) - 8).to(torch.int8)
+
+    def as_int8(self) -> Int8GroupWeight:
+        """The same weight as int8 groups (exact: the codes widen)."""
+        return Int8GroupWeight(self.codes(), self.scales.float(), self.zeros.float())
+
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4GroupWeight:
     """Asymmetric round-to-nearest per group: [min, max] of each group onto 0..15. Scales and
-    zeros are rounded to bfloat16 before the weights are, so `dequantize()` is exactly what
-    the kernel multiplies by."""
+    zeros are rounded to bfloat16 (exact in the native kernels' float16 too, and what torch's
+    kernel takes) before the weights are, so `dequantize()` is exactly what the kernels
+    multiply by."""
     weight = weight.detach().float()
     rows, cols = weight.shape
     grouped = weight.view(rows, cols // group_size, group_size)
@@ -63,7 +80,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4GroupWeight:
 
 
 def int4_linear_available() -> bool:
-    """Whether this torch has the CPU kernels (private ops: checked, not assumed)."""
+    """Whether an int4 kernel runs here: the native one, or torch's (private ops: checked,
+    not assumed)."""
+    if native_kernels() is not None:
+        return True
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.zeros(16, 64, dtype=torch.int32), 1
@@ -76,11 +96,9 @@ def int4_linear_available() -> bool:
     return True
 
 
-class Int4LinearMethod(LinearMethod):
+class Int4LinearMethod(PackedQuantMethod):
     """Loads float rows (quantized as they arrive: online quantization) or `Int4GroupWeight`s
     of the same group size (a pre-quantized checkpoint's), then packs them for the kernel."""
-
-    holds_float_weight = False
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -107,16 +125,30 @@ class Int4LinearMethod(LinearMethod):
         layer.qzeros.narrow(0, row_start, rows).copy_(loaded.zeros)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        layer.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            layer.qvalues.to(torch.int32), 1
-        )
-        scale_zeros = torch.stack([layer.qscales, layer.qzeros], dim=-1).transpose(0, 1)
-        layer.scale_zeros = scale_zeros.contiguous().to(_COMPUTE_DTYPE)
+        weight = Int4GroupWeight(layer.qvalues, layer.qscales, layer.qzeros)
         for name in ("qvalues", "qscales", "qzeros"):
             delattr(layer, name)
+        if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
+            offsets = weight.zeros if weight.zeros.any() else None
+            self.use_packed(layer, pack(weight.codes(), weight.scales, offsets, 4, self.group_size))
+            return
+        layer.packed = None
+        layer.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.values.to(torch.int32), 1
+        )
+        scale_zeros = torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1)
+        layer.scale_zeros = scale_zeros.contiguous().to(_COMPUTE_DTYPE)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def torch_apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(_COMPUTE_DTYPE), layer.packed_weight, self.group_size, layer.scale_zeros
         ).to(x.dtype)
         return out if layer.bias is None else out + layer.bias
+
+
+def int4_shape_supported(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether a weight of this shape has an int4 layout here (whole groups; torch's kernel
+    also needs rows in tiles of 16, the native one pads them; both need whole blocks of 32)."""
+    if in_features % group_size or in_features % 32:
+        return False
+    return native_kernels() is not None or out_features % _TORCH_ROW_MULTIPLE == 0

@@ -1,87 +1,128 @@
-"""Weight-only int8 linear layers: int8 weights with one scale per output row, multiplied by
-torch's `_weight_int8pack_mm` (the kernel behind torchao's weight-only int8) in bfloat16.
+"""int8 linear layers: int8 weights with a scale per output row (`--quantization int8`,
+compressed-tensors W8A8) or per group of input columns (GGUF's Q8_0 and Q5_0 blocks of 32,
+Q6_K's of 16, kept as they are), optionally with an offset per group (Q5_K, or Q4_K inside a
+fused layer whose other part is wider).
 
-At a few rows a linear layer streams its weight and does little else, and on a loaded machine
-the weight comes from memory, not cache: a 1536 x 256 float32 product took ~360 us cold
-against ~60 us hot. Stored as int8 the weight is a quarter of the bytes; the int8 kernel with
-bfloat16 inputs ran the same product in ~95 us cold and ~65 us hot (float32 inputs take a
-reference path 20x slower, so the product is always in bfloat16). Outputs differ from float32
-by the quantization (about 0.4 % of a row's range) and the bfloat16 rounding of the input.
+Where tokenmill's native kernels are built (`kernels/quant.py`) the weight is packed into
+their interleaved layout and that is all the layer holds; on a CPU with AVX-512 VNNI the
+activations are quantized to int8 per token and block of 32 at run time (W8A8 dynamic), on
+others they stay float. Without the native kernels the weight goes to torch's
+`_weight_int8pack_mm` (per-row scales only: group scales are folded into one per row, one
+more rounding; the product in bfloat16: float32 inputs take a reference path 20x slower).
 
-The kernel is slow once the product has rows to amortise the weight over: at 8 rows it took
-2.2x oneDNN's float32 time, at 64 rows 2x. A draft network (`spec_decode/head_checkpoint.py`)
-therefore keeps its float weight beside the int8 copy and sends more than `MAX_INT8_ROWS`
-rows to a dense `fallback` method (a draft's layers are small; 4 bytes a weight more).
+A draft network (`spec_decode/head_checkpoint.py`) keeps its float weight beside the int8
+copy and sends more than `MAX_INT8_ROWS` rows to a dense `fallback` method.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from tokenmill.kernels.native import native_kernels
+from tokenmill.kernels.quant import pack
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
+from tokenmill.layers.quantized_linear import PackedQuantMethod
 
 # Rows up to which a draft's int8 product runs; more go to its float fallback.
 MAX_INT8_ROWS = 4
-_COMPUTE_DTYPE = torch.bfloat16
+_TORCH_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
-class Int8ChannelWeight:
-    """A checkpoint's int8 weight: `values` int8 `[rows, in]`, `scales` float `[rows]`
-    (weight = values * scales)."""
+class Int8GroupWeight:
+    """A checkpoint's int8 weight: `values` int8 `[rows, in]`, `scales` float `[rows, groups]`
+    (one group: per output row), `offsets` like scales or None; weight = values * scale +
+    offset over each group of `in / groups` columns."""
 
     values: torch.Tensor
     scales: torch.Tensor
+    offsets: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.values.shape
 
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[1] // self.scales.shape[1]
+
     def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scales.float()[:, None]
+        rows, cols = self.values.shape
+        grouped = self.values.float().view(rows, -1, self.group_size) * self.scales[..., None]
+        if self.offsets is not None:
+            grouped = grouped + self.offsets[..., None]
+        return grouped.view(rows, cols)
+
+    def regroup(self, group_size: int) -> Int8GroupWeight:
+        """The same weight in groups of `group_size` (a divisor of the current size: each
+        scale repeated)."""
+        factor = self.group_size // group_size
+        offsets = None if self.offsets is None else self.offsets.repeat_interleave(factor, 1)
+        return Int8GroupWeight(self.values, self.scales.repeat_interleave(factor, 1), offsets)
+
+    def permute_rows(self, order: torch.Tensor) -> Int8GroupWeight:
+        offsets = None if self.offsets is None else self.offsets[order]
+        return Int8GroupWeight(self.values[order], self.scales[order], offsets)
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8ChannelWeight:
-    """Symmetric per-row int8: each row to 127 steps of its largest magnitude. The scales
-    are rounded to bfloat16 first, so `dequantize()` is what the kernel multiplies by."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8GroupWeight:
+    """Symmetric round-to-nearest per output row (or per group of `group_size` columns): the
+    largest |w| onto 127. Scales are rounded to float16 (the kernels' scale type) first, so
+    `dequantize()` is exactly what the kernels multiply by."""
     weight = weight.detach().float()
-    scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(_COMPUTE_DTYPE).float()
-    values = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Int8ChannelWeight(values, scales)
+    rows, cols = weight.shape
+    grouped = weight.view(rows, -1, cols if group_size is None else group_size)
+    amax = grouped.abs().amax(dim=-1).clamp(min=1e-8)
+    scales = (amax / 127.0).to(torch.float16).float()
+    values = (grouped / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8GroupWeight(values.view(rows, cols), scales)
 
 
 def int8_linear_available() -> bool:
-    """Whether this torch has the CPU kernel (a private op: checked, not assumed)."""
+    """Whether an int8 kernel runs here: the native one, or torch's (a private op: checked,
+    not assumed)."""
+    if native_kernels() is not None:
+        return True
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return False
     try:
         weight = torch.ones(8, 32, dtype=torch.int8)
-        scales = torch.ones(8, dtype=_COMPUTE_DTYPE)
-        torch.ops.aten._weight_int8pack_mm(torch.ones(1, 32, dtype=_COMPUTE_DTYPE), weight, scales)
+        scales = torch.ones(8, dtype=_TORCH_DTYPE)
+        torch.ops.aten._weight_int8pack_mm(torch.ones(1, 32, dtype=_TORCH_DTYPE), weight, scales)
     except (RuntimeError, NotImplementedError):
         return False
     return True
 
 
-class Int8LinearMethod(LinearMethod):
-    """int8 weights (`layer.qweight`) times a scale per output row (`layer.scales`). Loads
-    float rows (quantized as they arrive: online quantization) or `Int8ChannelWeight`s (a
-    pre-quantized checkpoint's, kept as they are). With a `fallback`, the layer keeps its
-    float weight too and products of more than `max_rows` rows are the fallback's."""
+class Int8LinearMethod(PackedQuantMethod):
+    """int8 codes with a scale per output row (`group_size` None) or per group, and offsets
+    for groups where the checkpoint has them. Loads float rows (quantized as they arrive:
+    online quantization), `Int8GroupWeight`s (kept as they are) or `Int4GroupWeight`s (their
+    codes widened, exactly). With a `fallback`, the layer keeps its float weight too and
+    products of more than `max_rows` rows are the fallback's."""
 
-    weight_format = "int8"
-
-    def __init__(self, fallback: LinearMethod | None = None, max_rows: int = MAX_INT8_ROWS):
+    def __init__(
+        self,
+        group_size: int | None = None,
+        fallback: LinearMethod | None = None,
+        max_rows: int = MAX_INT8_ROWS,
+    ) -> None:
+        self.group_size = group_size
         self.fallback = fallback
         self.max_rows = max_rows
         self.holds_float_weight = fallback is not None
+        self.weight_format = "int8" if group_size is None else f"int8-g{group_size}"
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:
-        shape = (layer.out_features, layer.in_features)
-        layer.register_buffer("qweight", torch.zeros(shape, dtype=torch.int8))
-        layer.register_buffer("scales", torch.zeros(layer.out_features))
+        rows, cols = layer.out_features, layer.in_features
+        groups = 1 if self.group_size is None else cols // self.group_size
+        layer.register_buffer("qweight", torch.zeros(rows, cols, dtype=torch.int8))
+        layer.register_buffer("scales", torch.zeros(rows, groups))
+        if self.group_size is not None:
+            layer.register_buffer("offsets", torch.zeros(rows, groups))
         if self.fallback is not None:
             self.fallback.create_weights(layer, weight)
 
@@ -89,18 +130,36 @@ class Int8LinearMethod(LinearMethod):
         if self.fallback is not None:
             self.fallback.load_weight(layer, loaded, row_start)
             return  # quantized from the float weight once loaded
-        if not isinstance(loaded, torch.Tensor | Int8ChannelWeight) and hasattr(
-            loaded, "dequantize"
+        weight = self._as_int8(loaded)
+        rows = weight.shape[0]
+        check_shape(weight.shape, layer.qweight.narrow(0, row_start, rows).shape)
+        check_shape(weight.scales.shape, layer.scales.narrow(0, row_start, rows).shape)
+        layer.qweight.narrow(0, row_start, rows).copy_(weight.values)
+        layer.scales.narrow(0, row_start, rows).copy_(weight.scales)
+        if weight.offsets is not None:
+            layer.offsets.narrow(0, row_start, rows).copy_(weight.offsets)
+
+    def _as_int8(self, loaded: object) -> Int8GroupWeight:
+        if hasattr(loaded, "as_int8"):
+            loaded = loaded.as_int8()  # int4 groups, widened exactly
+        if isinstance(loaded, Int8GroupWeight) and self._fits(loaded):
+            return loaded
+        if (
+            isinstance(loaded, Int8GroupWeight)
+            and self.group_size is not None
+            and loaded.group_size % self.group_size == 0
         ):
-            loaded = loaded.dequantize()  # int4 groups for a layer the int4 kernel cannot take
-        if isinstance(loaded, torch.Tensor):
-            loaded = quantize_int8(loaded)
-        if not isinstance(loaded, Int8ChannelWeight):
+            return loaded.regroup(self.group_size)  # exact: scales repeated
+        if not isinstance(loaded, torch.Tensor) and hasattr(loaded, "dequantize"):
+            loaded = loaded.dequantize()  # another grouping: one more rounding
+        if not isinstance(loaded, torch.Tensor):
             raise TypeError(f"an int8 linear cannot load {type(loaded).__name__}")
-        rows = loaded.shape[0]
-        check_shape(loaded.shape, layer.qweight.narrow(0, row_start, rows).shape)
-        layer.qweight.narrow(0, row_start, rows).copy_(loaded.values)
-        layer.scales.narrow(0, row_start, rows).copy_(loaded.scales)
+        return quantize_int8(loaded, self.group_size)
+
+    def _fits(self, weight: Int8GroupWeight) -> bool:
+        if self.group_size is None:
+            return weight.scales.shape[1] == 1 and weight.offsets is None
+        return weight.group_size == self.group_size
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if self.fallback is not None:
@@ -108,14 +167,55 @@ class Int8LinearMethod(LinearMethod):
             layer.qweight.copy_(quantized.values)
             layer.scales.copy_(quantized.scales)
             self.fallback.process_weights_after_loading(layer)
-        layer.scales = layer.scales.to(_COMPUTE_DTYPE)
+        offsets = getattr(layer, "offsets", None)
+        if offsets is not None and not offsets.any():
+            offsets = None
+        weight = Int8GroupWeight(layer.qweight, layer.scales, offsets)
+        for name in ("qweight", "scales", "offsets"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
+            self.use_packed(
+                layer, pack(weight.values, weight.scales, weight.offsets, 8, self.group_size)
+            )
+            return
+        if weight.scales.shape[1] > 1 or weight.offsets is not None:
+            weight = quantize_int8(weight.dequantize())  # torch's kernel: per-row scales only
+        layer.packed = None
+        layer.qweight, layer.row_scales = weight.values, weight.scales[:, 0].to(_TORCH_DTYPE)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.fallback is not None and x.shape[0] > self.max_rows:
+        if self._falls_back(x):
             return self.fallback.apply(layer, x)
-        out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE_DTYPE), layer.qweight, layer.scales)
-        out = out.to(x.dtype)
+        return super().apply(layer, x)
+
+    def apply_float32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._falls_back(x):
+            return self.fallback.apply_float32(layer, x)
+        return super().apply_float32(layer, x)
+
+    def _falls_back(self, x: torch.Tensor) -> bool:
+        return self.fallback is not None and x.shape[0] > self.max_rows
+
+    def native_linear(self, layer: Linear) -> Any | None:
+        return None if self.fallback is not None else super().native_linear(layer)
+
+    def torch_apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(
+            x.to(_TORCH_DTYPE), layer.qweight, layer.row_scales
+        ).to(x.dtype)
         return out if layer.bias is None else out + layer.bias
+
+    def dequantize_rows(self, layer: Linear, rows: torch.Tensor) -> torch.Tensor:
+        """float32 rows `rows` of the weight (an embedding's lookup from a tied LM head)."""
+        if layer.packed is not None:
+            return super().dequantize_rows(layer, rows)
+        return layer.qweight[rows].float() * layer.row_scales[rows].float()[:, None]
+
+    def weight_bytes(self, layer: Linear) -> int:
+        if layer.packed is not None:
+            return layer.packed.nbytes()
+        return layer.qweight.numel() + 2 * layer.row_scales.numel()
 
 
 def int8_linear(
@@ -125,7 +225,7 @@ def int8_linear(
     `fallback` (a draft's layers) it keeps the float weight for products of many rows."""
     out_features, in_features = weight.shape
     bias_param = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-    method = Int8LinearMethod(fallback)
+    method = Int8LinearMethod(fallback=fallback)
     float_weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
     layer = Linear(
         in_features,

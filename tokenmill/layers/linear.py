@@ -26,12 +26,14 @@ compilation inside a step. Padding bounds both: 72 shapes per weight up to 2048 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.linear import (
+    native_dense_linear,
     pack_linear_weight,
     packed_linear,
     packed_linear_available,
@@ -86,6 +88,12 @@ class LinearMethod:
         """`apply` with a float32 result (the logits), where a method can skip the rounding."""
         return self.apply(layer, x).float()
 
+    def native_linear(self, layer: Linear) -> Any | None:
+        """The layer's weight as the fused decoder stack multiplies it (a native
+        `PackedLinear`: dense packed, int8 or int4), or None where the stack cannot (the
+        model then runs op by op). Asked once, after loading."""
+        return None
+
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor's shape disagrees with the layer it is loaded into."""
@@ -122,6 +130,9 @@ class PackedLinearMethod(DenseLinearMethod):
 
     def apply_float32(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, layer.packed_weight, layer.out_features, layer.bias, float32=True)
+
+    def native_linear(self, layer: Linear) -> Any | None:
+        return native_dense_linear(layer.packed_weight, layer.out_features, layer.in_features)
 
     @staticmethod
     def plain_weight(layer: Linear) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """The Llama family's decoder layers as one native call per step (the C++ `DecoderStack`).
 
-Where it applies (the CPU, one rank, the `cpu` attention backend, every decoder linear in the
-packed layout, a float32 or bfloat16 KV cache), `LlamaForCausalLM.forward` hands the embedded
-tokens to it instead of running its layers one op at a time: per layer that is ~100 torch
-ops and ~10 waits for OpenMP threads less. The layers' modules stay the reference (and the
-path for everything else); the stack reads their weights, it holds no copy of the packed
-linears. `TOKENMILL_FUSED_STACK=0` turns it off (A/B measurements).
+Where it applies (the CPU, one rank, the `cpu` attention backend, every decoder linear one the
+native kernels multiply: dense packed, int8 or int4, as each layer's `LinearMethod` says
+through `native_linear`; a float32 or bfloat16 KV cache), `LlamaForCausalLM.forward` hands
+the embedded tokens to it instead of running its layers one op at a time: per layer that is
+~100 torch ops and ~10 waits for OpenMP threads less. The layers' modules stay the reference
+(and the path for everything else); the stack reads their weights, it holds no copy of the
+packed linears. `TOKENMILL_FUSED_STACK=0` turns it off (A/B measurements).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.attention_native import CpuPagedAttention
-from tokenmill.layers.linear import Linear, PackedLinearMethod
+from tokenmill.layers.linear import Linear
 
 STACK_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -59,12 +60,14 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
     layers = [_layer_tensors(layer) for layer in model.layers]
-    if any(tensors is None for tensors in layers):
+    linears = [_layer_linears(layer) for layer in model.layers]
+    if any(tensors is None for tensors in layers) or any(part is None for part in linears):
         return None
     attention = model.layers[0].self_attn
     cos, signed_sin = model.rotary.tables(torch.float32)
     native = module.DecoderStack(
         layers,
+        linears,
         model.norm.weight.detach(),
         cos,
         signed_sin,
@@ -78,32 +81,35 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     return LlamaDecoderStack(native)
 
 
-def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
-    """A `LlamaDecoderLayer`'s tensors in `DecoderStack`'s order; None if a linear is not
-    packed or the attention is not the cpu backend."""
+def _layer_linears(layer: nn.Module) -> list[Any] | None:
+    """A `LlamaDecoderLayer`'s qkv, o, gate_up and down as native `PackedLinear`s; None if
+    one's method has none."""
     attention, mlp = layer.self_attn, layer.mlp
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not isinstance(attention.attn, CpuPagedAttention) or not all(
-        isinstance(linear, Linear) and isinstance(linear.quant_method, PackedLinearMethod)
-        for linear in linears
-    ):
+    if not all(isinstance(linear, Linear) for linear in linears):
         return None
-    qkv, o, gate_up, down = linears
+    native = [linear.quant_method.native_linear(linear) for linear in linears]
+    return None if any(part is None for part in native) else native
+
+
+def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
+    """A `LlamaDecoderLayer`'s norms and biases in `DecoderStack`'s order; None if the
+    attention is not the cpu backend."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attention.attn, CpuPagedAttention):
+        return None
+    qkv, o, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def weight_of(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight.detach()
 
     return [
         layer.input_layernorm.weight.detach(),
-        qkv.packed_weight,
         qkv.bias,
         weight_of(attention.q_norm),
         weight_of(attention.k_norm),
-        o.packed_weight,
         o.bias,
         layer.post_attention_layernorm.weight.detach(),
-        gate_up.packed_weight,
         gate_up.bias,
-        down.packed_weight,
         down.bias,
     ]

@@ -25,9 +25,10 @@ from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
+from tokenmill.quantization.embedding import use_quantized_embedding
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
-from tokenmill.quantization.selection import LinearPlan, log_plan, online_format
+from tokenmill.quantization.selection import LinearPlan, log_plan
 
 # Architectures (config.json `architectures`) -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -195,10 +196,12 @@ def load_model(
             hf_config, architecture, dtype, tp, settings.attention_backend
         )
     model.to(dtype=dtype)
-    plan = LinearPlan(dtype, device, settings.linear_backend, default=online_format(quantization))
+    plan = LinearPlan.online(dtype, device, settings.linear_backend, quantization, tp.size > 1)
     tensors = _checkpoint_tensors(Path(model_dir), model, plan, hf_config, quantization)
     linears = replace_linears(model, plan.choose)
+    linears.update(use_quantized_embedding(model, plan))
     load_weights(model, tensors, linears, Path(model_dir))
+    _load_tied_quantized_head(model)
     process_linears_after_loading(model)
     model.eval().requires_grad_(False)
     log_plan(plan, model)
@@ -268,6 +271,16 @@ def load_weights(
         missing.discard("lm_head.weight")
     if missing:
         raise ModelLoadError(f"the checkpoint at {model_dir} lacks tensors for {sorted(missing)}")
+
+
+def _load_tied_quantized_head(model: LlamaForCausalLM) -> None:
+    """A quantized LM head tied to a float embedding (an embedding that could not be a lookup
+    into the head's rows) is quantized from the embedding's weight."""
+    head = model.lm_head
+    embedding = getattr(model.embed_tokens, "weight", None)
+    tied = model.shape.tie_word_embeddings
+    if tied and embedding is not None and not head.quant_method.holds_float_weight:
+        head.quant_method.load_weight(head, embedding.detach(), 0)
 
 
 def _load_into_linear(

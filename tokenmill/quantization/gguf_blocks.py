@@ -1,9 +1,17 @@
-"""llama.cpp's quantized blocks into the engine's int4 layout, or into floats.
+"""llama.cpp's quantized blocks as the engine's int8 and int4 groups, or as floats.
 
-Q4_0 (32 weights: an fp16 `d`, 16 bytes of nibbles; w = d * (q - 8)) and Q4_K (256 weights in
-8 groups of 32: fp16 `d` and `dmin`, 6-bit scale and min per group; w = d * sc * q - dmin * m)
-are both `(q - 8) * scale + zero` over groups of 32, the int4 kernel's own form. Other types
-are dequantized with the gguf package's reference code (`gguf.quants.dequantize`).
+Every type read here is `code * scale + offset` over groups along a row, so its blocks go into
+the engine's layouts as they are (only the scales rounded to float16):
+
+- Q4_0 (32 weights: fp16 `d`, 16 bytes of nibbles; w = d * (q - 8)) and Q4_K (256 weights in 8
+  groups of 32: fp16 `d` and `dmin`, a 6-bit scale and min per group; w = d * sc * q - dmin *
+  m): int4 groups of 32.
+- Q8_0 (fp16 `d`, 32 int8), Q5_0 (fp16 `d`, 32 fifth bits, 16 bytes of nibbles; w = d * (q -
+  16)) and Q5_K (Q4_K's scales with a fifth bit per weight): int8 groups of 32.
+- Q6_K (256 weights: 128 bytes of low nibbles, 64 of high bit pairs, an int8 scale per 16, fp16
+  `d`; w = d * sc * (q - 32)): int8 groups of 16.
+
+Other types are dequantized with the gguf package's reference code (`gguf.quants.dequantize`).
 """
 
 from __future__ import annotations
@@ -13,10 +21,14 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from tokenmill.layers.int4_linear import Int4GroupWeight
+from tokenmill.layers.int8_linear import Int8GroupWeight
 
-INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K)
-_Q4_0_BLOCK_BYTES = 18
-_Q4_K_BLOCK_BYTES = 144
+Q = GGMLQuantizationType
+INT4_TYPES = (Q.Q4_0, Q.Q4_K)
+INT8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K)
+# Columns per scale of each type (its int8/int4 group size).
+GROUP_SIZE = {Q.Q4_0: 32, Q.Q4_K: 32, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q5_K: 32, Q.Q6_K: 16}
+_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -25,46 +37,97 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
     return torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32))
 
 
-def int4_groups(data: np.ndarray, qtype: GGMLQuantizationType) -> Int4GroupWeight:
-    """A Q4_0 or Q4_K tensor's rows (`data`: uint8 `[rows, bytes per row]`) as int4 groups
-    of 32."""
-    if qtype == GGMLQuantizationType.Q4_0:
-        return _q4_0(data)
-    if qtype == GGMLQuantizationType.Q4_K:
-        return _q4_k(data)
-    raise ValueError(f"{qtype.name} has no int4 form")
+def groups(data: np.ndarray, qtype: GGMLQuantizationType) -> Int4GroupWeight | Int8GroupWeight:
+    """A tensor of one of INT4_TYPES or INT8_TYPES (`data`: uint8 `[rows, bytes per row]`) as
+    the engine's groups."""
+    rows = data.shape[0]
+    values, scales, offsets = _DECODERS[qtype](data.reshape(-1, _BLOCK_BYTES[qtype]))
+    values, scales = _rows(values, rows), _rows(scales, rows)
+    if qtype in INT4_TYPES:
+        return Int4GroupWeight(values, scales, _rows(offsets, rows))
+    return Int8GroupWeight(values, scales, None if offsets is None else _rows(offsets, rows))
+
+
+def _rows(array: np.ndarray, rows: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array).reshape(rows, -1))
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte `start` of each block, as float32 `[blocks, 1]`."""
+    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """`[..., 16]` bytes -> `[..., 32]` values: the low nibbles first, then the high ones."""
+    """`[..., n]` bytes -> `[..., 2n]` values: the low nibbles first, then the high ones."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _q4_0(data: np.ndarray) -> Int4GroupWeight:
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, _Q4_0_BLOCK_BYTES)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    values = _nibbles(blocks[..., 2:]).reshape(rows, -1)
-    return Int4GroupWeight(
-        torch.from_numpy(values.copy()),
-        torch.from_numpy(scales),
-        torch.zeros(scales.shape, dtype=torch.float32),
-    )
+# Each decoder: blocks `[n, bytes]` -> (codes, scales, offsets) per block: int4 types give
+# values 0..15 with zeros (Int4GroupWeight's form), int8 types signed codes.
+Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
-def _q4_k(data: np.ndarray) -> Int4GroupWeight:
-    rows = data.shape[0]
-    blocks = data.reshape(-1, _Q4_K_BLOCK_BYTES)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+def _q4_0(blocks: np.ndarray) -> Decoded:
+    scales = _half(blocks, 0)
+    return _nibbles(blocks[:, 2:]), scales, np.zeros_like(scales)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: (scale, min) of each group of 32, float32 `[blocks, 8]`."""
     sc, m = quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    return _half(blocks, 0) * sc.astype(np.float32), _half(blocks, 2) * m.astype(np.float32)
+
+
+def _q4_k(blocks: np.ndarray) -> Decoded:
+    scale, low = _k_scales(blocks)
     # 128 bytes: 4 chunks of 32 bytes, each the low nibbles of group 2c and the high of 2c+1.
     qs = blocks[:, 16:].reshape(-1, 4, 32)
     values = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
-    scale = d * sc.astype(np.float32)
-    zero = 8 * scale - dmin * m.astype(np.float32)
-    return Int4GroupWeight(
-        torch.from_numpy(values.reshape(rows, -1).copy()),
-        torch.from_numpy(scale.reshape(rows, -1)),
-        torch.from_numpy(zero.reshape(rows, -1)),
-    )
+    return values, scale, 8 * scale - low
+
+
+def _q8_0(blocks: np.ndarray) -> Decoded:
+    return blocks[:, 2:].copy().view(np.int8), _half(blocks, 0), None
+
+
+def _fifth_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Little-endian bit i of each row of `qh` for i < count, as uint8 0/1."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[:, :count]
+
+
+def _q5_0(blocks: np.ndarray) -> Decoded:
+    q = _nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6], 32) << 4)
+    return q.astype(np.int8) - 16, _half(blocks, 0), None
+
+
+def _q5_k(blocks: np.ndarray) -> Decoded:
+    scale, low = _k_scales(blocks)
+    qs = blocks[:, 48:].reshape(-1, 4, 32)
+    low_bits = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    # qh: 32 bytes; bit g of byte j is the fifth bit of weight j of group g.
+    high = (blocks[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [blocks, 32, 8]
+    q = low_bits | (high.transpose(0, 2, 1) << 4)
+    codes = q.reshape(-1, 256).astype(np.int8) - 16
+    return codes, scale, 16 * scale - low
+
+
+def _q6_k(blocks: np.ndarray) -> Decoded:
+    # Two halves of 128 weights; in each, ql's 64 bytes give weights 0-63 (low nibbles) and
+    # 64-127 (high), qh's 32 bytes give bit pairs 0-1, 2-3, 4-5, 6-7 for weights l + 32 i.
+    ql = blocks[:, :128].reshape(-1, 2, 64)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [blocks, 2, 128]
+    high = (qh & 0x03).reshape(-1, 2, 128)
+    codes = (low | (high << 4)).reshape(-1, 256).astype(np.int8) - 32
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    return codes, _half(blocks, 208) * sc, None
+
+
+_DECODERS = {
+    Q.Q4_0: _q4_0,
+    Q.Q4_K: _q4_k,
+    Q.Q8_0: _q8_0,
+    Q.Q5_0: _q5_0,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+}

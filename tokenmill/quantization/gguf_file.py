@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenmill.config import ConfigError
-from tokenmill.quantization.gguf_blocks import INT4_TYPES, dequantize, int4_groups
+from tokenmill.quantization.gguf_blocks import INT4_TYPES, INT8_TYPES, dequantize, groups
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +131,14 @@ class GGUFCheckpoint:
         return config
 
     def linear_formats(self) -> dict[str, str]:
-        """tokenmill's layer name -> the format its method takes: int4-g32 where every part
-        is Q4_0 / Q4_K, int8 where every part is Q8_0, float otherwise (dequantized; logged)."""
+        """tokenmill's layer name -> the format its method takes (`_format_of`), for the
+        decoder's linears, the LM head (`output.weight`, or the embedding's when tied) and the
+        embedding (`embed_tokens`); types with no int8/int4 form are dequantized (logged)."""
         formats, dequantized = {}, []
+        embedding = self._tensor("token_embd.weight").tensor_type
+        output = self.tensors.get("output.weight")
+        formats["embed_tokens"] = _format_of({embedding})
+        formats["lm_head"] = _format_of({embedding if output is None else output.tensor_type})
         for layer in range(self._num_blocks()):
             for linear, parts in _LINEAR_PARTS.items():
                 types = {self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts}
@@ -158,8 +163,8 @@ class GGUFCheckpoint:
             if hf_name is None:
                 raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
             heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else 0
-            int4 = formats.get(_layer_of(hf_name)) == "int4-g32"
-            yield hf_name, _reader(tensor, int4, heads)
+            quantized = formats.get(_layer_of(hf_name), "float") != "float"
+            yield hf_name, _reader(tensor, quantized, heads)
 
     def _num_blocks(self) -> int:
         return int(self.field(f"{self.architecture}.block_count", 0))
@@ -172,10 +177,13 @@ class GGUFCheckpoint:
 
 
 def _format_of(types: set[GGMLQuantizationType]) -> str:
+    """The layout that holds every part's blocks as they are: int4 groups of 32 for Q4_0 /
+    Q4_K, else int8 groups (of 16 where Q6_K is among the parts: a group of 32 is two of 16
+    with one scale), else floats."""
     if types <= set(INT4_TYPES):
         return "int4-g32"
-    if types == {GGMLQuantizationType.Q8_0}:
-        return "int8"
+    if types <= set(INT4_TYPES + INT8_TYPES):
+        return "int8-g16" if GGMLQuantizationType.Q6_K in types else "int8-g32"
     return "float"
 
 
@@ -194,7 +202,8 @@ def _hf_name(name: str) -> str | None:
 
 
 def _layer_of(hf_name: str) -> str:
-    """model.layers.0.self_attn.q_proj.weight -> layers.0.self_attn.qkv_proj"""
+    """model.layers.0.self_attn.q_proj.weight -> layers.0.self_attn.qkv_proj (and
+    model.embed_tokens.weight -> embed_tokens)"""
     name = hf_name.removeprefix("model.").rsplit(".", 1)[0]
     for fused, old in (("qkv_proj", r"[qkv]_proj"), ("gate_up_proj", r"(gate|up)_proj")):
         name = re.sub(rf"\.{old}$", f".{fused}", name)
@@ -206,22 +215,23 @@ def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).flatten()
 
 
-def _reader(tensor: Any, int4: bool, num_heads: int) -> Callable[[Any], object]:
+def _reader(tensor: Any, quantized: bool, num_heads: int) -> Callable[[Any], object]:
     def read(part: Any) -> object:
         if part is not None:
             raise ConfigError("GGUF files load on one rank: use tensor_parallel_size 1")
         qtype = GGMLQuantizationType(tensor.tensor_type)
         data = np.asarray(tensor.data)
         shape = [int(n) for n in reversed(tensor.shape)]  # GGML lists the fastest dimension first
-        if int4 and qtype in INT4_TYPES:
-            weight: Any = int4_groups(data.reshape(shape[0], -1), qtype)
+        grouped = quantized and qtype in INT4_TYPES + INT8_TYPES
+        if grouped:
+            weight: Any = groups(data.reshape(shape[0], -1), qtype)
         elif len(shape) == 1:
             weight = dequantize(data, qtype).reshape(shape)
         else:
             weight = dequantize(data.reshape(shape[0], -1), qtype)
         if num_heads and shape[0] % (2 * num_heads) == 0:  # else the loader names the shape
             order = _unpermute_order(shape[0], num_heads)
-            weight = weight.permute_rows(order) if int4 else weight[order]
+            weight = weight.permute_rows(order) if grouped else weight[order]
         return weight
 
     return read

@@ -1,7 +1,7 @@
 """Pre-quantized Hugging Face checkpoints, detected from config.json's `quantization_config`
 as vLLM detects them: compressed-tensors (LLM Compressor's `int-quantized` W8A8 and
 `pack-quantized` W4A16), GPTQ and AWQ 4-bit. Each linear's tensors are gathered into the
-engine's own int8 (`Int8ChannelWeight`) or int4 (`Int4GroupWeight`) form, no floats between.
+engine's own int8 (`Int8GroupWeight`) or int4 (`Int4GroupWeight`) form, no floats between.
 
 On-disk conventions (compressed-tensors' `pack_to_int32`, AutoGPTQ's and AutoAWQ's packers):
 - compressed-tensors int8: `weight` int8 `[out, in]`, `weight_scale` `[out, 1]`; w = q * s.
@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.int4_linear import INT4_GROUP_SIZES, Int4GroupWeight
-from tokenmill.layers.int8_linear import Int8ChannelWeight
+from tokenmill.layers.int8_linear import Int8GroupWeight
 
 # (name, reader of that tensor) as the safetensors loader yields them.
 Tensors = Iterator[tuple[str, Callable[[Any], Any]]]
@@ -89,7 +89,7 @@ class QuantizedCheckpoint:
             values = parts["weight"]
             if "weight_zero_point" in parts and parts["weight_zero_point"].any():
                 raise ValueError("asymmetric int8 weights are not supported")
-            return Int8ChannelWeight(values, scales.reshape(-1))
+            return Int8GroupWeight(values, scales.reshape(-1, 1))
         values = _unpack_rows(parts["weight_packed"])
         zeros = torch.zeros_like(scales)
         if "weight_zero_point" in parts:

@@ -1,9 +1,14 @@
 """The one place a linear layer's method is chosen: from the weight format its checkpoint
 tensors arrive in (or `--quantization`), the device, the dtype and the linear backend.
 
-Only the decoder layers' linears are quantized. The LM head keeps the model's dtype (as
-llama.cpp keeps its output tensor at higher precision: its rows are the logits), and so does
-the embedding (a lookup, not a product).
+The decoder layers' linears take the checkpoint's format (or `--quantization`'s). The LM head
+and the embedding choose their own, as llama.cpp does (its output tensor stays at higher
+precision than the rest: the rows are the logits): a GGUF file's own types; with
+`--quantization` int8 per output row, whatever the decoder's format (a float head would be
+the largest weight streamed per token of a small model: SmolLM2-135M's is 28M of its 135M
+weights); float for a pre-quantized Hugging Face checkpoint (its quantization_config leaves
+the head out). The embedding is then a lookup into the same int8 rows (one copy for a tied
+head; `quantization/embedding.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.int4_linear import Int4LinearMethod, int4_linear_available
+from tokenmill.kernels.native import native_kernels
+from tokenmill.layers.int4_linear import (
+    Int4LinearMethod,
+    int4_linear_available,
+    int4_shape_supported,
+)
 from tokenmill.layers.int8_linear import Int8LinearMethod, int8_linear_available
 from tokenmill.layers.linear import (
     DenseLinearMethod,
@@ -30,37 +40,77 @@ logger = logging.getLogger(__name__)
 
 # `--quantization` values -> the weight format of the decoder's linears.
 ONLINE_FORMATS = {"int8": "int8", "int4": "int4-g32", "int4-g128": "int4-g128"}
-# Rows of an int4 weight must divide into the kernel's tiles.
-_INT4_ROW_MULTIPLE = 16
+# The LM head's and embedding's format under `--quantization` (module docstring).
+ONLINE_HEAD_FORMAT = "int8"
+HEAD_LAYERS = ("lm_head", "embed_tokens")
 
 
 @dataclass
 class LinearPlan:
     """What each linear layer will be. `formats` names a format per layer (tokenmill's layer
-    name, e.g. `layers.0.self_attn.qkv_proj`) for pre-quantized checkpoints; `default` is
-    the format of every other decoder linear (None: the model's dtype)."""
+    name, e.g. `layers.0.self_attn.qkv_proj`, `lm_head`, `embed_tokens`) for pre-quantized
+    checkpoints; `default` is the format of every other decoder linear and `head` that of the
+    LM head and embedding (None: the model's dtype)."""
 
     dtype: torch.dtype
     device: torch.device
     linear_backend: str = "auto"
     default: str | None = None
+    head: str | None = None
     formats: Mapping[str, str] = field(default_factory=dict)
     int8_instead: list[str] = field(default_factory=list)
 
+    @classmethod
+    def online(
+        cls,
+        dtype: torch.dtype,
+        device: torch.device,
+        linear_backend: str,
+        quantization: str | None,
+        tensor_parallel: bool,
+    ) -> LinearPlan:
+        """`--quantization`'s plan (the head stays float under tensor parallelism, where the
+        vocabulary is sharded)."""
+        default = online_format(quantization)
+        head = ONLINE_HEAD_FORMAT if default is not None and not tensor_parallel else None
+        return cls(dtype, device, linear_backend, default=default, head=head)
+
+    def format_of(self, name: str) -> str | None:
+        if name in self.formats:
+            return self.formats[name]
+        if name.startswith("layers."):
+            return self.default
+        return self.head if name in HEAD_LAYERS else None
+
     def choose(self, name: str, linear: nn.Linear) -> LinearMethod:
-        wanted = self.formats.get(name, self.default) if name.startswith("layers.") else None
+        return self.method(name, linear.out_features, linear.in_features)
+
+    def method(self, name: str, out_features: int, in_features: int) -> LinearMethod:
+        wanted = self.format_of(name)
         if wanted is None or wanted == "float":
             return self.dense()
         self._check_device(wanted)
         if wanted.startswith("int4-g"):
             group_size = int(wanted.removeprefix("int4-g"))
-            if _fits_int4(linear, group_size):
+            if int4_shape_supported(out_features, in_features, group_size):
                 return Int4LinearMethod(group_size)
-            self.int8_instead.append(f"{name} ({linear.out_features}x{linear.in_features})")
+            self.int8_instead.append(f"{name} ({out_features}x{in_features})")
             return Int8LinearMethod()
         if wanted == "int8":
             return Int8LinearMethod()
+        if wanted.startswith("int8-g"):
+            return Int8LinearMethod(int(wanted.removeprefix("int8-g")))
         raise ConfigError(f"unknown weight format {wanted!r} for {name}")
+
+    def embedding_format(self) -> str | None:
+        """The embedding's format where it is a lookup into quantized rows: int8 anywhere,
+        int4 where the native layout holds it (torch's int4 layout cannot be read back)."""
+        wanted = self.format_of("embed_tokens")
+        if wanted is None or wanted == "float" or self.device.type != "cpu":
+            return None
+        if wanted.startswith("int4") and native_kernels() is None:
+            return None
+        return wanted
 
     def dense(self) -> LinearMethod:
         if self.linear_backend == "auto" and self.device.type == "cpu":
@@ -78,10 +128,6 @@ class LinearPlan:
             raise ConfigError(f"this torch build lacks the CPU kernel for {wanted} weights")
 
 
-def _fits_int4(linear: nn.Linear, group_size: int) -> bool:
-    return linear.in_features % group_size == 0 and linear.out_features % _INT4_ROW_MULTIPLE == 0
-
-
 def online_format(quantization: str | None) -> str | None:
     if quantization is None:
         return None
@@ -91,28 +137,32 @@ def online_format(quantization: str | None) -> str | None:
 
 
 def weight_format_summary(model: nn.Module) -> str:
-    """e.g. "int4-g32 (14 linears), bfloat16 lm_head": what the start-up log and /v1/models
-    report."""
+    """e.g. "int4-g32 (14 linears), int8 lm_head, int8 embed_tokens": what the start-up log,
+    /v1/models and the dashboard report (the embedding only where it is quantized)."""
     decoder: Counter[str] = Counter()
     others = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or name.startswith("embed_tokens."):
             continue
         if name.startswith("layers."):
             decoder[module.quant_method.weight_format] += 1
         else:
             others.append(f"{module.quant_method.weight_format} {name}")
     parts = [f"{fmt} ({count} linears)" for fmt, count in decoder.most_common()]
+    embedding = getattr(model, "embed_tokens", None)
+    if hasattr(embedding, "weight_format"):
+        others.append(f"{embedding.weight_format} embed_tokens")
     return ", ".join(parts + others)
 
 
 def log_plan(plan: LinearPlan, model: nn.Module) -> None:
     if plan.default is None and not plan.formats:
         return
+    embedding = getattr(model.embed_tokens, "weight_format", str(plan.dtype).removeprefix("torch."))
     logger.info(
-        "linear weights: %s; the embedding and LM head keep their own format (%s)",
+        "linear weights: %s; the LM head and the embedding choose their own format (embedding %s)",
         weight_format_summary(model),
-        str(plan.dtype).removeprefix("torch."),
+        embedding,
     )
     if plan.int8_instead:
         logger.info(

@@ -191,10 +191,11 @@ def _quantize(draft: EagleDraft, target: LlamaForCausalLM) -> None:
 
 def _lm_head_weight(target: LlamaForCausalLM) -> torch.Tensor | None:
     """The target's LM head weight, where it is still held in torch's layout (oneDNN's
-    packed layout keeps it only for small weights) or tied to the embedding."""
+    packed layout keeps it only for small weights) or tied to a float embedding (None for a
+    quantized head: the draft uses the target's, already int8)."""
     weight = getattr(target.lm_head, "weight", None)
     if weight is None and target.shape.tie_word_embeddings:
-        weight = target.embed_tokens.weight
+        weight = getattr(target.embed_tokens, "weight", None)
     if weight is None and isinstance(target.lm_head.quant_method, PackedLinearMethod):
         weight = PackedLinearMethod.plain_weight(target.lm_head)
     return weight

@@ -22,20 +22,22 @@ namespace tokenmill {
 
 using bf16 = c10::BFloat16;
 
-// ISA levels: 0 portable C++, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL, DQ), 3 AVX-512 with BF16 dot
-// products (vdpbf16ps), 4 AMX-BF16 tiles (with level 3 for what tiles do not cover).
+// ISA levels: 0 portable C++, 1 AVX2 + FMA + F16C, 2 AVX-512 (F, BW, VL, DQ), 3 AVX-512 with BF16
+// dot products (vdpbf16ps) and VNNI (vpdpbusd: every CPU with the one has the other), 4 AMX-BF16
+// tiles (with level 3 for what tiles do not cover).
 enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 int detect_isa();
 int current_isa();
 int set_isa(int level);  // clamped to [0, detect_isa()]
 
-#define TM_AVX2 __attribute__((target("avx2,fma")))
-#define TM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define TM_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define TM_AVX512BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-#define TM_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")))
+#define TM_AMX                                                                               \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                        "avx512vnni,fma,f16c")))
 
 inline float bf16_bits_to_float(uint16_t bits) {
   uint32_t word = static_cast<uint32_t>(bits) << 16;

@@ -10,6 +10,7 @@
 #include "decoder_stack.h"
 #include "packed_linear.h"
 #include "paged_attention.h"
+#include "quant_linear.h"
 
 namespace tokenmill {
 
@@ -38,10 +39,13 @@ int detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    if (!__builtin_cpu_supports("avx512bf16")) return kAvx512;
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vnni"))
+      return kAvx512;
     return cpu_has_amx_bf16() ? kAmx : kAvx512Bf16;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return kAvx2;
   return kPortable;
 }
 
@@ -62,11 +66,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "[n, k] weight -> the packed layout");
   m.def("unpack_linear_weight", &unpack_linear_weight, "the packed layout -> [n, k]");
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias on a packed weight");
+  m.def("quant_amx_min_rows", [] { return kQuantAmxMinRows; },
+        "rows from which quantized products run on AMX tiles (ISA level 4)");
+  pybind11::class_<PackedLinear>(m, "PackedLinear")
+      .def_static("dense", &PackedLinear::dense, "a packed dense weight [n, k]")
+      .def_static("quantized", &PackedLinear::quantized,
+                  "packed int8/int4 codes with float16 scales (and offsets) per group")
+      .def("forward", &PackedLinear::forward, "x @ weight.T + bias");
   m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place");
   m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)");
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                          int64_t, int64_t, int64_t, double, int64_t>())
+                          const std::vector<std::vector<PackedLinear>>&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                          int64_t, double, int64_t>())
       .def("forward", &DecoderStack::forward);
 }

@@ -10,7 +10,9 @@
 
 #include "thread_pool.h"
 
+#include <array>
 #include <cmath>
+#include <utility>
 
 namespace tokenmill {
 namespace {
@@ -170,11 +172,12 @@ at::Tensor float_copy(const c10::optional<at::Tensor>& t) {
 }  // namespace
 
 DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
+                           const std::vector<std::vector<PackedLinear>>& linears,
                            const at::Tensor& final_norm, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t intermediate_size, double eps,
                            int64_t sliding_window) {
-  TORCH_CHECK(!layers.empty(), "DecoderStack: no layers");
+  TORCH_CHECK(!layers.empty() && linears.size() == layers.size(), "DecoderStack: layers");
   TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 512, "DecoderStack: head_dim");
   shape_.num_heads = num_heads;
   shape_.num_kv_heads = num_kv_heads;
@@ -193,30 +196,37 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
   shape_.max_position = cos_.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t hidden = shape_.hidden;
-  // Per layer: input_norm, qkv_packed, qkv_bias, q_norm, k_norm, o_packed, o_bias,
-  // post_norm, gate_up_packed, gate_up_bias, down_packed, down_bias.
-  for (const auto& entry : layers) {
-    TORCH_CHECK(entry.size() == 12, "DecoderStack: 12 tensors per layer");
+  // The activations' dtype: the model's (its norms'); dense weights must be in it.
+  is_bf16_ = final_norm.scalar_type() == at::kBFloat16;
+  // Per layer: input_norm, qkv_bias, q_norm, k_norm, o_bias, post_norm, gate_up_bias,
+  // down_bias; and the linears qkv, o, gate_up, down.
+  for (size_t li = 0; li < layers.size(); ++li) {
+    TORCH_CHECK(layers[li].size() == 8 && linears[li].size() == 4,
+                "DecoderStack: 8 tensors and 4 linears per layer");
     Layer layer;
-    for (size_t i = 0; i < entry.size(); ++i) {
-      const bool packed = i == 1 || i == 5 || i == 8 || i == 10;
-      layer.tensors.push_back(packed && entry[i].has_value() ? *entry[i] : float_copy(entry[i]));
-    }
+    for (const auto& tensor : layers[li]) layer.tensors.push_back(float_copy(tensor));
+    layer.linears = linears[li];
     const auto& t = layer.tensors;
-    layer.qkv = packed_view(t[1], q_size + 2 * kv_size, hidden);
-    layer.o = packed_view(t[5], hidden, q_size);
-    layer.gate_up = packed_view(t[8], 2 * intermediate_size, hidden);
-    layer.down = packed_view(t[10], hidden, intermediate_size);
-    layer.weights = LayerWeights{optional_data(t[0]), optional_data(t[2]), optional_data(t[3]),
-                                 optional_data(t[4]), optional_data(t[6]), optional_data(t[7]),
-                                 optional_data(t[9]), optional_data(t[11])};
+    layer.qkv = layer.linears[0].weight();
+    layer.o = layer.linears[1].weight();
+    layer.gate_up = layer.linears[2].weight();
+    layer.down = layer.linears[3].weight();
+    layer.weights = LayerWeights{optional_data(t[0]), optional_data(t[1]), optional_data(t[2]),
+                                 optional_data(t[3]), optional_data(t[4]), optional_data(t[5]),
+                                 optional_data(t[6]), optional_data(t[7])};
     TORCH_CHECK(layer.weights.input_norm && layer.weights.post_norm, "DecoderStack: norms");
-    TORCH_CHECK(layer.qkv.is_bf16 == layer.o.is_bf16 && layer.o.is_bf16 == layer.gate_up.is_bf16 &&
-                    layer.gate_up.is_bf16 == layer.down.is_bf16,
-                "DecoderStack: one weight dtype");
+    const std::pair<const PackedWeight*, std::array<int64_t, 2>> shapes[] = {
+        {&layer.qkv, {q_size + 2 * kv_size, hidden}},
+        {&layer.o, {hidden, q_size}},
+        {&layer.gate_up, {2 * intermediate_size, hidden}},
+        {&layer.down, {hidden, intermediate_size}}};
+    for (const auto& [w, nk] : shapes) {
+      TORCH_CHECK(w->n == nk[0] && w->k == nk[1], "DecoderStack: a linear's shape");
+      TORCH_CHECK(w->quantized() || w->is_bf16 == is_bf16_,
+                  "DecoderStack: dense weights in the model's dtype");
+    }
     layers_.push_back(std::move(layer));
   }
-  is_bf16_ = layers_[0].qkv.is_bf16;
 }
 
 at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& positions,
@@ -252,8 +262,13 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
 
   const Layer& first = layers_[0];
   const auto act_type = is_bf16_ ? at::kBFloat16 : at::kFloat;
-  const int64_t ld_x = std::max(first.qkv.k_pad, first.gate_up.k_pad);
-  const int64_t ld_attn = first.o.k_pad, ld_act = first.down.k_pad;
+  // Linear inputs: as wide as the widest padding any layer's format reads.
+  int64_t ld_x = 0, ld_attn = 0, ld_act = 0;
+  for (const Layer& layer : layers_) {
+    ld_x = std::max({ld_x, layer.qkv.k_pad, layer.gate_up.k_pad});
+    ld_attn = std::max(ld_attn, layer.o.k_pad);
+    ld_act = std::max(ld_act, layer.down.k_pad);
+  }
   const int64_t ld_qkv = first.qkv.n_pad, ld_gate_up = first.gate_up.n_pad;
   Buffers& b = buffers_;
   b.ensure(tokens, hidden, ld_x, ld_qkv, ld_attn, ld_gate_up, ld_act, act_type);
@@ -273,8 +288,11 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                           b.attn.data_ptr(), is_bf16_, ld_attn};
   const int64_t scratch_floats = attention_scratch_floats(attention);
   const int isa = current_isa();
-  if (isa >= kAmx && is_bf16_) amx_permitted();
+  if (isa >= kAmx) amx_permitted();
   const int threads = team_size();
+  for (const Layer& layer : layers_)  // before any view: growing moves the buffers
+    for (const PackedWeight* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      if (w->quantized()) b.quant.reserve(*w, tokens, isa);
   std::vector<float> scratch(scratch_floats * threads);
   float* residual = b.residual.data_ptr<float>();
   float* delta = b.delta.data_ptr<float>();
@@ -310,6 +328,18 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                         int64_t ld_out, const float* bias) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
     const GemmOut o{output, ld_out, false, bias, w.n_pad};
+    if (w.quantized()) {  // its input rows prepared (quantized or widened) once, then products
+      const QuantInput in = b.quant.view(w, tokens, isa);
+      job.add_phase(row_chunks, [=, &w](int64_t chunk, int) {
+        int64_t r0, r1;
+        rows_of(chunk, r0, r1);
+        prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
+      });
+      job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
+        quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
+      });
+      return;
+    }
     job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
       packed_gemm(w, input, ld_in, tokens, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per),
                   isa);

@@ -6,6 +6,7 @@
 #include "cpu_common.h"
 #include "packed_linear.h"
 #include "paged_attention.h"
+#include "quant_linear.h"
 
 namespace tokenmill {
 
@@ -38,9 +39,11 @@ struct LayerWeights {
 
 class DecoderStack {
  public:
-  // `layers[i]`: input_norm, qkv (packed), qkv_bias, q_norm, k_norm, o (packed), o_bias,
-  // post_norm, gate_up (packed), gate_up_bias, down (packed), down_bias; None where absent.
+  // `layers[i]`: input_norm, qkv_bias, q_norm, k_norm, o_bias, post_norm, gate_up_bias,
+  // down_bias; None where absent. `linears[i]`: qkv, o, gate_up, down, each dense or quantized
+  // (the layer's LinearMethod chose, at load time).
   DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
+               const std::vector<std::vector<PackedLinear>>& linears,
                const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                int64_t intermediate_size, double eps, int64_t sliding_window);
@@ -56,6 +59,7 @@ class DecoderStack {
  private:
   struct Layer {
     std::vector<at::Tensor> tensors;  // owns what the views below point into
+    std::vector<PackedLinear> linears;
     PackedWeight qkv{}, o{}, gate_up{}, down{};
     LayerWeights weights{};
   };
@@ -63,6 +67,7 @@ class DecoderStack {
   struct Buffers {
     int64_t rows = 0;
     at::Tensor residual, delta, qkv, gate_up, x, attn, act;
+    QuantScratch quant;  // quantized linears' prepared inputs
     void ensure(int64_t tokens, int64_t hidden, int64_t ld_x, int64_t ld_qkv, int64_t ld_attn,
                 int64_t ld_gate_up, int64_t ld_act, at::ScalarType act_type);
   };

@@ -3,6 +3,7 @@
 // and AMX tiles for bf16 products of `kAmxMinRows` rows or more.
 #include "packed_linear.h"
 
+#include "quant_linear.h"
 #include "thread_pool.h"
 
 #include <sys/syscall.h>
@@ -474,6 +475,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     packed_gemm(w, input, w.k_pad, m, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
   }, threads);
   return out;
+}
+
+PackedLinear PackedLinear::dense(const at::Tensor& packed, int64_t n, int64_t k) {
+  PackedLinear linear;
+  linear.weight_ = packed_view(packed, n, k);
+  linear.tensors_ = {packed};
+  return linear;
+}
+
+at::Tensor PackedLinear::forward(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                                 bool float32_out) const {
+  if (weight_.quantized()) return quant_linear(x, weight_, bias, float32_out);
+  return packed_linear(x, tensors_[0], weight_.n, bias, float32_out);
 }
 
 }  // namespace tokenmill

@@ -86,6 +86,7 @@ function onSetup(setup) {
   // A reconnect starts a fresh feed that sends the window's history again.
   Object.assign(state, { setup, steps: [], ttft: [], itl: [], finished: [], kv_transfers: [], ticks: [] });
   $("model").textContent = setup.model;
+  $("weights").textContent = setup.weight_format ? `weights ${setup.weight_format}` : "";
   $("budget").textContent = setup.max_num_batched_tokens;
   for (const name of ["ttft", "tpot", "e2el"]) {
     const input = $(`slo-${name}`);

@@ -1,0 +1,201 @@
+"""The native quantized-linear kernels against their torch reference at every ISA level this
+CPU runs (portable, AVX2, AVX-512 with float activations, AVX512_BF16/VNNI with int8 ones, AMX
+tiles for many rows), over odd shapes, both code widths, group sizes, offsets and row counts;
+the packed layout's round trip; the int8 and int4 layers with and without the native
+kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import native
+from tokenmill.kernels.native import ISA_LEVELS
+from tokenmill.kernels.quant import (
+    AMX_LEVEL,
+    INT8_ACTIVATIONS_LEVEL,
+    amx_min_rows,
+    dense_bf16_reference,
+    dequantize,
+    kernel_reference,
+    pack,
+    packed_rows,
+    quant_linear,
+    quant_linear_reference,
+    quantize_activations_reference,
+)
+from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
+from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
+from tokenmill.layers.linear import Linear
+
+needs_native = pytest.mark.skipif(
+    native.native_kernels() is None, reason="native kernels not buildable here"
+)
+MODULE = native.native_kernels()
+BEST = MODULE.detect_isa() if MODULE is not None else -1
+LEVELS = list(range(BEST + 1))
+# (out, in, group): odd row counts (padded to blocks of 16), widths padded to 32, groups of
+# 16 / 32 / 128 and per row (None).
+SHAPES = [(960, 576, None), (7, 40, None), (33, 96, 32), (130, 256, 128), (17, 64, 16)]
+
+
+def random_weight(out_features: int, in_features: int, bits: int, group: int | None, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    low, high = (-128, 127) if bits == 8 else (-8, 7)
+    codes = torch.randint(low, high + 1, (out_features, in_features), generator=generator)
+    groups = 1 if group is None else in_features // group
+    scales = torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3
+    offsets = torch.randn(out_features, groups, generator=generator) * 0.01
+    return codes.to(torch.int8), scales, offsets
+
+
+@needs_native
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
+def test_packing_round_trips(out_features, in_features, group, bits, offsets) -> None:
+    if bits == 4 and group is None:
+        group = 32 if in_features % 32 == 0 else None
+    if bits == 4 and group is None:
+        pytest.skip("int4 comes in groups")
+    codes, scales, offs = random_weight(out_features, in_features, bits, group, seed=1)
+    weight = pack(codes, scales, offs if offsets else None, bits, group)
+    grouped = codes.float().view(out_features, scales.shape[1], -1)
+    expected = grouped * scales.half().float()[..., None]
+    if offsets:
+        expected = expected + offs.half().float()[..., None]
+    assert torch.equal(dequantize(weight), expected.view(out_features, in_features))
+    rows = torch.tensor([out_features - 1, 0, out_features // 2])
+    assert torch.equal(packed_rows(weight, rows), dequantize(weight)[rows])
+
+
+@pytest.fixture(params=LEVELS, ids=lambda level: ISA_LEVELS[level])
+def isa(request: pytest.FixtureRequest):
+    with native.using_isa(request.param) as level:
+        assert level == request.param
+        yield level
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
+def test_quant_linear_matches_its_reference(
+    isa: int, out_features, in_features, group, bits, rows, dtype
+) -> None:
+    if bits == 4 and group is None:
+        pytest.skip("int4 comes in groups")
+    codes, scales, offsets = random_weight(out_features, in_features, bits, group, seed=rows)
+    for with_offsets in (False, True):
+        weight = pack(codes, scales, offsets if with_offsets else None, bits, group)
+        generator = torch.Generator().manual_seed(7)
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        bias = torch.randn(out_features, generator=generator)
+        got = quant_linear(x, weight, bias)
+        assert got.dtype == dtype and got.shape == (rows, out_features)
+        reference = kernel_reference(x, weight, bias)
+        scale = reference.abs().max().item()
+        # bfloat16 outputs: 8 bits; AMX: bfloat16 products summed in float32
+        exact = dtype == torch.float32 and not (isa >= AMX_LEVEL and rows >= amx_min_rows())
+        tolerance = 1e-5 if exact else 1e-2
+        assert (got.float() - reference).abs().max().item() <= tolerance * scale
+
+
+@needs_native
+def test_many_rows_on_the_dot_product_kernel() -> None:
+    """Prefill-sized products (tiles of 8 tokens, several threads) agree with the reference."""
+    codes, scales, offsets = random_weight(200, 320, 4, 32, seed=3)
+    weight = pack(codes, scales, offsets, 4, 32)
+    x = torch.randn(300, 320)
+    with native.using_isa(min(BEST, INT8_ACTIVATIONS_LEVEL)):
+        reference = kernel_reference(x, weight, None)
+        got = quant_linear(x, weight, None)
+    assert (got - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+def test_many_rows_where_amx_runs_go_to_its_tiles(bits: int) -> None:
+    """From `amx_min_rows()` rows the weight is dequantized to bfloat16 chunk by chunk and
+    multiplied on AMX tiles (bfloat16 rows); below, the VNNI kernel runs (int8 rows)."""
+    if BEST < AMX_LEVEL:
+        pytest.skip("no AMX bfloat16 tiles here (or not allowed)")
+    codes, scales, offsets = random_weight(600, 128, bits, 32, seed=4)  # > 16 blocks: chunks
+    weight = pack(codes, scales, offsets, bits, 32)
+    rows = amx_min_rows()
+    x = torch.randn(rows + 37, 128)
+    bias = torch.randn(600)
+    got = quant_linear(x, weight, bias)
+    reference = dense_bf16_reference(x, weight, bias)
+    # bfloat16 products summed in float32, then the bias added in float32.
+    assert (got - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
+    few = quant_linear(x[: rows - 1], weight, bias)  # the dot-product kernel
+    dot_reference = quant_linear_reference(x[: rows - 1], weight, bias, True)
+    assert (few - dot_reference).abs().max().item() <= 1e-5 * dot_reference.abs().max().item()
+
+
+@needs_native
+def test_int8_activations_round_as_their_reference_says() -> None:
+    """The VNNI path multiplies activations rounded per block of 32 (the reference's rounding,
+    not float ones): it is much closer to that reference than to the float product."""
+    if BEST < INT8_ACTIVATIONS_LEVEL:
+        pytest.skip("this CPU has no AVX512_BF16 / VNNI")
+    codes, scales, _ = random_weight(64, 256, 8, None, seed=5)
+    weight = pack(codes, scales, None, 8)
+    x = torch.randn(4, 256)
+    assert not torch.equal(quantize_activations_reference(x), x)
+    float_product = quant_linear_reference(x, weight, None, quantized=False)
+    int8_product = quant_linear_reference(x, weight, None, quantized=True)
+    got = quant_linear(x, weight, None)
+    assert (got - int8_product).abs().max() * 100 < (float_product - int8_product).abs().max()
+
+
+@needs_native
+def test_bad_inputs_are_clear_errors() -> None:
+    codes, scales, _ = random_weight(16, 64, 8, None, seed=0)
+    weight = pack(codes, scales, None, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        quant_linear(torch.randn(1, 64).double(), weight, None)
+    with pytest.raises(RuntimeError, match="200 columns, the weight 64"):
+        quant_linear(torch.randn(1, 200), weight, None)
+    with pytest.raises(ValueError, match="do not tile"):
+        pack(codes[:, :48], torch.ones(16, 3), None, 8, group_size=16)
+
+
+def _layers(bits: int) -> tuple[torch.Tensor, Linear]:
+    torch.manual_seed(bits)
+    weight = torch.randn(48, 128)
+    method = Int8LinearMethod() if bits == 8 else Int4LinearMethod(32)
+    layer = Linear(128, 48, method)
+    method.load_weight(layer, weight, 0)
+    method.process_weights_after_loading(layer)
+    quantized = quantize_int8(weight) if bits == 8 else quantize_int4(weight, 32)
+    return quantized.dequantize(), layer
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_layers_compute_the_dequantized_product(
+    bits: int, native_kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the native kernels the layer holds only the packed weight; without them (no
+    compiler) torch's int8/int4 ops run, in bfloat16."""
+    if native_kernels and native.native_kernels() is None:
+        pytest.skip("native kernels not buildable here")
+    if not native_kernels:
+        monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", "0")
+        native.reset_for_tests()
+    try:
+        dequantized, layer = _layers(bits)
+        x = torch.randn(5, 128)
+        assert (layer.packed is not None) == native_kernels
+        if native_kernels:
+            assert torch.equal(dequantize(layer.packed), dequantized)
+            reference = kernel_reference(x, layer.packed, None)
+            torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-4)
+        else:  # bfloat16 inputs and outputs
+            torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=2e-2, atol=0.2)
+    finally:
+        monkeypatch.delenv("TOKENMILL_NATIVE_KERNELS", raising=False)
+        native.reset_for_tests()

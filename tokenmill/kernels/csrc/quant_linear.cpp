@@ -1,0 +1,652 @@
+// Quantized linears on packed int8 / int4 weights (layout and paths: quant_linear.h).
+//
+// Layout, as tokenmill/kernels/quant.py packs it: output rows in blocks of 16; within a block
+// the codes of four consecutive input columns of each of the 16 rows lie in one 32-bit lane,
+// so that 64 bytes hold 16 rows x 4 columns (int8) or 16 rows x 8 columns (int4: byte j of a
+// lane holds column j in its low nibble and column 4 + j in its high one). A block streams
+// once, front to back, and one vector load feeds one VNNI dot product for all 16 rows. Codes
+// are stored unsigned: an int8 code c as c + 128, an int4 code as c + 8 (`center`). Scales and
+// offsets are float16, [blocks, groups, 16].
+#include "quant_linear.h"
+
+#include "thread_pool.h"
+
+#include <ATen/ops/empty.h>
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+namespace tokenmill {
+namespace {
+
+using half = c10::Half;
+
+constexpr int64_t kBlockRows = 16;
+constexpr int64_t kActBlock = 32;  // columns per activation scale
+constexpr int kMaxTile = 8;        // tokens per pass over a weight block
+
+constexpr int center_of(int bits) { return bits == 8 ? 128 : 8; }
+// The shift of column i (0..7) of an int4 lane: byte i % 4, the high nibble from column 4.
+constexpr int nibble_shift(int i) { return 8 * (i % 4) + 4 * (i / 4); }
+
+// A packed weight as the kernels read it.
+struct Problem {
+  const uint8_t* codes;  // [blocks, block_bytes]
+  const half* scales;    // [blocks, groups, 16]
+  const half* offsets;   // same, or null
+  int64_t n, k, kp;      // output rows, input columns, input columns padded (multiple of 32)
+  int64_t group, groups; // columns per scale, kp / group
+  int bits;              // 8 or 4
+  int64_t block_bytes() const { return kBlockRows * kp * bits / 8; }
+};
+
+Problem problem_of(const PackedWeight& w) {
+  return Problem{static_cast<const uint8_t*>(w.data), w.scales, w.offsets, w.n, w.k, w.k_pad,
+                 w.group, w.k_pad / w.group, w.bits};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Input preparation.
+
+template <typename T>
+void widen_row(const T* x, int64_t k, int64_t kp, float* out) {
+  for (int64_t i = 0; i < k; ++i) out[i] = load_float(x + i);
+  for (int64_t i = k; i < kp; ++i) out[i] = 0.0f;
+}
+
+// One row to int8 per block of 32: scale = max|x| / 127, code = round(x / scale) (to nearest
+// even: the rounding mode the vector conversion uses; tests emulate it with torch.round).
+void quantize_row_portable(const float* x, int64_t kp, int8_t* q, float* scale, int32_t* sum16) {
+  for (int64_t b = 0; b < kp / kActBlock; ++b) {
+    const float* xb = x + b * kActBlock;
+    float amax = 0.0f;
+    for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    scale[b] = amax / 127.0f;
+    for (int half_block = 0; half_block < 2; ++half_block) {
+      int32_t total = 0;
+      for (int i = half_block * 16; i < half_block * 16 + 16; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inverse));
+        q[b * kActBlock + i] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
+        total += q[b * kActBlock + i];
+      }
+      sum16[b * 2 + half_block] = total;
+    }
+  }
+}
+
+TM_AVX512BF16 void quantize_row_avx512(const float* x, int64_t kp, int8_t* q, float* scale,
+                                       int32_t* sum16) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < kp / kActBlock; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * kActBlock);
+    const __m512 hi = _mm512_loadu_ps(x + b * kActBlock + 16);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    scale[b] = amax / 127.0f;
+    const __m512 factor = _mm512_set1_ps(inverse);
+    const __m512i min = _mm512_set1_epi32(-127), max = _mm512_set1_epi32(127);
+    const __m512i q_lo =
+        _mm512_min_epi32(max, _mm512_max_epi32(min, _mm512_cvtps_epi32(_mm512_mul_ps(lo, factor))));
+    const __m512i q_hi =
+        _mm512_min_epi32(max, _mm512_max_epi32(min, _mm512_cvtps_epi32(_mm512_mul_ps(hi, factor))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kActBlock), _mm512_cvtepi32_epi8(q_lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kActBlock + 16),
+                     _mm512_cvtepi32_epi8(q_hi));
+    sum16[b * 2] = _mm512_reduce_add_epi32(q_lo);
+    sum16[b * 2 + 1] = _mm512_reduce_add_epi32(q_hi);
+  }
+}
+
+// Sum of each group's activations: from the int8 codes where the product is integer (so the
+// offsets meet the same activations the codes do), else from the floats.
+void group_sums(const QuantInput& a, int64_t row, float* out) {
+  const bool quantized = a.path == QuantPath::kInt8;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    float total = 0.0f;
+    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 16) {
+      if (quantized) {
+        total += a.qscale[row * (a.kp / kActBlock) + k / kActBlock] *
+                 static_cast<float>(a.qsum[row * (a.kp / 16) + k / 16]);
+      } else {
+        const float* x = a.xf + row * a.kp + k;
+        for (int i = 0; i < 16; ++i) total += x[i];
+      }
+    }
+    out[g] = total;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable: one scalar loop over the same layout (the reference level; slow).
+inline int code_at(const Problem& p, const uint8_t* block, int64_t lane, int64_t col) {
+  if (p.bits == 8) return block[(col / 4) * 64 + lane * 4 + col % 4] - 128;
+  const int64_t within = col % 8;
+  const uint8_t byte = block[(col / 8) * 64 + lane * 4 + within % 4];
+  return (within < 4 ? byte & 0x0F : byte >> 4) - 8;
+}
+
+void block_portable(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, int tile,
+                    float* out) {
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  for (int r = 0; r < tile; ++r) {
+    const float* x = a.xf + (m0 + r) * p.kp;
+    const float* sums = a.group_sum + (m0 + r) * p.groups;
+    for (int64_t lane = 0; lane < kBlockRows; ++lane) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float dot = 0.0f;
+        for (int64_t col = g * p.group; col < (g + 1) * p.group; ++col)
+          dot += static_cast<float>(code_at(p, block, lane, col)) * x[col];
+        const int64_t at = (nb * p.groups + g) * kBlockRows + lane;
+        total += static_cast<float>(p.scales[at]) * dot;
+        if (p.offsets) total += static_cast<float>(p.offsets[at]) * sums[g];
+      }
+      out[r * kBlockRows + lane] = total;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 (float activations): a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
+
+template <int BITS, int R>
+TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
+                             int half_index, float* out) {
+  const uint8_t* block = p.codes + nb * p.block_bytes() + 32 * half_index;
+  const __m256i low_nibbles = _mm256_set1_epi32(0x0F);
+  __m256 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
+    const int64_t col_end = (g + 1) * p.group;
+    for (int64_t col = g * p.group; col < col_end; col += BITS == 8 ? 4 : 8) {
+      // One 32-byte load: 8 rows x 4 columns (int8) or 8 rows x 8 columns (int4).
+      const uint8_t* at = block + (BITS == 8 ? col / 4 : col / 8) * 64;
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+      if constexpr (BITS == 8) {
+        raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));  // signed codes
+        for (int j = 0; j < 4; ++j) {
+          __m256i v = j == 3 ? raw : _mm256_slli_epi32(raw, 24 - 8 * j);
+          __m256 w = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+          for (int r = 0; r < R; ++r)
+            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + col + j),
+                                     dot[r]);
+        }
+      } else {
+        for (int nibble = 0; nibble < 8; ++nibble) {
+          __m256i v = _mm256_and_si256(_mm256_srli_epi32(raw, 4 * nibble), low_nibbles);
+          __m256 w = _mm256_cvtepi32_ps(v);
+          const int64_t c = col + (nibble & 1) * 4 + nibble / 2;
+          for (int r = 0; r < R; ++r)
+            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + c), dot[r]);
+        }
+      }
+    }
+    const int64_t at = (nb * p.groups + g) * kBlockRows + 8 * half_index;
+    __m256 scale =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.scales + at)));
+    __m256 offset = p.offsets ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(p.offsets + at)))
+                              : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = _mm256_set1_ps(a.group_sum[(m0 + r) * p.groups + g]);
+      // int4 codes were widened unsigned (code + 8): take 8 x the group's sum back off.
+      if constexpr (BITS == 4) dot[r] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sum, dot[r]);
+      total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
+      if (p.offsets) total[r] = _mm256_fmadd_ps(offset, sum, total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kBlockRows + 8 * half_index, total[r]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 (float activations): one zmm per 16 rows.
+
+template <int BITS, int R>
+TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
+                            float* out) {
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const __m512i low_nibbles = _mm512_set1_epi32(0x0F);
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
+    const int64_t col_end = (g + 1) * p.group;
+    for (int64_t col = g * p.group; col < col_end; col += BITS == 8 ? 4 : 8) {
+      const uint8_t* at = block + (BITS == 8 ? col / 4 : col / 8) * 64;
+      __m512i raw = _mm512_loadu_si512(at);
+      if constexpr (BITS == 8) {
+        raw = _mm512_xor_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80)));
+        for (int j = 0; j < 4; ++j) {
+          __m512i v = j == 3 ? raw : _mm512_slli_epi32(raw, 24 - 8 * j);
+          __m512 w = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+          for (int r = 0; r < R; ++r)
+            dot[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(a.xf[(m0 + r) * p.kp + col + j]), dot[r]);
+        }
+      } else {
+        for (int nibble = 0; nibble < 8; ++nibble) {
+          __m512i v = _mm512_and_si512(_mm512_srli_epi32(raw, 4 * nibble), low_nibbles);
+          __m512 w = _mm512_cvtepi32_ps(v);
+          const int64_t c = col + (nibble & 1) * 4 + nibble / 2;
+          for (int r = 0; r < R; ++r)
+            dot[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(a.xf[(m0 + r) * p.kp + c]), dot[r]);
+        }
+      }
+    }
+    const int64_t at = (nb * p.groups + g) * kBlockRows;
+    __m512 scale =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(p.offsets + at)))
+                              : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = _mm512_set1_ps(a.group_sum[(m0 + r) * p.groups + g]);
+      if constexpr (BITS == 4) dot[r] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sum, dot[r]);
+      total[r] = _mm512_fmadd_ps(scale, dot[r], total[r]);
+      if (p.offsets) total[r] = _mm512_fmadd_ps(offset, sum, total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlockRows, total[r]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI (int8 activations): vpdpbusd multiplies the unsigned weight codes by the signed
+// activation codes, four columns per 32-bit lane, into int32 per (row, token). Per segment of
+// up to 32 columns (one activation scale): subtract center x the activations' sum (the codes
+// are stored plus center), to float, times the activation scale; per group: times the weight
+// scale, plus the offset times the group's activation sum.
+
+// One segment (SEG = 16 or 32 columns, one activation scale) of R tokens against a block's 16
+// rows: the int32 dot products of the codes, `acc[r]`.
+template <int BITS, int R, int SEG>
+TM_AVX512BF16 inline void segment_vnni(const uint8_t* w, const int8_t* const* xq, int64_t col,
+                                 __m512i* acc) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 8
+  for (int c = 0; c < SEG / (BITS == 8 ? 4 : 8); ++c) {
+    __m512i raw = _mm512_loadu_si512(w + 64 * c);
+    if constexpr (BITS == 8) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq[r] + col + 4 * c, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], raw, _mm512_set1_epi32(x4));
+      }
+    } else {
+      __m512i lo = _mm512_and_si512(raw, low_nibbles);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, xq[r] + col + 8 * c, 4);
+        std::memcpy(&x_hi, xq[r] + col + 8 * c + 4, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(x_lo));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(x_hi));
+      }
+    }
+  }
+}
+
+template <int BITS, int R, int SEG>
+TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
+                        float* out) {
+  constexpr float center = BITS == 8 ? 128.0f : 8.0f;
+  constexpr int64_t segment_bytes = SEG * kBlockRows * BITS / 8;
+  const uint8_t* w = p.codes + nb * p.block_bytes();
+  const int64_t scale_stride = p.kp / kActBlock;
+  const int8_t* xq[R];
+  const float* x_scale[R];
+  const float* x_group_sum[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (m0 + r) * p.kp;
+    x_scale[r] = a.qscale + (m0 + r) * scale_stride;
+    x_group_sum[r] = a.group_sum + (m0 + r) * p.groups;
+  }
+  __m512 total[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  const half* scales = p.scales + nb * p.groups * kBlockRows;
+  const half* offsets = p.offsets ? p.offsets + nb * p.groups * kBlockRows : nullptr;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 dot[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
+    const int64_t group_end = (g + 1) * p.group;
+    for (int64_t col = g * p.group; col < group_end; col += SEG, w += segment_bytes) {
+      __m512i acc[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      segment_vnni<BITS, R, SEG>(w, xq, col, acc);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
+                                 _mm512_set1_ps(x_scale[r][col / kActBlock]), dot[r]);
+    }
+    // The codes were stored plus `center`: their dot products carry center x the group's
+    // activation sum, which the offset term takes back off (offset - center x scale).
+    __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockRows)));
+    __m512 offset = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(offsets + g * kBlockRows)))
+                            : _mm512_setzero_ps();
+    offset = _mm512_fnmadd_ps(_mm512_set1_ps(center), scale, offset);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_fmadd_ps(scale, dot[r], total[r]);
+      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_group_sum[r][g]), total[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlockRows, total[r]);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: a tile of up to kMaxTile tokens against one 16-row block.
+
+template <int BITS, int R>
+void run_tile(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, float* out,
+              int isa) {
+  if (a.path == QuantPath::kInt8) {
+    if (p.group == 16) block_vnni<BITS, R, 16>(p, a, nb, m0, out);
+    else block_vnni<BITS, R, 32>(p, a, nb, m0, out);
+  } else if (isa >= kAvx512) {
+    block_avx512<BITS, R>(p, a, nb, m0, out);
+  } else if (isa == kAvx2) {
+    half_block_avx2<BITS, R>(p, a, nb, m0, 0, out);
+    half_block_avx2<BITS, R>(p, a, nb, m0, 1, out);
+  } else {
+    block_portable(p, a, nb, m0, R, out);
+  }
+}
+
+template <int BITS>
+void tile_dispatch(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, int tile,
+                   float* out, int isa) {
+  switch (tile) {
+    case 1: return run_tile<BITS, 1>(p, a, nb, m0, out, isa);
+    case 2: return run_tile<BITS, 2>(p, a, nb, m0, out, isa);
+    case 3: return run_tile<BITS, 3>(p, a, nb, m0, out, isa);
+    case 4: return run_tile<BITS, 4>(p, a, nb, m0, out, isa);
+    case 5: return run_tile<BITS, 5>(p, a, nb, m0, out, isa);
+    case 6: return run_tile<BITS, 6>(p, a, nb, m0, out, isa);
+    case 7: return run_tile<BITS, 7>(p, a, nb, m0, out, isa);
+    default: return run_tile<BITS, 8>(p, a, nb, m0, out, isa);
+  }
+}
+
+// A tile's 16 columns of `tile` rows (+ bias) into the output, masked at its n.
+void store_tile(const float* tile_out, int tile, int64_t nb, int64_t m0, const GemmOut& o) {
+  const int64_t c0 = nb * kBlockRows, cols = std::min<int64_t>(kBlockRows, o.n - c0);
+  for (int r = 0; r < tile; ++r) {
+    const float* values = tile_out + r * kBlockRows;
+    const int64_t at = (m0 + r) * o.ld + c0;
+    for (int64_t i = 0; i < cols; ++i) {
+      const float v = values[i] + (o.bias ? o.bias[c0 + i] : 0.0f);
+      if (o.is_bf16) store_float(static_cast<bf16*>(o.data) + at + i, v);
+      else static_cast<float*>(o.data)[at + i] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AMX: a 16-row block dequantized into the dense bf16 packed layout ([k_pad / 2, 16, 2]: each
+// row's 32-bit lane a pair of consecutive k), for packed_gemm's tiles.
+
+// float -> bf16 bits in the high half, rounded to nearest even (no NaNs here).
+TM_AVX512 inline __m512i rounded(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
+
+template <int BITS>
+TM_AVX512 void dequantize_block_pairs(const Problem& p, int64_t nb, uint32_t* out) {
+  constexpr int cols = BITS == 8 ? 4 : 8;  // k per 32-bit lane of the codes
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const __m512i code_mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t at = (nb * p.groups + g) * kBlockRows;
+    const __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(p.offsets + at)))
+                              : _mm512_setzero_ps();
+    offset = _mm512_fnmadd_ps(_mm512_set1_ps(center_of(BITS)), scale, offset);  // unsigned codes
+    for (int64_t col = g * p.group; col < (g + 1) * p.group; col += cols) {
+      const __m512i raw = _mm512_loadu_si512(block + (col / cols) * 64);
+      for (int pair = 0; pair < cols / 2; ++pair) {
+        const int even_shift = BITS == 8 ? 16 * pair : nibble_shift(2 * pair);
+        const int odd_shift = BITS == 8 ? 16 * pair + 8 : nibble_shift(2 * pair + 1);
+        const __m512 even = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, even_shift), code_mask)),
+            scale, offset);
+        const __m512 odd = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, odd_shift), code_mask)),
+            scale, offset);
+        const __m512i lanes = _mm512_or_si512(_mm512_and_si512(rounded(odd), high_half),
+                                              _mm512_srli_epi32(rounded(even), 16));
+        _mm512_storeu_si512(out + ((col + 2 * pair) / 2) * kBlockRows, lanes);
+      }
+    }
+  }
+}
+
+void quant_gemm_amx(const PackedWeight& w, const QuantInput& in, const GemmOut& o, int64_t b0,
+                    int64_t b1, int isa) {
+  constexpr int64_t kChunkBlocks = 16;  // 16 x 16 x k_pad bf16: L2-sized for k up to ~4K
+  thread_local std::vector<uint32_t> scratch;
+  const Problem p = problem_of(w);
+  const size_t out_size = o.is_bf16 ? sizeof(bf16) : sizeof(float);
+  for (int64_t c = b0; c < b1; c += kChunkBlocks) {
+    const int64_t blocks = std::min(b1, c + kChunkBlocks) - c;
+    const int64_t block_lanes = kBlockRows * w.k_pad / 2;
+    scratch.resize(blocks * block_lanes);
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (w.bits == 8) dequantize_block_pairs<8>(p, c + b, scratch.data() + b * block_lanes);
+      else dequantize_block_pairs<4>(p, c + b, scratch.data() + b * block_lanes);
+    }
+    const PackedWeight dense{scratch.data(), blocks * kBlockRows, w.k, blocks * kBlockRows,
+                             w.k_pad, true};
+    GemmOut part = o;
+    part.data = static_cast<char*>(o.data) + c * kBlockRows * out_size;
+    part.bias = o.bias ? o.bias + c * kBlockRows : nullptr;
+    part.n = o.n - c * kBlockRows;
+    packed_gemm(dense, in.xb, in.kp, in.rows, part, 0, blocks, isa);
+  }
+}
+
+size_t aligned(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// Bytes of each buffer a path prepares: q, qscale, qsum, xf, group_sum, xb.
+std::array<size_t, 6> input_bytes(QuantPath path, int64_t rows, int64_t kp, int64_t groups) {
+  std::array<size_t, 6> bytes{};
+  if (path == QuantPath::kAmx) {
+    bytes[5] = aligned(rows * kp * sizeof(bf16));
+    return bytes;
+  }
+  if (path == QuantPath::kInt8) {
+    bytes[0] = aligned(rows * kp);
+    bytes[1] = aligned(rows * (kp / kActBlock) * sizeof(float));
+    bytes[2] = aligned(rows * (kp / 16) * sizeof(int32_t));
+  } else {
+    bytes[3] = aligned(rows * kp * sizeof(float));
+  }
+  bytes[4] = aligned(rows * groups * sizeof(float));
+  return bytes;
+}
+
+}  // namespace
+
+QuantPath quant_path(int64_t rows, int isa) {
+  if (isa >= kAmx && rows >= kQuantAmxMinRows) return QuantPath::kAmx;
+  return isa >= kAvx512Bf16 ? QuantPath::kInt8 : QuantPath::kFloat;
+}
+
+void QuantScratch::reserve(const PackedWeight& w, int64_t rows, int isa) {
+  const auto bytes = input_bytes(quant_path(rows, isa), rows, w.k_pad, w.k_pad / w.group);
+  size_t total = 64;  // slack to align the start
+  for (size_t b : bytes) total += b;
+  if (!bytes_.defined() || bytes_.numel() < static_cast<int64_t>(total))
+    bytes_ = at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte));
+}
+
+QuantInput QuantScratch::view(const PackedWeight& w, int64_t rows, int isa) {
+  reserve(w, rows, isa);
+  QuantInput in{};
+  in.path = quant_path(rows, isa);
+  in.rows = rows;
+  in.kp = w.k_pad;
+  in.group = w.group;
+  in.groups = w.k_pad / w.group;
+  const auto bytes = input_bytes(in.path, rows, in.kp, in.groups);
+  char* at = reinterpret_cast<char*>(aligned(reinterpret_cast<size_t>(bytes_.data_ptr())));
+  auto take = [&](size_t size) {
+    char* start = size ? at : nullptr;
+    at += size;
+    return start;
+  };
+  in.q = reinterpret_cast<int8_t*>(take(bytes[0]));
+  in.qscale = reinterpret_cast<float*>(take(bytes[1]));
+  in.qsum = reinterpret_cast<int32_t*>(take(bytes[2]));
+  in.xf = reinterpret_cast<float*>(take(bytes[3]));
+  in.group_sum = reinterpret_cast<float*>(take(bytes[4]));
+  in.xb = reinterpret_cast<bf16*>(take(bytes[5]));
+  return in;
+}
+
+void prepare_quant_rows(const PackedWeight& w, const void* x, bool x_bf16, int64_t ldx,
+                        const QuantInput& in, int64_t r0, int64_t r1) {
+  thread_local std::vector<float> widened;
+  const int isa = current_isa();
+  for (int64_t m = r0; m < r1; ++m) {
+    if (in.path == QuantPath::kAmx) {
+      bf16* row = in.xb + m * in.kp;
+      if (x_bf16) {
+        std::memcpy(row, static_cast<const bf16*>(x) + m * ldx, w.k * sizeof(bf16));
+      } else {
+        const float* xr = static_cast<const float*>(x) + m * ldx;
+        for (int64_t i = 0; i < w.k; ++i) store_float(row + i, xr[i]);
+      }
+      std::fill(row + w.k, row + in.kp, bf16(0.0f));
+      continue;
+    }
+    float* row = in.xf ? in.xf + m * in.kp : nullptr;
+    if (row == nullptr) {
+      widened.resize(in.kp);
+      row = widened.data();
+    }
+    if (x_bf16) widen_row(static_cast<const bf16*>(x) + m * ldx, w.k, in.kp, row);
+    else widen_row(static_cast<const float*>(x) + m * ldx, w.k, in.kp, row);
+    if (in.path == QuantPath::kInt8) {
+      int8_t* q = in.q + m * in.kp;
+      float* scale = in.qscale + m * (in.kp / kActBlock);
+      int32_t* sum16 = in.qsum + m * (in.kp / 16);
+      if (isa >= kAvx512Bf16) quantize_row_avx512(row, in.kp, q, scale, sum16);
+      else quantize_row_portable(row, in.kp, q, scale, sum16);
+    }
+    group_sums(in, m, in.group_sum + m * in.groups);
+  }
+}
+
+void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out, int64_t b0,
+                int64_t b1, int isa) {
+  if (in.path == QuantPath::kAmx) return quant_gemm_amx(w, in, out, b0, b1, isa);
+  const Problem p = problem_of(w);
+  alignas(64) float tile_out[kMaxTile * kBlockRows];
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    for (int64_t m0 = 0; m0 < in.rows; m0 += kMaxTile) {
+      const int tile = static_cast<int>(std::min<int64_t>(kMaxTile, in.rows - m0));
+      if (p.bits == 8) tile_dispatch<8>(p, in, nb, m0, tile, tile_out, isa);
+      else tile_dispatch<4>(p, in, nb, m0, tile, tile_out, isa);
+      store_tile(tile_out, tile, nb, m0, out);
+    }
+  }
+}
+
+PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
+                        int64_t n, int64_t k) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: bits must be 8 or 4");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
+              "quantized weight: codes must be contiguous uint8 [blocks, block bytes]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3,
+              "quantized weight: scales must be contiguous float16 [blocks, groups, 16]");
+  const int64_t blocks = codes.size(0), groups = scales.size(1), kp = groups * group;
+  TORCH_CHECK(group % 16 == 0 && kp % kActBlock == 0 && kp >= k && kp - k < kActBlock + group,
+              "quantized weight: group size and padded width do not fit its in_features");
+  TORCH_CHECK(codes.size(1) == kBlockRows * kp * bits / 8 && scales.size(0) == blocks &&
+                  scales.size(2) == kBlockRows && blocks * kBlockRows >= n &&
+                  (blocks - 1) * kBlockRows < n,
+              "quantized weight: codes and scales do not fit the shape");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets)
+    TORCH_CHECK(offsets->scalar_type() == at::kHalf && offsets->is_contiguous() &&
+                    offsets->sizes() == scales.sizes(),
+                "quantized weight: offsets must be like scales");
+  PackedWeight w{codes.data_ptr(), n, k, blocks * kBlockRows, kp, false};
+  w.bits = static_cast<int>(bits);
+  w.scales = scales.data_ptr<at::Half>();
+  w.offsets = has_offsets ? offsets->data_ptr<at::Half>() : nullptr;
+  w.group = group;
+  return w;
+}
+
+PackedLinear PackedLinear::quantized(const at::Tensor& codes, const at::Tensor& scales,
+                                     const c10::optional<at::Tensor>& offsets, int64_t bits,
+                                     int64_t group, int64_t n, int64_t k) {
+  PackedLinear linear;
+  linear.weight_ = quant_view(codes, scales, offsets, bits, group, n, k);
+  linear.tensors_ = {codes, scales};
+  if (offsets.has_value() && offsets->defined()) linear.tensors_.push_back(*offsets);
+  return linear;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
+                        const c10::optional<at::Tensor>& bias, bool float32_out) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(1) == w.k, "quant_linear: x has ", x.size(1), " columns, the weight ", w.k);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() == w.n, "quant_linear: bias size");
+  }
+  const int64_t rows = x.size(0);
+  at::Tensor out =
+      at::empty({rows, w.n}, float32_out ? x.options().dtype(at::kFloat) : x.options());
+  if (rows == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const int isa = current_isa();
+  QuantScratch scratch;
+  const QuantInput in = scratch.view(w, rows, isa);
+  if (in.path == QuantPath::kAmx) amx_permitted();
+  const GemmOut o{out.data_ptr(), w.n, out.scalar_type() == at::kBFloat16,
+                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, w.n};
+  // Tiny products stay on the calling thread (as packed_linear's).
+  const int threads = w.n_pad * w.k_pad * std::max<int64_t>(rows, 4) < (1 << 16) ? 1 : team_size();
+  const int64_t rows_per_chunk = (rows + 4 * threads - 1) / (4 * threads);
+  const int64_t per = gemm_chunk_blocks(w, rows, threads);
+  const void* input = xc.data_ptr();
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  PhasedJob job;
+  job.add_phase((rows + rows_per_chunk - 1) / rows_per_chunk, [&](int64_t chunk, int) {
+    const int64_t r0 = chunk * rows_per_chunk;
+    prepare_quant_rows(w, input, x_bf16, w.k, in, r0, std::min(rows, r0 + rows_per_chunk));
+  });
+  job.add_phase((w.blocks() + per - 1) / per, [&](int64_t chunk, int) {
+    quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
+  });
+  WorkerPool::instance().run(job, threads);
+  return out;
+}
+
+}  // namespace tokenmill
