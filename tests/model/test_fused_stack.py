@@ -26,6 +26,16 @@ ARCHITECTURES = {
     "mistral-sliding-window": {"architecture": "mistral", "sliding_window": 8},
     "qwen2": {},
     "qwen3": {},
+    # Widths that are not multiples of the 16-row blocks: o and down write 40 of 48 padded
+    # columns into rows 40 apart, and qkv's biases end mid-block.
+    "qwen2-odd-widths": {
+        "architecture": "qwen2",
+        "hidden_size": 40,
+        "num_attention_heads": 5,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "intermediate_size": 72,
+    },
 }
 
 

@@ -327,7 +327,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
                         int64_t ld_out, const float* bias) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
-    const GemmOut o{output, ld_out, false, bias, w.n_pad};
+    const GemmOut o{output, ld_out, false, bias, w.n};  // n: no column past the real ones
     if (w.quantized()) {  // its input rows prepared (quantized or widened) once, then products
       const QuantInput in = b.quant.view(w, tokens, isa);
       job.add_phase(row_chunks, [=, &w](int64_t chunk, int) {
