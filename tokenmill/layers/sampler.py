@@ -163,6 +163,24 @@ class Sampler(torch.nn.Module):
         return gen
 
 
+def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the sampler's token for a row is the plain argmax of its logits: greedy, and
+    nothing that `SamplingMetadata` gathers applies (logprobs, penalties, logit bias, a
+    min_tokens ban). A step of only such rows skips building the metadata (`greedy_tokens`)."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.needs_penalties
+        and not params.logit_bias
+        and num_output_tokens >= params.min_tokens
+    )
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's token when every row `takes_argmax`: what the sampler would pick."""
+    return argmax_rows(logits if logits.dtype == torch.float32 else logits.float()).tolist()
+
+
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Logit bias, min_tokens masking and penalties; copies only when there is work to do."""
     md = metadata
