@@ -422,6 +422,7 @@ def test_logit_bias_shifts_only_its_row() -> None:
     expected[2, 4] -= 2.5
     expected[2, 6] += 1.0
     torch.testing.assert_close(process_logits(logits, md), expected)
+    assert build([SamplingParams(logit_bias={99: 1.0, 20: 2.0})], 20).logit_bias is None
 
 
 def test_forward_does_not_modify_input_logits() -> None:
