@@ -4,7 +4,8 @@
         [--steps 40] [--json OUT]
 
 One engine (`LLM(model, max_model_len=512)`, the default dtype), then for each batch size B:
-B requests of 128 random prompt ids (greedy, ignore_eos) run into steady decoding, and
+B requests of 128 random prompt ids (greedy, ignore_eos, final-only outputs as `LLM.generate`
+asks for) run into steady decoding, and
 `--steps` engine steps are timed with the main thread's CPU time (`time.thread_time`), split
 by wrapping the step's parts: scheduling, input preparation, the forward + logits, sampling,
 applying the outputs (stop checks, detokenizing), building the `RequestOutput`s, and the rest
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind
 
 PHASES = ("schedule", "prepare", "forward", "sample", "apply", "outputs")
 
@@ -58,7 +60,8 @@ def measure(llm: LLM, clock: PhaseClock, batch: int, steps: int, rounds: int) ->
     params = SamplingParams(temperature=0.0, max_tokens=10 + steps * rounds + 5, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for req_id in ids:
-        engine.add_request(req_id, [rng.randrange(10, 2000) for _ in range(128)], params)
+        prompt = [rng.randrange(10, 2000) for _ in range(128)]
+        engine.add_request(req_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
     for _ in range(10):  # prefill and warm up
         engine.step()
     samples: list[dict] = []
