@@ -326,3 +326,28 @@ def test_slow_tokenizers_get_spaces_between_special_tokens(
     )
     deltas, _ = stream(detok, output_ids, [1] * len(output_ids))
     assert "".join(deltas) == expected
+
+
+def test_without_stop_strings_text_is_decoded_when_read_and_is_the_same(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """Updates without stop strings only queue tokens (a final-only request decodes once, at
+    the end); the text, read at any point, is what decoding each update at once gives."""
+    slow = SlowTokenizer(tokenizer)
+    output_ids = tokenizer.encode("Café 😀 你好 the cat. " * 4, add_special_tokens=False)
+    lazy = IncrementalDetokenizer(slow, [1])  # type: ignore[arg-type]
+    eager = IncrementalDetokenizer(slow, [1], stop=["\x00never"])  # type: ignore[arg-type]
+    primed = len(slow.decoded_lengths)
+    for start in range(0, len(output_ids), 3):
+        assert lazy.update(output_ids[start : start + 3]) is None
+    assert len(slow.decoded_lengths) == primed  # nothing decoded yet
+    halfway = len(output_ids) // 2
+    deltas = []
+    for start in range(0, len(output_ids), 3):
+        eager.update(output_ids[start : start + 3])
+        if start == halfway - halfway % 3:
+            deltas.append(eager.get_next_output_text(finished=False, delta=True))
+    assert lazy.get_next_output_text(finished=True, delta=False) == "".join(
+        [*deltas, eager.get_next_output_text(finished=True, delta=True)]
+    )
+    assert lazy.output_text == eager.output_text == tokenizer.decode(output_ids)

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.layers.sampler import Sampler, SamplingMetadata, process_logits, random_probs
+from tokenmill.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    greedy_tokens,
+    process_logits,
+    random_probs,
+    takes_argmax,
+)
 from tokenmill.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -415,6 +422,7 @@ def test_logit_bias_shifts_only_its_row() -> None:
     expected[2, 4] -= 2.5
     expected[2, 6] += 1.0
     torch.testing.assert_close(process_logits(logits, md), expected)
+    assert build([SamplingParams(logit_bias={99: 1.0, 20: 2.0})], 20).logit_bias is None
 
 
 def test_forward_does_not_modify_input_logits() -> None:
@@ -461,3 +469,28 @@ def test_no_logprobs_requested_returns_none() -> None:
     out = sampler()(torch.randn(2, 10), build([SamplingParams()] * 2, 10))
     assert out.logprobs is None
     assert out.sampled_token_ids.dtype == torch.long and out.sampled_token_ids.shape == (2,)
+
+
+def test_rows_that_take_the_argmax_get_the_full_samplers_token() -> None:
+    """`takes_argmax` rows skip the sampler (`greedy_tokens`): the very token it would pick;
+    every feature that could change that token keeps a row on the full path."""
+    vocab, rows = 50, 6
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[1, 3] = logits[1].max() + 1  # a tie: the first index wins
+    stops = {"stop_token_ids": [int(logits[0].argmax())], "min_tokens": 2}
+    cases = [
+        (SamplingParams(temperature=0.0), 0, True),
+        (SamplingParams(temperature=0.0, **stops), 2, True),  # min_tokens reached
+        (SamplingParams(temperature=0.0, **stops), 1, False),  # its stop token banned
+        (SamplingParams(temperature=0.0, frequency_penalty=1.0), 0, False),
+        (SamplingParams(temperature=0.0, logit_bias={5: 100.0}), 0, False),
+        (SamplingParams(temperature=0.0, logprobs=2), 0, False),
+        (SamplingParams(temperature=0.8), 0, False),
+    ]
+    for params, num_output, expected in cases:
+        assert takes_argmax(params, num_output) == expected, params
+        if expected:
+            outputs = [list(range(num_output))] * rows
+            full = sampler()(logits, build([params] * rows, vocab, outputs=outputs))
+            assert greedy_tokens(logits) == full.sampled_token_ids.tolist()
+    assert greedy_tokens(logits.bfloat16()) == logits.bfloat16().float().argmax(-1).tolist()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import attention
 from tokenmill.layers.attention import DECODE_SLICE_ROWS, TorchPagedAttention
-from tokenmill.step.layout import attention_group_key, layout_step
+from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
 
 BLOCK_SIZE = 16
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -130,3 +130,35 @@ def test_multi_token_rows_attend_causally_to_their_own_context(
             )[:, 0]
             torch.testing.assert_close(out[start + j], expected)
         start += q
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_decode_layout_is_the_general_layout_of_a_decode_step(sliding_window: int | None) -> None:
+    """`layout_decode` (Python ints, for steps of one token per sequence) lays out exactly
+    what `layout_step` does: positions, slots, the CPU step, the groups."""
+    rng = np.random.default_rng(0)
+    for num_seqs in (1, 2, 7, 33):
+        block_ids, query_lens, seq_lens = decode_step(rng.integers(1, 700, num_seqs).tolist())
+        block_ids = [[*ids, 999] for ids in block_ids]  # a block allocated past the tokens
+        cpu = torch.device("cpu")
+        positions, general = layout_step(
+            block_ids, query_lens, seq_lens, BLOCK_SIZE, sliding_window, cpu
+        )
+        lean_positions, lean = layout_decode(
+            block_ids, seq_lens.tolist(), BLOCK_SIZE, sliding_window, cpu
+        )
+        assert lean_positions.tolist() == positions.tolist()
+        assert torch.equal(lean.slot_mapping, general.slot_mapping)
+        assert lean.step is not None and general.step is not None
+        for name in ("query_start_loc", "seq_lens", "block_tables"):
+            lean_value, value = getattr(lean.step, name), getattr(general.step, name)
+            assert lean_value.dtype == value.dtype and torch.equal(lean_value, value), name
+        assert lean.step.sliding_window == sliding_window
+        assert len(lean.groups) == len(general.groups)
+        for lean_group, group in zip(lean.groups, general.groups):
+            for name, value in vars(group).items():
+                lean_value = getattr(lean_group, name)
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(lean_value, value), name
+                else:
+                    assert lean_value == value, name

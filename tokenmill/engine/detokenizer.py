@@ -116,7 +116,11 @@ class IncrementalDetokenizer:
         longest = max((len(s) for s in self.stop), default=0)
         self.stop_buffer_length = 0 if include_stop_str_in_output else max(longest - 1, 0)
         self.output_token_ids: list[int] = []
-        self.output_text = ""
+        self._text = ""
+        # Updates not decoded yet: without stop strings the text waits until it is read, so
+        # a step that sends no text (final-only outputs) skips the decoder, which runs cold
+        # after the forward. Replayed update by update, the text is the same.
+        self._pending: list[list[int]] = []
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
         self._last_output_offset = 0
         self._context = self._prompt_context(prompt_token_ids)
@@ -174,19 +178,30 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None or not new_token_ids:
             return None
         self.output_token_ids.extend(new_token_ids)
+        if not self.stop:
+            self._pending.append(list(new_token_ids))
+            return None
         return self._append_text(self._step(list(new_token_ids)))
+
+    @property
+    def output_text(self) -> str:
+        """The text of the output tokens so far (`get_next_output_text` says what to send)."""
+        for token_ids in self._pending:
+            self._append_text(self._step(token_ids))
+        self._pending.clear()
+        return self._text
 
     def _append_text(self, new_text: str) -> str | None:
         """Extend output_text and apply stop strings to the part that could contain one."""
         if not new_text:
             return None
-        self.output_text += new_text
+        self._text += new_text
         hit = self._find_stop(len(new_text))
         if hit is None:
             return None
         stop_str, index = hit
         end = index + len(stop_str) if self.include_stop_str_in_output else index
-        self.output_text = self.output_text[:end]
+        self._text = self._text[:end]
         self.stop_reason = stop_str
         return stop_str
 
@@ -194,8 +209,8 @@ class IncrementalDetokenizer:
         """The earliest stop string overlapping the new text (it may start in older text)."""
         best: tuple[str, int] | None = None
         for stop_str in self.stop:
-            start = max(0, len(self.output_text) - num_new_chars - len(stop_str) + 1)
-            index = self.output_text.find(stop_str, start)
+            start = max(0, len(self._text) - num_new_chars - len(stop_str) + 1)
+            index = self._text.find(stop_str, start)
             if index != -1 and (best is None or index < best[1]):
                 best = (stop_str, index)
         return best
@@ -219,17 +234,19 @@ class IncrementalDetokenizer:
 
         While unfinished, the last stop_buffer_length characters are held back.
         """
+        text = self.output_text
         if finished:
             self._flush()
+            text = self._text
         buffer_length = 0 if finished else self.stop_buffer_length
-        length = max(len(self.output_text) - buffer_length, 0)
+        length = max(len(text) - buffer_length, 0)
         if not delta:
-            return self.output_text[:length]
+            return text[:length]
         last_offset = self._last_output_offset
         if last_offset >= length:
             return ""
         self._last_output_offset = length
-        return self.output_text[last_offset:length]
+        return text[last_offset:length]
 
 
 _TOKEN_TEXT_CACHE: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[int, str]] = (

@@ -134,10 +134,11 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            output = self._make_output(state)
+            finished = state.finished
+            output = self._make_output(state, finished)
             if output is not None:
                 outputs.append(output)
-            if state.finished:
+            if finished:
                 self.abort_request(state.request_id)
         return outputs
 
@@ -154,8 +155,9 @@ class OutputProcessor:
         state.num_cached_tokens = out.num_cached_tokens
         state.kv_transfer_params = out.kv_transfer_params or state.kv_transfer_params
         state.error = out.error or state.error
-        sample.num_preemptions = max(sample.num_preemptions, out.num_preemptions)
-        metrics.num_preemptions = sum(s.num_preemptions for s in state.samples)
+        if out.num_preemptions > sample.num_preemptions:
+            sample.num_preemptions = out.num_preemptions
+            metrics.num_preemptions = sum(s.num_preemptions for s in state.samples)
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
             self._append_logprobs(state.params, sample, out)
@@ -206,9 +208,8 @@ class OutputProcessor:
             sample.logprobs.append(self._position_logprobs(token_ids, logprobs, rank, num_top))
             sample.cumulative_logprob += logprobs[0]
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         kind = state.params.output_kind
-        finished = state.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA

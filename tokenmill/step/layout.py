@@ -71,7 +71,7 @@ def layout_step(
         block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
     metadata = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
+        slot_mapping=to_device(slot_mapping, device),
         groups=lambda: _attention_groups(
             query_lens, seq_lens, block_tables, starts, block_size, sliding_window, device
         ),
@@ -84,6 +84,60 @@ def layout_step(
             sliding_window=sliding_window,
         )
     return positions, metadata
+
+
+def layout_decode(
+    block_ids: Sequence[Sequence[int]],
+    seq_lens: list[int],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> tuple[np.ndarray, AttentionMetadata]:
+    """`layout_step` for a step in which every sequence adds one token (its last of
+    `seq_lens[i]`): the same positions and metadata, from Python ints and two arrays.
+
+    It runs right after the previous step's forward has streamed the weights through the
+    caches, where every numpy or torch call starts cold (~0.1 ms each on a 2-vCPU Xeon VM):
+    `layout_step`'s two dozen such calls cost ~0.8 ms of a 34 ms batch-1 step."""
+    num_seqs = len(seq_lens)
+    num_blocks = [-(-n // block_size) for n in seq_lens]
+    width = max(num_blocks)
+    positions = [n - 1 for n in seq_lens]
+    ints = positions + [
+        ids[p // block_size] * block_size + p % block_size for ids, p in zip(block_ids, positions)
+    ]
+    for ids, n in zip(block_ids, num_blocks):
+        ints += ids[:n]
+        ints += [0] * (width - n)
+    array = np.array(ints, dtype=np.int64)
+    block_tables = array[2 * num_seqs :].reshape(num_seqs, width)
+    starts_and_lens = np.array([*range(num_seqs + 1), *seq_lens], dtype=np.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(array[num_seqs : 2 * num_seqs], device),
+        groups=lambda: _attention_groups(
+            np.ones(num_seqs, dtype=np.int64),
+            np.array(seq_lens, dtype=np.int64),
+            block_tables,
+            np.arange(num_seqs),
+            block_size,
+            sliding_window,
+            device,
+        ),
+    )
+    if device.type == "cpu":
+        metadata.step = StepAttention(
+            query_start_loc=torch.from_numpy(starts_and_lens[: num_seqs + 1]),
+            seq_lens=torch.from_numpy(starts_and_lens[num_seqs + 1 :]),
+            block_tables=torch.from_numpy(block_tables),
+            sliding_window=sliding_window,
+        )
+    return array[:num_seqs], metadata
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor of `array` on `device`: shared with it on the CPU (no copy, no `.to` call)."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _attention_groups(

@@ -5,19 +5,23 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokenmill.kv_transfer.base import KVConnectorBase
-from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from tokenmill.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    greedy_tokens,
+    takes_argmax,
+)
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
 from tokenmill.spec_decode.verification import verify
-from tokenmill.step.layout import attention_group_key, layout_step
+from tokenmill.step.layout import attention_group_key, layout_step, to_device
 from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.step.scheduler_output import SchedulerOutput
@@ -29,23 +33,7 @@ from tokenmill.worker.captured_step import (
     build_decode_step,
 )
 from tokenmill.worker.runner_spec import RunnerSpec
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata | None  # None for a captured decode step
-    logits_indices: torch.Tensor  # rows of the hidden states to compute logits for
-    sampling_states: list[CachedRequestState]  # the requests those rows belong to
-    sampling_drafts: list[list[int]]  # per sampling request: drafts verified (k + 1 rows)
-    prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]  # (state, first row, count)
-    # Per scheduled request, in row order: its first row, first position, end of known tokens.
-    states: list[CachedRequestState]
-    row_starts: np.ndarray
-    first_positions: np.ndarray
-    known_ends: list[int]
-    decode: DecodeBatch | None = None  # a decode-only step that runs captured
+from tokenmill.worker.step_inputs import StepInputs, all_decode, decode_inputs
 
 
 class ModelRunner:
@@ -93,7 +81,10 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         start = time.perf_counter()
         hidden = self._forward(inputs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = inputs.logits_indices
+        logits = self.model.compute_logits(
+            hidden[: len(inputs.sampling_states)] if rows is None else hidden[rows]
+        )
         self._synchronize()
         self.forward_seconds += time.perf_counter() - start
         if connector is not None:
@@ -208,6 +199,8 @@ class ModelRunner:
                 num_scheduled[s.req_id], s.num_computed_tokens + num_scheduled[s.req_id]
             ),
         )
+        if self.decode_step is None and not spec_tokens and all_decode(states, num_scheduled):
+            return decode_inputs(states, self.block_size, self.sliding_window, self.device)
         drafts = [spec_tokens.get(s.req_id, []) for s in states]
         query_lens = np.array([num_scheduled[s.req_id] for s in states], dtype=np.int64)
         computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -251,8 +244,8 @@ class ModelRunner:
             sampling_drafts=[d for d, sample in zip(drafts, samples) if sample],
             prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
             states=states,
-            row_starts=starts,
-            first_positions=computed,
+            row_starts=starts.tolist(),
+            first_positions=computed.tolist(),
             known_ends=known_ends,
         )
 
@@ -273,8 +266,8 @@ class ModelRunner:
             sampling_drafts=[[] for _ in states],
             prompt_logprob_rows=[],
             states=states,
-            row_starts=np.arange(len(states)),
-            first_positions=computed,
+            row_starts=list(range(len(states))),
+            first_positions=computed.tolist(),
             known_ends=known_ends,
             decode=decode,
         )
@@ -314,8 +307,8 @@ class ModelRunner:
             hidden = hidden[: len(inputs.states)].clone()
         for state, start, first, known_end in zip(
             inputs.states,
-            inputs.row_starts.tolist(),
-            inputs.first_positions.tolist(),
+            inputs.row_starts,
+            inputs.first_positions,
             inputs.known_ends,
         ):
             count = known_end - first + accepted.get(state.req_id, 0)
@@ -379,6 +372,15 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """One token per request, or, for requests with drafts, the verified drafts plus one:
         row j of such a request is sampled as if drafts[:j] were already output."""
+        if not any(drafts) and all(
+            takes_argmax(s.sampling_params, len(s.token_ids) - s.num_prompt_tokens) for s in states
+        ):
+            token_ids = [[token_id] for token_id in greedy_tokens(logits)]
+            for state, ids in zip(states, token_ids):
+                state.append(ids)
+            return ModelRunnerOutput(
+                req_ids=[s.req_id for s in states], sampled_token_ids=token_ids
+            )
         params: list[SamplingParams] = []
         prompts: list[Sequence[int]] = []
         outputs: list[Sequence[int]] = []
@@ -417,7 +419,7 @@ class ModelRunner:
         return output
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
 
 def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: StepInputs) -> None:

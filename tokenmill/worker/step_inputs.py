@@ -1,0 +1,76 @@
+"""A step's flat inputs for the model runner, and the lean path for a decode-only step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.step.layout import layout_decode, to_device
+from tokenmill.step.runner_request_state import CachedRequestState
+from tokenmill.worker.captured_step import DecodeBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata | None  # None for a captured decode step
+    # Rows of the hidden states to compute logits for; None: the first len(sampling_states)
+    # rows, in order (a step whose every token samples: no index op).
+    logits_indices: torch.Tensor | None
+    sampling_states: list[CachedRequestState]  # the requests those rows belong to
+    sampling_drafts: list[list[int]]  # per sampling request: drafts verified (k + 1 rows)
+    prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]  # (state, first row, count)
+    # Per scheduled request, in row order: its first row, first position, end of known tokens.
+    states: list[CachedRequestState]
+    row_starts: list[int]
+    first_positions: list[int]
+    known_ends: list[int]
+    decode: DecodeBatch | None = None  # a decode-only step that runs captured
+
+
+def all_decode(states: list[CachedRequestState], num_scheduled: dict[str, int]) -> bool:
+    """Every request computes one token, its last known one, and samples the next, without
+    prompt logprobs (a one-token prompt chunk with more prompt to come does not sample)."""
+    return all(
+        num_scheduled[s.req_id] == 1
+        and s.num_computed_tokens + 1 == len(s.token_ids)
+        and s.sampling_params.prompt_logprobs is None
+        for s in states
+    )
+
+
+def decode_inputs(
+    states: list[CachedRequestState],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> StepInputs:
+    """Inputs of a step in which every request computes its last token and samples the
+    next (`all_decode`): built from Python ints, with a handful of array calls, since
+    each call runs cold after the previous forward (`layout_decode`)."""
+    seq_lens = [len(s.token_ids) for s in states]
+    positions, metadata = layout_decode(
+        [s.block_ids for s in states],
+        seq_lens,
+        block_size,
+        sliding_window,
+        device,
+    )
+    input_ids = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
+    return StepInputs(
+        input_ids=to_device(input_ids, device),
+        positions=to_device(positions, device),
+        metadata=metadata,
+        logits_indices=None,
+        sampling_states=states,
+        sampling_drafts=[[] for _ in states],
+        prompt_logprob_rows=[],
+        states=states,
+        row_starts=list(range(len(states))),
+        first_positions=[n - 1 for n in seq_lens],
+        known_ends=seq_lens,
+    )
