@@ -60,25 +60,29 @@ int set_isa(int level) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tokenmill;
+  // The products, attention and the stack run without the GIL: a server's event loop streams
+  // while a forward runs (with it held, no chunk could be written for 30-100 ms a step).
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("detect_isa", &detect_isa, "best ISA level of this CPU (0-4)");
   m.def("set_isa", &set_isa, "run at this ISA level (at most the CPU's best); returns it");
   m.def("get_isa", &current_isa);
   m.def("pack_linear_weight", &pack_linear_weight, "[n, k] weight -> the packed layout");
   m.def("unpack_linear_weight", &unpack_linear_weight, "the packed layout -> [n, k]");
-  m.def("packed_linear", &packed_linear, "x @ weight.T + bias on a packed weight");
+  m.def("packed_linear", &packed_linear, "x @ weight.T + bias on a packed weight", no_gil);
   m.def("quant_amx_min_rows", [] { return kQuantAmxMinRows; },
         "rows from which quantized products run on AMX tiles (ISA level 4)");
   pybind11::class_<PackedLinear>(m, "PackedLinear")
       .def_static("dense", &PackedLinear::dense, "a packed dense weight [n, k]")
       .def_static("quantized", &PackedLinear::quantized,
                   "packed int8/int4 codes with float16 scales (and offsets) per group")
-      .def("forward", &PackedLinear::forward, "x @ weight.T + bias");
-  m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place");
-  m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)");
+      .def("forward", &PackedLinear::forward, "x @ weight.T + bias", no_gil);
+  m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place",
+        no_gil);
+  m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
                           const std::vector<std::vector<PackedLinear>>&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                           int64_t, double, int64_t>())
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward, no_gil);
 }

@@ -78,13 +78,23 @@ WorkerPool::~WorkerPool() {
   for (auto& worker : workers_) worker.join();
 }
 
+// Set on the pool's workers and on a caller while its job runs: a kernel called from inside a
+// job runs on its own thread instead of waiting for the pool it is part of.
+thread_local bool t_inside_job = false;
+
 void WorkerPool::run(PhasedJob& job, int threads) {
   threads = std::min(threads, max_threads());
   job.prepare();
-  if (threads <= 1) {
+  if (threads <= 1 || t_inside_job) {
     job.participate(0);
     return;
   }
+  // The kernels run without the GIL, so Python threads may call them at once: one job at a time.
+  std::lock_guard<std::mutex> one_job(submit_mutex_);
+  struct Inside {
+    Inside() { t_inside_job = true; }
+    ~Inside() { t_inside_job = false; }
+  } inside;
   job_ = &job;
   job_threads_ = threads;
   state_.store(0, std::memory_order_release);
@@ -99,6 +109,7 @@ void WorkerPool::run(PhasedJob& job, int threads) {
 }
 
 void WorkerPool::work(int index) {
+  t_inside_job = true;
   uint64_t seen = generation_.load(std::memory_order_acquire);
   while (!stopping_.load(std::memory_order_acquire)) {
     int spins = 0;

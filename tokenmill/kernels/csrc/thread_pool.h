@@ -60,6 +60,7 @@ class WorkerPool {
   static constexpr uint32_t kClosed = 1u << 31;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
+  std::mutex submit_mutex_;  // held by the caller whose job the pool runs
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint32_t> state_{kClosed};  // kClosed | number of workers inside the job
