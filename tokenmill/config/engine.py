@@ -68,16 +68,16 @@ class EngineConfig:
     seed: int = config_field(0, "seed of the random numbers of unseeded requests")
     linear_backend: str = config_field(
         "auto",
-        "auto: linear weights reordered for oneDNN on the CPU in float32 (layers/linear.py), "
-        "else F.linear; torch: always F.linear",
+        "auto: on the CPU, linear weights packed for the native kernels (oneDNN-reordered "
+        "where they do not build; layers/linear.py), else F.linear; torch: always F.linear",
         choices=("auto", "torch"),
     )
     quantization: str | None = config_field(
         None,
         "quantize the decoder's linear weights at load time: int8 (per output channel) or "
-        "int4 (asymmetric groups of 32; int4-g128: of 128), weight-only, CPU; the embedding "
-        "and LM head keep the model's dtype. Pre-quantized checkpoints (a .gguf file) are "
-        "detected without it (docs/quantization.md)",
+        "int4 (asymmetric groups of 32; int4-g128: of 128), CPU; the embedding and LM head "
+        "choose their own format (int8 per row). Pre-quantized checkpoints (a .gguf file, a "
+        "quantization_config) are detected without it (docs/quantization.md)",
         choices=("int8", "int4", "int4-g128"),
         flags=("--quantization", "-q"),
     )
