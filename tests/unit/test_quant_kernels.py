@@ -107,11 +107,24 @@ def test_many_rows_on_the_dot_product_kernel() -> None:
     """Prefill-sized products (tiles of 8 tokens, several threads) agree with the reference."""
     codes, scales, offsets = random_weight(200, 320, 4, 32, seed=3)
     weight = pack(codes, scales, offsets, 4, 32)
-    x = torch.randn(300, 320)
-    with native.using_isa(min(BEST, INT8_ACTIVATIONS_LEVEL)):
+    x = torch.randn(300, 320, generator=torch.Generator().manual_seed(4))
+    level = min(BEST, INT8_ACTIVATIONS_LEVEL)
+    with native.using_isa(level):
         reference = kernel_reference(x, weight, None)
         got = quant_linear(x, weight, None)
-    assert (got - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
+    error = (got - reference).abs()
+    exact = 1e-5 * reference.abs().max().item()
+    if level < INT8_ACTIVATIONS_LEVEL:
+        assert error.max().item() <= exact
+        return
+    # int8 activations: the kernel and the reference round x / scale in different float
+    # orders, so a value at a half step can land one code apart (measured: one row in ~6 of
+    # 100 random inputs). Such a row is off by at most one code step times each weight row.
+    step = x.abs().amax(dim=1, keepdim=True) / 127
+    one_flip = step * dequantize(weight).abs().amax(dim=1)[None, :]
+    assert (error <= exact + one_flip * 1.01).all()
+    rows_off = (error > exact).any(dim=1).sum().item()
+    assert rows_off <= 3, f"{rows_off} of 300 rows off by more than float rounding"
 
 
 @needs_native
