@@ -65,8 +65,8 @@ def _build() -> ModuleType:
     built = any(build_dir.glob(f"{name}*.so"))
     if not built:
         logger.warning(
-            "building tokenmill's CPU kernels once (~50 s of CPU over the machine's cores: "
-            "~30 s on 2 idle cores; cached in %s)",
+            "building tokenmill's CPU kernels once (~60 s of CPU over the machine's cores: "
+            "~35 s on 2 idle cores; cached in %s)",
             build_dir,
         )
     start = time.perf_counter()
