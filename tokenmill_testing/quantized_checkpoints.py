@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from tokenmill.kernels.native import native_kernels, using_isa
 from tokenmill.kernels.quant import INT8_ACTIVATIONS_LEVEL
 from tokenmill.sampling_params import SamplingParams
+from tokenmill_testing.transformers_reference import greedy_reference
 
 MAX_TOKENS = 10
 # 40, 70: prefills of at least 32 rows (the AMX path where the CPU has it: quant_amx_min_rows).
@@ -96,21 +97,7 @@ def greedy(**kwargs) -> SamplingParams:
 
 def reference_run(checkpoint: Path, prompts: list[list[int]]):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
-    return tokens, logprobs
+    return greedy_reference(model, prompts, MAX_TOKENS)
 
 
 def random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:

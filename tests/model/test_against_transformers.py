@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill_testing.transformers_reference import greedy_reference
 
 MAX_TOKENS = 12
 PROMPT_LENS = [1, 5, 17, 33, 64]
@@ -50,20 +51,7 @@ def reference(checkpoint: Path):
     vocab = model.config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
-    expected, logprobs = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            expected.append(out.sequences[0, len(prompt) :].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
+    expected, logprobs = greedy_reference(model, prompts, MAX_TOKENS)
     return prompts, expected, logprobs
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import native
+from tokenmill_testing.transformers_reference import greedy_reference
 
 module = native.native_kernels()
 pytestmark = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
@@ -62,20 +63,7 @@ def prompts_for(vocab: int) -> list[list[int]]:
 def reference(checkpoint: Path) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     prompts = prompts_for(model.config.vocab_size)
-    expected, logprobs = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            expected.append(out.sequences[0, len(prompt) :].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
+    expected, logprobs = greedy_reference(model, prompts, MAX_TOKENS)
     return prompts, expected, logprobs
 
 
