@@ -66,18 +66,28 @@ def offline_run(engine: Engine, args: argparse.Namespace, seed: int) -> OfflineR
     return OfflineResult(rates, data["decode_steps_s"], data["float_bytes"])
 
 
-def resident_after_load(engine: Engine, args: argparse.Namespace) -> int | None:
-    """Bytes resident for the loaded model: tokenmill's growth over its load (with a KV
-    cache of KV_PROBE_BYTES), llama.cpp's peak over an 8 + 8-token run (the weights mmapped,
-    a KV cache of 16 tokens, its buffers); None for vLLM (its model lives in an engine-core
+@dataclass(frozen=True)
+class Resident:
+    """Memory after load: the process's, and of it the weights' (None where not separable)."""
+
+    process_bytes: int
+    weight_bytes: int | None
+
+
+def resident_after_load(engine: Engine, args: argparse.Namespace) -> Resident | None:
+    """tokenmill: its process's growth over its load (with a KV cache of KV_PROBE_BYTES), and
+    the bytes of the weight tensors the loaded model holds (`tokenmill.models.weight_bytes`);
+    llama.cpp: its peak over an 8 + 8-token run (the weights are the file, mmapped, plus a KV
+    cache of 16 tokens and its buffers); None for vLLM (its model lives in an engine-core
     process with its own interpreter and a KV space of whole GiB: no number isolates its
     weights)."""
     if engine.runner == "vllm":
         return None
     if engine.runner == "llamacpp":
-        return llama_bench(engine, args, 1, 8, 8).peak_rss_bytes
+        return Resident(llama_bench(engine, args, 1, 8, 8).peak_rss_bytes, None)
     command = [*worker_command(engine, args, seed=0), "--memory"]
-    return run_worker(command, engine_env(engine), args.timeout)["rss_load_bytes"]
+    data = run_worker(command, engine_env(engine), args.timeout)
+    return Resident(data["rss_load_bytes"], data["weight_bytes"])
 
 
 def llama_bench(

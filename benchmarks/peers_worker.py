@@ -8,7 +8,8 @@ prints one `RESULT {json}` line. At each batch size an untimed warm-up (8 tokens
 timed run (greedy, ignore_eos, the prefix cache emptied first): output tok/s, prefill
 included. At B = 1 the decode rate apart: (G - 1) tokens over the B = 1 run's time less that
 of the same request with one token generated (median of 3). `--memory` instead loads the
-engine with a KV cache of a few MB and reports how much its resident memory grew.
+engine with a KV cache of a few MB and reports how much its resident memory grew, and the
+bytes of the weights its model holds (tokenmill only).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ def worker(args: argparse.Namespace) -> dict:
     if args.memory:
         before = tree_rss_bytes()
         engine.load(1, KV_PROBE_TOKENS, KV_PROBE_BYTES)
-        return {"rss_load_bytes": tree_rss_bytes() - before}
+        from tokenmill.models.weight_bytes import weight_bytes
+
+        model = engine.llm.engine.runner.model
+        return {"rss_load_bytes": tree_rss_bytes() - before, "weight_bytes": weight_bytes(model)}
     engine.load(max(batches), args.max_model_len)
     vocab = min(2000, len(engine.llm.get_tokenizer()))
     rates, decode = {}, None

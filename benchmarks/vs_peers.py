@@ -20,7 +20,8 @@ of the roof.
 `--quantization q8_0|q4_k_m` (issue 29): tokenmill loading one GGUF file of that type
 (`LLM(model="x.gguf")`) against llama.cpp on the same file, and `tokenmill-w8a8` against
 `vllm-w8a8` on one compressed-tensors W8A8 checkpoint (peers_engines.py); with each
-engine's resident memory after load beside the file's size (peers_offline.py says how).
+engine's resident memory after load, and tokenmill's weights within it, beside the file's
+size (peers_offline.py says how).
 
 `--online` (peers_online.py): each engine's OpenAI server (`tokenmill serve`, `vllm serve`,
 `llama-server -np C -cb`) under `tokenmill bench serve` at each concurrency C: output tok/s,
@@ -50,7 +51,7 @@ from pathlib import Path
 
 from peers_engines import DEFAULT_ENGINES, Engine, resolve_engines
 from peers_machine import gguf_tensor_types, lscpu_summary, read_bandwidth_gbs, weight_bytes
-from peers_offline import OfflineResult, offline_run, resident_after_load
+from peers_offline import OfflineResult, Resident, offline_run, resident_after_load
 from peers_online import OnlineResult, concurrencies, online_run
 
 ANCHORS = Path.home() / ".cache" / "tokenmill-anchors"
@@ -110,11 +111,15 @@ def offline(engines: list[Engine], args: argparse.Namespace) -> str:
     return "\n".join(lines + notes(engines, errors))
 
 
+def megabytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / MB:.0f}"
+
+
 def offline_table(
     engines: list[Engine],
     args: argparse.Namespace,
     runs: dict[str, list[OfflineResult]],
-    memory: dict[str, int | None],
+    memory: dict[str, Resident | None],
 ) -> list[str]:
     """Medians of output tok/s per engine and batch size (and memory), then the ratios."""
     batches = [int(b) for b in args.batches.split(",")]
@@ -125,13 +130,14 @@ def offline_table(
     }
     header = "| engine | " + " | ".join(f"B={b}" for b in batches) + " |"
     if args.quantization:
-        header += " resident after load (MB) |"
+        header += " resident after load (MB) | of it weights (MB) |"
     lines = ["Output tok/s (prefill included):", "", header, "|---" * (header.count("|") - 1) + "|"]
     for engine in engines:
         row = f"| {engine.name} | " + " | ".join(cell(rate[(engine.name, b)]) for b in batches)
         if args.quantization:
             resident = memory.get(engine.name)
-            row += f" | {'-' if resident is None else f'{resident / MB:.0f}'}"
+            weights = None if resident is None else resident.weight_bytes
+            row += f" | {megabytes(resident and resident.process_bytes)} | {megabytes(weights)}"
         lines.append(row + " |")
     lines.append("")
     for a, b in ratio_pairs(engines, bool(args.quantization)):

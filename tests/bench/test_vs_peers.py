@@ -103,7 +103,8 @@ def test_tables_take_medians_ratios_on_comparable_weights_and_name_failures(
     monkeypatch.setattr(vs_peers, "offline_run", offline_run)
     monkeypatch.setattr(vs_peers, "read_bandwidth_gbs", lambda: 4.0)
     monkeypatch.setattr(vs_peers, "weight_bytes", lambda path, float_bytes: 200e6)
-    monkeypatch.setattr(vs_peers, "resident_after_load", lambda engine, args: 150e6)
+    resident = vs_peers.Resident(process_bytes=150e6, weight_bytes=140e6)
+    monkeypatch.setattr(vs_peers, "resident_after_load", lambda engine, args: resident)
     monkeypatch.setattr(vs_peers, "weight_files", lambda engines: ["- x.gguf: 160.0 MB"])
     args = vs_peers.parse_args(["--model", str(tmp_path), "--batches", "1,8", "--rounds", "2"])
     rates = vs_peers.offline(engines, args).split("Roofline")[0]
@@ -116,7 +117,7 @@ def test_tables_take_medians_ratios_on_comparable_weights_and_name_failures(
     assert "tokenmill / vllm-w8a8" not in text
     # roofline: 200 MB a step x 10 decode steps/s = 2 GB/s = 50% of 4 GB/s
     assert row(text, "tokenmill", "200")[2:] == ["10.0", "2.0", "50%"]
-    assert row(text.split("Roofline")[0], "tokenmill")[3] == "150"  # resident after load
+    assert row(text.split("Roofline")[0], "tokenmill")[3:5] == ["150", "140"]  # after load
     assert "- x.gguf: 160.0 MB" in text
     assert "- llamacpp: it crashed" in text
     assert "- vllm-w8a8: vllm-w8a8 broke | in round 1" in text

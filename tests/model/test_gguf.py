@@ -27,19 +27,19 @@ from tokenmill_testing.quantized_checkpoints import (
 )
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
-# Every quantized type's blocks go into an int8 or int4 layout as they are (scales rounded to
-# float16: exact for all but the K-quants' d x sc products), the LM head and the embedding
-# too; F16 and BF16 are dequantized. Tolerances by kernel path (quantized_checkpoints.py):
-# with float activations measured 0.000-0.002.
+# Every quantized type's blocks go into a layout of their own code width as they are (scales
+# rounded to float16: exact for all but the K-quants' d x sc products), the LM head and the
+# embedding too; F16 and BF16 are dequantized. Tolerances by kernel path
+# (quantized_checkpoints.py): with float activations measured 0.000-0.002.
 EXPECTED_METHOD = {
-    Q.F16: None,
-    Q.BF16: None,
-    Q.Q8_0: Int8LinearMethod,
-    Q.Q5_0: Int8LinearMethod,
-    Q.Q5_K: Int8LinearMethod,
-    Q.Q6_K: Int8LinearMethod,
-    Q.Q4_0: Int4LinearMethod,
-    Q.Q4_K: Int4LinearMethod,
+    Q.F16: (None, None),
+    Q.BF16: (None, None),
+    Q.Q8_0: (Int8LinearMethod, "int8-g32"),
+    Q.Q5_0: (Int8LinearMethod, "int5-g32"),
+    Q.Q5_K: (Int8LinearMethod, "int5-g32"),
+    Q.Q6_K: (Int8LinearMethod, "int6-g16"),
+    Q.Q4_0: (Int4LinearMethod, "int4-g32"),
+    Q.Q4_K: (Int4LinearMethod, "int4-g32"),
 }
 HEADS = ("token_embd.weight", "output.weight")
 
@@ -79,10 +79,13 @@ def test_gguf_matches_the_dequantized_float_model(
         checkpoint, tmp_path / "ref", round_trip, lambda w: round_trip("head", w)
     )
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    method = EXPECTED_METHOD[qtype]
+    method, weight_format = EXPECTED_METHOD[qtype]
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert method is None or all(isinstance(m.quant_method, method) for m in linears)
+    assert weight_format is None or {m.quant_method.weight_format for m in linears} == {
+        weight_format
+    }
     assert isinstance(model.embed_tokens, QuantizedEmbedding) == (method is not None)
     prompts = random_prompts(llm.engine.vocab_size)
     max_diff = compare_with_reference(llm, reference_dir, prompts, activation_tolerance)
@@ -99,14 +102,14 @@ def test_the_tokenizer_comes_from_the_gguf_metadata(checkpoint, tmp_path: Path) 
 
 
 def test_a_mixed_fused_layer_keeps_every_part_exactly(checkpoint, tmp_path: Path) -> None:
-    """q and k in Q4_K, v in Q6_K (llama.cpp's *_M mixes): the fused QKV is held as int8 in
-    groups of 16, which hold both types' blocks as they are; the engine computes the model
+    """q and k in Q4_K, v in Q6_K (llama.cpp's *_M mixes): the fused QKV is held as 6-bit
+    codes in groups of 16, which hold both types' blocks as they are; the engine computes the model
     `gguf.quants.dequantize` reads (float activations: to float32 rounding)."""
     mixed = {f"blk.{i}.attn_v.weight": Q.Q6_K for i in range(2)}
     path = save_gguf(checkpoint, tmp_path / "mixed.gguf", Q.Q4_K, mixed)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     model = llm.engine.runner.model
-    assert model.layers[0].self_attn.qkv_proj.quant_method.weight_format == "int8-g16"
+    assert model.layers[0].self_attn.qkv_proj.quant_method.weight_format == "int6-g16"
     assert isinstance(model.layers[0].mlp.down_proj.quant_method, Int4LinearMethod)
     q4_k, q6_k = gguf_round_trip(Q.Q4_K, 4, 2), gguf_round_trip(Q.Q6_K, 4, 2)
     reference_dir = save_dequantized_checkpoint(

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.tp_worker import parameter_bytes
+from tokenmill.models.weight_bytes import weight_bytes
 
 # Each checkpoint also exercises one sharding corner.
 ARCHITECTURES: dict[str, dict] = {
@@ -69,8 +69,8 @@ def test_two_ranks_generate_what_one_rank_does(engines, prompts) -> None:
 
 def test_each_rank_loads_half_the_weights(engines) -> None:
     single, sharded = engines
-    whole = parameter_bytes(single.engine.runner.model)
-    per_rank = sharded.engine.executor.parameter_bytes
-    assert per_rank[0] == parameter_bytes(sharded.engine.runner.model)
+    whole = weight_bytes(single.engine.runner.model)
+    per_rank = sharded.engine.executor.weight_bytes
+    assert per_rank[0] == weight_bytes(sharded.engine.runner.model)
     # Norms (and mistral's single KV head) are replicated: a little over half.
     assert len(per_rank) == 2 and all(0.5 <= b / whole < 0.56 for b in per_rank), per_rank

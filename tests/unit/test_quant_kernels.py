@@ -1,6 +1,7 @@
 """The native quantized-linear kernels against their torch reference at every ISA level this
 CPU runs (portable, AVX2, AVX-512 with float activations, AVX512_BF16/VNNI with int8 ones, AMX
-tiles for many rows), over odd shapes, both code widths, group sizes, offsets and row counts;
+tiles for many rows), over odd shapes, every code width (8, 6, 5, 4), group sizes, offsets
+and row counts;
 the packed layout's round trip; the int8 and int4 layers with and without the native
 kernels."""
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.config import ConfigError
 from tokenmill.kernels import native
 from tokenmill.kernels.native import ISA_LEVELS
 from tokenmill.kernels.quant import (
     AMX_LEVEL,
     INT8_ACTIVATIONS_LEVEL,
     amx_min_rows,
+    code_range,
     dense_bf16_reference,
     dequantize,
     kernel_reference,
@@ -25,7 +28,7 @@ from tokenmill.kernels.quant import (
     quantize_activations_reference,
 )
 from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
-from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
+from tokenmill.layers.int8_linear import Int8GroupWeight, Int8LinearMethod, quantize_int8
 from tokenmill.layers.linear import Linear
 
 needs_native = pytest.mark.skipif(
@@ -41,7 +44,7 @@ SHAPES = [(960, 576, None), (7, 40, None), (33, 96, 32), (130, 256, 128), (17, 6
 
 def random_weight(out_features: int, in_features: int, bits: int, group: int | None, seed: int):
     generator = torch.Generator().manual_seed(seed)
-    low, high = (-128, 127) if bits == 8 else (-8, 7)
+    low, high = code_range(bits)
     codes = torch.randint(low, high + 1, (out_features, in_features), generator=generator)
     groups = 1 if group is None else in_features // group
     scales = torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3
@@ -51,7 +54,7 @@ def random_weight(out_features: int, in_features: int, bits: int, group: int | N
 
 @needs_native
 @pytest.mark.parametrize("offsets", [False, True])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
 @pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
 def test_packing_round_trips(out_features, in_features, group, bits, offsets) -> None:
     if bits == 4 and group is None:
@@ -79,7 +82,7 @@ def isa(request: pytest.FixtureRequest):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
 @pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
 def test_quant_linear_matches_its_reference(
     isa: int, out_features, in_features, group, bits, rows, dtype
@@ -128,7 +131,7 @@ def test_many_rows_on_the_dot_product_kernel() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
 def test_many_rows_where_amx_runs_go_to_its_tiles(bits: int) -> None:
     """From `amx_min_rows()` rows the weight is dequantized to bfloat16 chunk by chunk and
     multiplied on AMX tiles (bfloat16 rows); below, the VNNI kernel runs (int8 rows)."""
@@ -177,17 +180,35 @@ def test_bad_inputs_are_clear_errors() -> None:
 
 
 def _layers(bits: int) -> tuple[torch.Tensor, Linear]:
+    """A layer of `bits`-bit codes: int8 and int4 quantized online from floats, 5 and 6 bits
+    loaded as a GGUF file's groups of 32 are (int8 groups whose codes fit the width)."""
     torch.manual_seed(bits)
     weight = torch.randn(48, 128)
-    method = Int8LinearMethod() if bits == 8 else Int4LinearMethod(32)
+    if bits in (5, 6):
+        codes, scales, _ = random_weight(48, 128, bits, 32, seed=bits)
+        quantized = weight = Int8GroupWeight(codes, scales.half().float())
+        method = Int8LinearMethod(32, code_bits=bits)
+    elif bits == 8:
+        quantized, method = quantize_int8(weight), Int8LinearMethod()
+    else:
+        quantized, method = quantize_int4(weight, 32), Int4LinearMethod(32)
     layer = Linear(128, 48, method)
     method.load_weight(layer, weight, 0)
     method.process_weights_after_loading(layer)
-    quantized = quantize_int8(weight) if bits == 8 else quantize_int4(weight, 32)
     return quantized.dequantize(), layer
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@needs_native
+def test_codes_wider_than_the_declared_width_are_a_clear_error() -> None:
+    codes, scales, _ = random_weight(16, 64, 6, 32, seed=0)
+    method = Int8LinearMethod(32, code_bits=5)
+    layer = Linear(64, 16, method)
+    method.load_weight(layer, Int8GroupWeight(codes, scales), 0)
+    with pytest.raises(ConfigError, match=r"int5-g32 weight with codes outside \[-16, 15\]"):
+        method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("bits", [8, 6, 5, 4])
 @pytest.mark.parametrize("native_kernels", [True, False])
 def test_layers_compute_the_dequantized_product(
     bits: int, native_kernels: bool, monkeypatch: pytest.MonkeyPatch

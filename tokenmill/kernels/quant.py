@@ -9,6 +9,10 @@ group of `group_size` input columns: W = code * scale + offset. It is packed onc
   + 8 per nibble: byte j of a row's 4 bytes holds column j low and column 4 + j high). One
   vector load then feeds a VNNI dot product for all 16 rows, and a block streams front to back
   (llama.cpp repacks its blocks into interleaved rows for the same reason);
+- 5- and 6-bit codes (GGUF's Q5_0, Q5_K and Q6_K at their own width, code + 16 / + 32): the
+  int4 layout of their low four bits, then in the same block their high bits as bit masks, one
+  pair of 64-bit masks per 8 columns and high bit (the chunk's low nibbles, then its high ones;
+  bit b for byte b of the chunk's 64), which the kernels add back with masked byte adds;
 - scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load.
 
 Input columns are padded to a multiple of 32 (the activations' quantization block) with code
@@ -32,7 +36,14 @@ ACTIVATION_BLOCK = 32
 # of many rows (csrc/quant_linear.h).
 INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
 AMX_LEVEL = ISA_LEVELS.index("amx")
-_CENTER = {8: 128, 4: 8}
+# Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).
+CODE_BITS = (8, 6, 5, 4)
+_BIT_WEIGHTS = 1 << torch.arange(8)
+
+
+def code_range(bits: int) -> tuple[int, int]:
+    """The signed codes a width holds: (-2 ** (bits - 1), 2 ** (bits - 1) - 1)."""
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
 
 @dataclass(frozen=True)
@@ -50,10 +61,6 @@ class PackedWeight:
     @property
     def padded_in(self) -> int:
         return self.scales.shape[1] * self.group_size
-
-    def nbytes(self) -> int:
-        tensors = (self.codes, self.scales, self.offsets)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def padded_width(in_features: int, group_size: int | None) -> tuple[int, int]:
@@ -77,22 +84,24 @@ def pack(
     bits: int,
     group_size: int | None = None,
 ) -> PackedWeight:
-    """Pack signed `codes` `[out, in]` (int8: -128..127, int4: -8..7) with `scales` (and
+    """Pack signed `codes` `[out, in]` (within `code_range(bits)`) with `scales` (and
     `offsets`) `[out, groups]`; `group_size` None means one scale per row."""
+    if bits not in CODE_BITS:
+        raise ValueError(f"{bits}-bit codes have no packed layout")
     rows, cols = codes.shape
     width, group = padded_width(cols, group_size)
     blocks = -(-rows // BLOCK_ROWS)
     padded = torch.zeros(blocks * BLOCK_ROWS, width, dtype=torch.int16)
     padded[:rows, :cols] = codes.to(torch.int16)
-    unsigned = (padded + _CENTER[bits]).to(torch.uint8)
+    unsigned = (padded - code_range(bits)[0]).to(torch.uint8)
     if bits == 8:
         lanes = unsigned.view(blocks, BLOCK_ROWS, width // 4, 4)
-    elif bits == 4:
-        nibbles = unsigned.view(blocks, BLOCK_ROWS, width // 8, 2, 4)
-        lanes = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
     else:
-        raise ValueError(f"{bits}-bit codes have no packed layout")
+        nibbles = (unsigned & 0x0F).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
+        lanes = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
     packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
+    if bits in (5, 6):
+        packed_codes = torch.cat([packed_codes, _high_bit_masks(unsigned, bits, blocks)], dim=1)
     return PackedWeight(
         packed_codes,
         _pack_groups(scales, blocks),
@@ -102,6 +111,18 @@ def pack(
         rows,
         cols,
     )
+
+
+def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Tensor:
+    """The high bits of 5- / 6-bit codes as the kernels' masks (module docstring), uint8
+    `[blocks, chunks * (bits - 4) * 16]`."""
+    width = unsigned.shape[1]
+    # [blocks, rows, chunks, half (columns 0-3 / 4-7), j]
+    high = (unsigned >> 4).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
+    planes = torch.stack([(high >> h) & 1 for h in range(bits - 4)], dim=2)
+    # -> [blocks, chunks, plane, half, rows * 4 + j]: bit b of a mask is byte b of the chunk.
+    mask_bits = planes.permute(0, 3, 2, 4, 1, 5).reshape(blocks, -1, 8, 8)
+    return (mask_bits.to(torch.int32) * _BIT_WEIGHTS).sum(-1).to(torch.uint8).view(blocks, -1)
 
 
 def _pack_groups(values: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -115,14 +136,27 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """The dequantized float32 rows `rows` (output rows: an embedding's tokens) of a packed
     weight, `[len(rows), in_features]`."""
     block, lane = rows // BLOCK_ROWS, rows % BLOCK_ROWS
-    width = weight.padded_in
-    if weight.bits == 8:
+    width, bits = weight.padded_in, weight.bits
+    if bits == 8:
         lanes = weight.codes.view(-1, width // 4, BLOCK_ROWS, 4)[block, :, lane]
-        codes = lanes.reshape(len(rows), width).to(torch.int16) - 128
+        unsigned = lanes.reshape(len(rows), width).to(torch.int16)
     else:
-        lanes = weight.codes.view(-1, width // 8, BLOCK_ROWS, 4)[block, :, lane]
+        nibble_bytes = BLOCK_ROWS * width // 2
+        lanes = weight.codes[:, :nibble_bytes].reshape(-1, width // 8, BLOCK_ROWS, 4)
+        lanes = lanes[block, :, lane]
         nibbles = torch.stack([lanes & 0x0F, lanes >> 4], dim=2)  # [n, width/8, 2, 4]
-        codes = nibbles.reshape(len(rows), width).to(torch.int16) - 8
+        unsigned = nibbles.to(torch.int16)
+        if bits in (5, 6):
+            masks = weight.codes[:, nibble_bytes:].reshape(-1, width // 8, bits - 4, 2, 8, 1)
+            mask_bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(
+                -1, width // 8, bits - 4, 2, BLOCK_ROWS, 4
+            )
+            # [n, chunks, plane, half, j] -> each plane's bit onto the nibbles
+            picked = mask_bits[block, :, :, :, lane].to(torch.int16)
+            for h in range(bits - 4):
+                unsigned = unsigned + (picked[:, :, h] << (4 + h))
+        unsigned = unsigned.reshape(len(rows), width)
+    codes = unsigned - (1 << (bits - 1))
     scales = weight.scales[block, :, lane].float()
     grouped = codes.float().view(len(rows), -1, weight.group_size) * scales[..., None]
     if weight.offsets is not None:

@@ -1,7 +1,9 @@
 """int8 linear layers: int8 weights with a scale per output row (`--quantization int8`,
 compressed-tensors W8A8) or per group of input columns (GGUF's Q8_0 and Q5_0 blocks of 32,
 Q6_K's of 16, kept as they are), optionally with an offset per group (Q5_K, or Q4_K inside a
-fused layer whose other part is wider).
+fused layer whose other part is wider). Codes that need fewer bits (GGUF's 5- and 6-bit
+types) are packed at their own width (`code_bits`: `int5-g32`, `int6-g16`): the same method,
+a narrower layout, so that resident bytes stay those of the file.
 
 Where tokenmill's native kernels are built (`kernels/quant.py`) the weight is packed into
 their interleaved layout and that is all the layer holds; on a CPU with AVX-512 VNNI the
@@ -21,8 +23,9 @@ from typing import Any
 
 import torch
 
+from tokenmill.config import ConfigError
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import pack
+from tokenmill.kernels.quant import code_range, pack
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
 from tokenmill.layers.quantized_linear import PackedQuantMethod
 
@@ -101,20 +104,23 @@ class Int8LinearMethod(PackedQuantMethod):
     """int8 codes with a scale per output row (`group_size` None) or per group, and offsets
     for groups where the checkpoint has them. Loads float rows (quantized as they arrive:
     online quantization), `Int8GroupWeight`s (kept as they are) or `Int4GroupWeight`s (their
-    codes widened, exactly). With a `fallback`, the layer keeps its float weight too and
-    products of more than `max_rows` rows are the fallback's."""
+    codes widened, exactly). `code_bits` 5 or 6: the checkpoint's codes fit that width and the
+    native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
+    and products of more than `max_rows` rows are the fallback's."""
 
     def __init__(
         self,
         group_size: int | None = None,
         fallback: LinearMethod | None = None,
         max_rows: int = MAX_INT8_ROWS,
+        code_bits: int = 8,
     ) -> None:
         self.group_size = group_size
         self.fallback = fallback
         self.max_rows = max_rows
+        self.code_bits = code_bits
         self.holds_float_weight = fallback is not None
-        self.weight_format = "int8" if group_size is None else f"int8-g{group_size}"
+        self.weight_format = f"int{code_bits}" + ("" if group_size is None else f"-g{group_size}")
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:
         rows, cols = layer.out_features, layer.in_features
@@ -175,14 +181,24 @@ class Int8LinearMethod(PackedQuantMethod):
             if hasattr(layer, name):
                 delattr(layer, name)
         if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
-            self.use_packed(
-                layer, pack(weight.values, weight.scales, weight.offsets, 8, self.group_size)
+            self._check_code_range(weight.values)
+            packed = pack(
+                weight.values, weight.scales, weight.offsets, self.code_bits, self.group_size
             )
+            self.use_packed(layer, packed)
             return
         if weight.scales.shape[1] > 1 or weight.offsets is not None:
             weight = quantize_int8(weight.dequantize())  # torch's kernel: per-row scales only
         layer.packed = None
         layer.qweight, layer.row_scales = weight.values, weight.scales[:, 0].to(_TORCH_DTYPE)
+
+    def _check_code_range(self, codes: torch.Tensor) -> None:
+        low, high = code_range(self.code_bits)
+        if self.code_bits < 8 and (codes.min() < low or codes.max() > high):
+            raise ConfigError(
+                f"{self.weight_format} weight with codes outside [{low}, {high}]: the "
+                "checkpoint's blocks do not match their declared type"
+            )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self._falls_back(x):
@@ -211,11 +227,6 @@ class Int8LinearMethod(PackedQuantMethod):
         if layer.packed is not None:
             return super().dequantize_rows(layer, rows)
         return layer.qweight[rows].float() * layer.row_scales[rows].float()[:, None]
-
-    def weight_bytes(self, layer: Linear) -> int:
-        if layer.packed is not None:
-            return layer.packed.nbytes()
-        return layer.qweight.numel() + 2 * layer.row_scales.numel()
 
 
 def int8_linear(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -207,7 +208,22 @@ def load_model(
     log_plan(plan, model)
     if settings.attention_backend == "cpu":
         model.decoder_stack = build_decoder_stack(model)
+    _return_freed_heap()
     return model
+
+
+def _return_freed_heap() -> None:
+    """Give the load's freed temporaries back to the OS. The float layers a quantized model
+    is built with before its methods replace them, and the decoded blocks of a GGUF file, are
+    freed, but glibc keeps their pages in the heap: after loading a 144 MB Q8_0 file the process
+    held 233 MB more than its live tensors until `malloc_trim`. Elsewhere (no glibc) a no-op."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def _checkpoint_tensors(

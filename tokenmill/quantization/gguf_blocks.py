@@ -6,10 +6,11 @@ the engine's layouts as they are (only the scales rounded to float16):
 - Q4_0 (32 weights: fp16 `d`, 16 bytes of nibbles; w = d * (q - 8)) and Q4_K (256 weights in 8
   groups of 32: fp16 `d` and `dmin`, a 6-bit scale and min per group; w = d * sc * q - dmin *
   m): int4 groups of 32.
-- Q8_0 (fp16 `d`, 32 int8), Q5_0 (fp16 `d`, 32 fifth bits, 16 bytes of nibbles; w = d * (q -
-  16)) and Q5_K (Q4_K's scales with a fifth bit per weight): int8 groups of 32.
+- Q8_0 (fp16 `d`, 32 int8): int8 groups of 32; Q5_0 (fp16 `d`, 32 fifth bits, 16 bytes of
+  nibbles; w = d * (q - 16)) and Q5_K (Q4_K's scales with a fifth bit per weight): 5-bit
+  groups of 32 (codes -16..15, decoded here as int8 and packed at 5 bits).
 - Q6_K (256 weights: 128 bytes of low nibbles, 64 of high bit pairs, an int8 scale per 16, fp16
-  `d`; w = d * sc * (q - 32)): int8 groups of 16.
+  `d`; w = d * sc * (q - 32)): 6-bit groups of 16.
 
 Other types are dequantized with the gguf package's reference code (`gguf.quants.dequantize`).
 """
@@ -26,6 +27,8 @@ from tokenmill.layers.int8_linear import Int8GroupWeight
 Q = GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_K)
 INT8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K)
+# The width of each type's codes (5- and 6-bit ones are packed at it: kernels/quant.py).
+CODE_BITS = {Q.Q4_0: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 # Columns per scale of each type (its int8/int4 group size).
 GROUP_SIZE = {Q.Q4_0: 32, Q.Q4_K: 32, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q5_K: 32, Q.Q6_K: 16}
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_K: 144, Q.Q8_0: 34, Q.Q5_0: 22, Q.Q5_K: 176, Q.Q6_K: 210}

@@ -21,7 +21,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenmill.config import ConfigError
-from tokenmill.quantization.gguf_blocks import INT4_TYPES, INT8_TYPES, dequantize, groups
+from tokenmill.quantization.gguf_blocks import (
+    CODE_BITS,
+    INT4_TYPES,
+    INT8_TYPES,
+    dequantize,
+    groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,12 +184,14 @@ class GGUFCheckpoint:
 
 def _format_of(types: set[GGMLQuantizationType]) -> str:
     """The layout that holds every part's blocks as they are: int4 groups of 32 for Q4_0 /
-    Q4_K, else int8 groups (of 16 where Q6_K is among the parts: a group of 32 is two of 16
-    with one scale), else floats."""
+    Q4_K, else groups of codes as wide as the widest part's (Q5_0 / Q5_K: 5 bits, Q6_K: 6,
+    Q8_0: 8; of 16 where Q6_K is among the parts: a group of 32 is two of 16 with one scale),
+    else floats."""
     if types <= set(INT4_TYPES):
         return "int4-g32"
     if types <= set(INT4_TYPES + INT8_TYPES):
-        return "int8-g16" if GGMLQuantizationType.Q6_K in types else "int8-g32"
+        bits = max(CODE_BITS[t] for t in types)
+        return f"int{bits}-g16" if GGMLQuantizationType.Q6_K in types else f"int{bits}-g32"
     return "float"
 
 

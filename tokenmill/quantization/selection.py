@@ -98,8 +98,9 @@ class LinearPlan:
             return Int8LinearMethod()
         if wanted == "int8":
             return Int8LinearMethod()
-        if wanted.startswith("int8-g"):
-            return Int8LinearMethod(int(wanted.removeprefix("int8-g")))
+        for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
+            if wanted.startswith(f"int{bits}-g"):
+                return Int8LinearMethod(int(wanted.removeprefix(f"int{bits}-g")), code_bits=bits)
         raise ConfigError(f"unknown weight format {wanted!r} for {name}")
 
     def embedding_format(self) -> str | None:

@@ -37,7 +37,7 @@ from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.runner_spec import RunnerSpec
-from tokenmill.worker.tp_worker import STOP, report_parameter_bytes
+from tokenmill.worker.tp_worker import STOP, report_weight_bytes
 from tokenmill.worker.worker_process import WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class TensorParallelExecutor:
         # Rank 0 loads its shard while the workers start; the groups are joined after that.
         self.tp = TensorParallel(rank=0, size=size)
         self.step_group: Any = None
-        self.parameter_bytes: list[int] = []  # per rank, once the runners are built
+        self.weight_bytes: list[int] = []  # per rank, once the runners are built
 
     def make_runner(
         self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device
@@ -90,9 +90,7 @@ class TensorParallelExecutor:
         """Rank 0's runner; every worker builds the same one over its shard."""
         self._join()
         self.collective(lambda: broadcast_object(spec, self.step_group))
-        self.parameter_bytes = self.collective(
-            lambda: report_parameter_bytes(model, self.step_group)
-        )
+        self.weight_bytes = self.collective(lambda: report_weight_bytes(model, self.step_group))
         return TensorParallelRunner(self, model, spec, device)
 
     def _join(self) -> None:

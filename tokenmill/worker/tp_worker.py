@@ -21,6 +21,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.loader import LoadSettings, load_model
+from tokenmill.models.weight_bytes import weight_bytes
 from tokenmill.worker.distributed import (
     Rendezvous,
     broadcast_object,
@@ -37,16 +38,6 @@ logger = logging.getLogger(__name__)
 STOP = "stop"
 # How often a worker checks that its engine process is still there.
 _PARENT_POLL_S = 0.5
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the loaded weights this rank holds: parameters, and the weights a oneDNN
-    linear keeps outside them (not the rotary tables every rank computes whole)."""
-    tensors = {id(t): t for t in model.parameters()}
-    for name, module in model.named_modules():
-        if not name.startswith("rotary"):
-            tensors.update((id(v), v) for v in vars(module).values() if isinstance(v, torch.Tensor))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def run_worker(
@@ -70,7 +61,7 @@ def run_worker(
     _, step_group = join_group(rendezvous, rank)
     try:
         spec: RunnerSpec = broadcast_object(None, step_group)
-        report_parameter_bytes(model, step_group)
+        report_weight_bytes(model, step_group)
         runner = ModelRunner(model, spec, device)
         while True:
             scheduler_output = broadcast_object(None, step_group)
@@ -85,10 +76,11 @@ def run_worker(
     os._exit(0)
 
 
-def report_parameter_bytes(model: torch.nn.Module, step_group: Any) -> list[int]:
-    """Every rank's parameter bytes, in rank order (a collective: all ranks call it)."""
+def report_weight_bytes(model: torch.nn.Module, step_group: Any) -> list[int]:
+    """Every rank's weight bytes (`weight_bytes`), in rank order (a collective: all ranks
+    call it)."""
     sizes: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(sizes, parameter_bytes(model), group=step_group)
+    torch.distributed.all_gather_object(sizes, weight_bytes(model), group=step_group)
     return sizes
 
 

@@ -23,7 +23,7 @@ struct PackedWeight {
   const void* data;
   int64_t n, k, n_pad, k_pad;
   bool is_bf16;
-  // Quantized codes (bits 8 or 4; 0: a dense weight) with float16 scales, and optionally
+  // Quantized codes (bits 8, 6, 5 or 4; 0: a dense weight) with float16 scales, and optionally
   // offsets, per group of `group` k: [blocks, k_pad / group, 16] (quant_linear.h).
   int bits = 0;
   const c10::Half* scales = nullptr;

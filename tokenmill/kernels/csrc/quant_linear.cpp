@@ -7,6 +7,13 @@
 // once, front to back, and one vector load feeds one VNNI dot product for all 16 rows. Codes
 // are stored unsigned: an int8 code c as c + 128, an int4 code as c + 8 (`center`). Scales and
 // offsets are float16, [blocks, groups, 16].
+//
+// 5- and 6-bit codes (GGUF's Q5_0 / Q5_K / Q6_K, kept at their width) are the int4 layout of
+// their low four bits followed, in the same block, by their high bits: for each 64-byte chunk
+// of nibbles (8 columns), one 16-byte pair of bit masks per high bit (bit 4, then bit 5), the
+// first 8 bytes for the chunk's low nibbles and the next 8 for its high ones, bit b of a mask
+// belonging to byte b of the chunk (`split_chunk_avx512` adds them back with two masked
+// byte adds). Codes are stored plus 16 (5-bit) or 32 (6-bit).
 #include "quant_linear.h"
 
 #include "thread_pool.h"
@@ -26,9 +33,9 @@ constexpr int64_t kBlockRows = 16;
 constexpr int64_t kActBlock = 32;  // columns per activation scale
 constexpr int kMaxTile = 8;        // tokens per pass over a weight block
 
-constexpr int center_of(int bits) { return bits == 8 ? 128 : 8; }
-// The shift of column i (0..7) of an int4 lane: byte i % 4, the high nibble from column 4.
-constexpr int nibble_shift(int i) { return 8 * (i % 4) + 4 * (i / 4); }
+constexpr int center_of(int bits) { return 1 << (bits - 1); }
+// Columns per 64-byte load of codes: 4 int8 codes per 32-bit lane, else 8 nibbles.
+constexpr int lane_cols(int bits) { return bits == 8 ? 4 : 8; }
 
 // A packed weight as the kernels read it.
 struct Problem {
@@ -37,8 +44,12 @@ struct Problem {
   const half* offsets;   // same, or null
   int64_t n, k, kp;      // output rows, input columns, input columns padded (multiple of 32)
   int64_t group, groups; // columns per scale, kp / group
-  int bits;              // 8 or 4
+  int bits;              // 8, 6, 5 or 4
   int64_t block_bytes() const { return kBlockRows * kp * bits / 8; }
+  // 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its nibbles).
+  const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
+    return block + kBlockRows * kp / 2 + chunk * 16 * (bits - 4);
+  }
 };
 
 Problem problem_of(const PackedWeight& w) {
@@ -123,9 +134,15 @@ void group_sums(const QuantInput& a, int64_t row, float* out) {
 // Portable: one scalar loop over the same layout (the reference level; slow).
 inline int code_at(const Problem& p, const uint8_t* block, int64_t lane, int64_t col) {
   if (p.bits == 8) return block[(col / 4) * 64 + lane * 4 + col % 4] - 128;
-  const int64_t within = col % 8;
-  const uint8_t byte = block[(col / 8) * 64 + lane * 4 + within % 4];
-  return (within < 4 ? byte & 0x0F : byte >> 4) - 8;
+  const int64_t within = col % 8, at = lane * 4 + within % 4;
+  const uint8_t byte = block[(col / 8) * 64 + at];
+  int code = within < 4 ? byte & 0x0F : byte >> 4;
+  const uint8_t* high = p.bits > 4 ? p.high_bits(block, col / 8) : nullptr;
+  for (int h = 0; h < p.bits - 4; ++h) {
+    const uint8_t* mask = high + 16 * h + (within < 4 ? 0 : 8);
+    code |= ((mask[at / 8] >> (at % 8)) & 1) << (4 + h);
+  }
+  return code - center_of(p.bits);
 }
 
 void block_portable(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, int tile,
@@ -152,22 +169,55 @@ void block_portable(const Problem& p, const QuantInput& a, int64_t nb, int64_t m
 // ---------------------------------------------------------------------------------------------
 // AVX2 (float activations): a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
 
+// 32 bytes of 0xFF / 0x00: byte i set where bit i of `mask` is.
+TM_AVX2 inline __m256i expand_bits_avx2(uint32_t mask) {
+  const __m256i shuffle =
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                       3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(mask)), shuffle);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+}
+
+// Half a chunk of 4-, 5- or 6-bit codes (8 rows x 8 columns) as unsigned bytes: `lo` byte j
+// of row r's lane is column j, `hi`'s column 4 + j.
+template <int BITS>
+TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int64_t chunk,
+                                    int half_index, __m256i& lo, __m256i& hi) {
+  const __m256i raw = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half_index));
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(raw, low_nibbles);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+  if constexpr (BITS > 4) {
+    const uint8_t* high = p.high_bits(block, chunk);
+    for (int h = 0; h < BITS - 4; ++h) {
+      uint32_t masks[2];
+      std::memcpy(&masks[0], high + 16 * h + 4 * half_index, 4);
+      std::memcpy(&masks[1], high + 16 * h + 8 + 4 * half_index, 4);
+      const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << h));
+      lo = _mm256_add_epi8(lo, _mm256_and_si256(expand_bits_avx2(masks[0]), add));
+      hi = _mm256_add_epi8(hi, _mm256_and_si256(expand_bits_avx2(masks[1]), add));
+    }
+  }
+}
+
 template <int BITS, int R>
 TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
                              int half_index, float* out) {
-  const uint8_t* block = p.codes + nb * p.block_bytes() + 32 * half_index;
-  const __m256i low_nibbles = _mm256_set1_epi32(0x0F);
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const __m256i low_byte = _mm256_set1_epi32(0xFF);
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     __m256 dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
     const int64_t col_end = (g + 1) * p.group;
-    for (int64_t col = g * p.group; col < col_end; col += BITS == 8 ? 4 : 8) {
-      // One 32-byte load: 8 rows x 4 columns (int8) or 8 rows x 8 columns (int4).
-      const uint8_t* at = block + (BITS == 8 ? col / 4 : col / 8) * 64;
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    for (int64_t col = g * p.group; col < col_end; col += lane_cols(BITS)) {
       if constexpr (BITS == 8) {
+        // One 32-byte load: 8 rows x 4 columns.
+        __m256i raw = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(block + (col / 4) * 64 + 32 * half_index));
         raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));  // signed codes
         for (int j = 0; j < 4; ++j) {
           __m256i v = j == 3 ? raw : _mm256_slli_epi32(raw, 24 - 8 * j);
@@ -177,12 +227,15 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
                                      dot[r]);
         }
       } else {
-        for (int nibble = 0; nibble < 8; ++nibble) {
-          __m256i v = _mm256_and_si256(_mm256_srli_epi32(raw, 4 * nibble), low_nibbles);
-          __m256 w = _mm256_cvtepi32_ps(v);
-          const int64_t c = col + (nibble & 1) * 4 + nibble / 2;
+        __m256i lo, hi;
+        split_half_avx2<BITS>(p, block, col / 8, half_index, lo, hi);
+        for (int j = 0; j < 8; ++j) {
+          const __m256i bytes = j < 4 ? lo : hi;
+          __m256 w = _mm256_cvtepi32_ps(
+              _mm256_and_si256(_mm256_srli_epi32(bytes, 8 * (j % 4)), low_byte));
           for (int r = 0; r < R; ++r)
-            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + c), dot[r]);
+            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + col + j),
+                                     dot[r]);
         }
       }
     }
@@ -194,8 +247,9 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
                               : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       __m256 sum = _mm256_set1_ps(a.group_sum[(m0 + r) * p.groups + g]);
-      // int4 codes were widened unsigned (code + 8): take 8 x the group's sum back off.
-      if constexpr (BITS == 4) dot[r] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sum, dot[r]);
+      // Narrow codes were widened unsigned (code + center): take center x the sum back off.
+      if constexpr (BITS != 8)
+        dot[r] = _mm256_fnmadd_ps(_mm256_set1_ps(center_of(BITS)), sum, dot[r]);
       total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
       if (p.offsets) total[r] = _mm256_fmadd_ps(offset, sum, total[r]);
     }
@@ -206,21 +260,42 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
 // ---------------------------------------------------------------------------------------------
 // AVX-512 (float activations): one zmm per 16 rows.
 
+// A chunk of 4-, 5- or 6-bit codes (16 rows x 8 columns) as unsigned bytes: `lo` byte j of
+// row r's lane is column j, `hi`'s column 4 + j (the high bits added under their masks).
+template <int BITS>
+TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block, int64_t chunk,
+                                         __m512i& lo, __m512i& hi) {
+  const __m512i raw = _mm512_loadu_si512(block + chunk * 64);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(raw, low_nibbles);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+  if constexpr (BITS > 4) {
+    const uint8_t* high = p.high_bits(block, chunk);
+#pragma GCC unroll 2
+    for (int h = 0; h < BITS - 4; ++h) {
+      uint64_t masks[2];
+      std::memcpy(masks, high + 16 * h, 16);
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << h));
+      lo = _mm512_mask_add_epi8(lo, masks[0], lo, add);
+      hi = _mm512_mask_add_epi8(hi, masks[1], hi, add);
+    }
+  }
+}
+
 template <int BITS, int R>
 TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
                             float* out) {
   const uint8_t* block = p.codes + nb * p.block_bytes();
-  const __m512i low_nibbles = _mm512_set1_epi32(0x0F);
+  const __m512i low_byte = _mm512_set1_epi32(0xFF);
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     __m512 dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
     const int64_t col_end = (g + 1) * p.group;
-    for (int64_t col = g * p.group; col < col_end; col += BITS == 8 ? 4 : 8) {
-      const uint8_t* at = block + (BITS == 8 ? col / 4 : col / 8) * 64;
-      __m512i raw = _mm512_loadu_si512(at);
+    for (int64_t col = g * p.group; col < col_end; col += lane_cols(BITS)) {
       if constexpr (BITS == 8) {
+        __m512i raw = _mm512_loadu_si512(block + (col / 4) * 64);
         raw = _mm512_xor_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80)));
         for (int j = 0; j < 4; ++j) {
           __m512i v = j == 3 ? raw : _mm512_slli_epi32(raw, 24 - 8 * j);
@@ -229,12 +304,14 @@ TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, i
             dot[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(a.xf[(m0 + r) * p.kp + col + j]), dot[r]);
         }
       } else {
-        for (int nibble = 0; nibble < 8; ++nibble) {
-          __m512i v = _mm512_and_si512(_mm512_srli_epi32(raw, 4 * nibble), low_nibbles);
-          __m512 w = _mm512_cvtepi32_ps(v);
-          const int64_t c = col + (nibble & 1) * 4 + nibble / 2;
+        __m512i lo, hi;
+        split_chunk_avx512<BITS>(p, block, col / 8, lo, hi);
+        for (int j = 0; j < 8; ++j) {
+          const __m512i bytes = j < 4 ? lo : hi;
+          __m512 w = _mm512_cvtepi32_ps(
+              _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * (j % 4)), low_byte));
           for (int r = 0; r < R; ++r)
-            dot[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(a.xf[(m0 + r) * p.kp + c]), dot[r]);
+            dot[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(a.xf[(m0 + r) * p.kp + col + j]), dot[r]);
         }
       }
     }
@@ -246,7 +323,8 @@ TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, i
                               : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       __m512 sum = _mm512_set1_ps(a.group_sum[(m0 + r) * p.groups + g]);
-      if constexpr (BITS == 4) dot[r] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sum, dot[r]);
+      if constexpr (BITS != 8)
+        dot[r] = _mm512_fnmadd_ps(_mm512_set1_ps(center_of(BITS)), sum, dot[r]);
       total[r] = _mm512_fmadd_ps(scale, dot[r], total[r]);
       if (p.offsets) total[r] = _mm512_fmadd_ps(offset, sum, total[r]);
     }
@@ -261,16 +339,15 @@ TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, i
 // are stored plus center), to float, times the activation scale; per group: times the weight
 // scale, plus the offset times the group's activation sum.
 
-// One segment (SEG = 16 or 32 columns, one activation scale) of R tokens against a block's 16
-// rows: the int32 dot products of the codes, `acc[r]`.
+// One segment (SEG = 16 or 32 columns from column `col`, one activation scale) of R tokens
+// against a block's 16 rows: the int32 dot products of the codes, `acc[r]`.
 template <int BITS, int R, int SEG>
-TM_AVX512BF16 inline void segment_vnni(const uint8_t* w, const int8_t* const* xq, int64_t col,
-                                 __m512i* acc) {
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+TM_AVX512BF16 inline void segment_vnni(const Problem& p, const uint8_t* block,
+                                       const int8_t* const* xq, int64_t col, __m512i* acc) {
 #pragma GCC unroll 8
-  for (int c = 0; c < SEG / (BITS == 8 ? 4 : 8); ++c) {
-    __m512i raw = _mm512_loadu_si512(w + 64 * c);
+  for (int c = 0; c < SEG / lane_cols(BITS); ++c) {
     if constexpr (BITS == 8) {
+      const __m512i raw = _mm512_loadu_si512(block + (col / 4 + c) * 64);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t x4;
@@ -278,8 +355,8 @@ TM_AVX512BF16 inline void segment_vnni(const uint8_t* w, const int8_t* const* xq
         acc[r] = _mm512_dpbusd_epi32(acc[r], raw, _mm512_set1_epi32(x4));
       }
     } else {
-      __m512i lo = _mm512_and_si512(raw, low_nibbles);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+      __m512i lo, hi;
+      split_chunk_avx512<BITS>(p, block, col / 8 + c, lo, hi);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t x_lo, x_hi;
@@ -295,9 +372,8 @@ TM_AVX512BF16 inline void segment_vnni(const uint8_t* w, const int8_t* const* xq
 template <int BITS, int R, int SEG>
 TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
                         float* out) {
-  constexpr float center = BITS == 8 ? 128.0f : 8.0f;
-  constexpr int64_t segment_bytes = SEG * kBlockRows * BITS / 8;
-  const uint8_t* w = p.codes + nb * p.block_bytes();
+  constexpr float center = center_of(BITS);
+  const uint8_t* block = p.codes + nb * p.block_bytes();
   const int64_t scale_stride = p.kp / kActBlock;
   const int8_t* xq[R];
   const float* x_scale[R];
@@ -318,11 +394,11 @@ TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb,
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
     const int64_t group_end = (g + 1) * p.group;
-    for (int64_t col = g * p.group; col < group_end; col += SEG, w += segment_bytes) {
+    for (int64_t col = g * p.group; col < group_end; col += SEG) {
       __m512i acc[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-      segment_vnni<BITS, R, SEG>(w, xq, col, acc);
+      segment_vnni<BITS, R, SEG>(p, block, xq, col, acc);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
         dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
@@ -408,9 +484,8 @@ TM_AVX512 inline __m512i rounded(__m512 v) {
 
 template <int BITS>
 TM_AVX512 void dequantize_block_pairs(const Problem& p, int64_t nb, uint32_t* out) {
-  constexpr int cols = BITS == 8 ? 4 : 8;  // k per 32-bit lane of the codes
   const uint8_t* block = p.codes + nb * p.block_bytes();
-  const __m512i code_mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F);
+  const __m512i code_mask = _mm512_set1_epi32(0xFF);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t at = (nb * p.groups + g) * kBlockRows;
@@ -420,16 +495,19 @@ TM_AVX512 void dequantize_block_pairs(const Problem& p, int64_t nb, uint32_t* ou
                                     reinterpret_cast<const __m256i*>(p.offsets + at)))
                               : _mm512_setzero_ps();
     offset = _mm512_fnmadd_ps(_mm512_set1_ps(center_of(BITS)), scale, offset);  // unsigned codes
-    for (int64_t col = g * p.group; col < (g + 1) * p.group; col += cols) {
-      const __m512i raw = _mm512_loadu_si512(block + (col / cols) * 64);
-      for (int pair = 0; pair < cols / 2; ++pair) {
-        const int even_shift = BITS == 8 ? 16 * pair : nibble_shift(2 * pair);
-        const int odd_shift = BITS == 8 ? 16 * pair + 8 : nibble_shift(2 * pair + 1);
+    for (int64_t col = g * p.group; col < (g + 1) * p.group; col += lane_cols(BITS)) {
+      // Byte j of each row's lane is column j (of 4 for int8; of 8 in `lo` then `hi` else).
+      __m512i bytes[2];
+      if constexpr (BITS == 8) bytes[0] = _mm512_loadu_si512(block + (col / 4) * 64);
+      else split_chunk_avx512<BITS>(p, block, col / 8, bytes[0], bytes[1]);
+      for (int pair = 0; pair < lane_cols(BITS) / 2; ++pair) {
+        const __m512i raw = bytes[pair / 2];
+        const int shift = 16 * (pair % 2);
         const __m512 even = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, even_shift), code_mask)),
+            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, shift), code_mask)),
             scale, offset);
         const __m512 odd = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, odd_shift), code_mask)),
+            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw, shift + 8), code_mask)),
             scale, offset);
         const __m512i lanes = _mm512_or_si512(_mm512_and_si512(rounded(odd), high_half),
                                               _mm512_srli_epi32(rounded(even), 16));
@@ -450,8 +528,13 @@ void quant_gemm_amx(const PackedWeight& w, const QuantInput& in, const GemmOut& 
     const int64_t block_lanes = kBlockRows * w.k_pad / 2;
     scratch.resize(blocks * block_lanes);
     for (int64_t b = 0; b < blocks; ++b) {
-      if (w.bits == 8) dequantize_block_pairs<8>(p, c + b, scratch.data() + b * block_lanes);
-      else dequantize_block_pairs<4>(p, c + b, scratch.data() + b * block_lanes);
+      uint32_t* into = scratch.data() + b * block_lanes;
+      switch (w.bits) {
+        case 8: dequantize_block_pairs<8>(p, c + b, into); break;
+        case 6: dequantize_block_pairs<6>(p, c + b, into); break;
+        case 5: dequantize_block_pairs<5>(p, c + b, into); break;
+        default: dequantize_block_pairs<4>(p, c + b, into);
+      }
     }
     const PackedWeight dense{scratch.data(), blocks * kBlockRows, w.k, blocks * kBlockRows,
                              w.k_pad, true};
@@ -564,8 +647,12 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
   for (int64_t nb = b0; nb < b1; ++nb) {
     for (int64_t m0 = 0; m0 < in.rows; m0 += kMaxTile) {
       const int tile = static_cast<int>(std::min<int64_t>(kMaxTile, in.rows - m0));
-      if (p.bits == 8) tile_dispatch<8>(p, in, nb, m0, tile, tile_out, isa);
-      else tile_dispatch<4>(p, in, nb, m0, tile, tile_out, isa);
+      switch (p.bits) {
+        case 8: tile_dispatch<8>(p, in, nb, m0, tile, tile_out, isa); break;
+        case 6: tile_dispatch<6>(p, in, nb, m0, tile, tile_out, isa); break;
+        case 5: tile_dispatch<5>(p, in, nb, m0, tile, tile_out, isa); break;
+        default: tile_dispatch<4>(p, in, nb, m0, tile, tile_out, isa);
+      }
       store_tile(tile_out, tile, nb, m0, out);
     }
   }
@@ -574,7 +661,8 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
 PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
                         int64_t n, int64_t k) {
-  TORCH_CHECK(bits == 8 || bits == 4, "quantized weight: bits must be 8 or 4");
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4,
+              "quantized weight: bits must be 8, 6, 5 or 4");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quantized weight: codes must be contiguous uint8 [blocks, block bytes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3,

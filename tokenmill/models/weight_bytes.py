@@ -1,0 +1,32 @@
+"""How many bytes of weights a loaded model holds in memory: what tensor parallelism reports
+per rank and the quantized-weights benchmark sets beside the checkpoint file's size."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels.quant import PackedWeight
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight tensor the model holds, each storage once (a tied head and its
+    embedding, a native linear over a layer's tensors): parameters, the packed weights a dense
+    CPU linear keeps outside them, and quantized layers' packed codes, scales and offsets; not
+    the rotary tables (computed, not loaded: every tensor-parallel rank holds them whole)."""
+    tensors: dict[int, torch.Tensor] = {}
+
+    def hold(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        tensors[storage.data_ptr()] = tensor
+
+    for name, module in model.named_modules():
+        if name.startswith("rotary") or ".rotary" in name:
+            continue
+        for value in [*module.parameters(recurse=False), *vars(module).values()]:
+            if isinstance(value, torch.Tensor):
+                hold(value)
+            elif isinstance(value, PackedWeight):
+                for part in (value.codes, value.scales, value.offsets):
+                    if part is not None:
+                        hold(part)
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
