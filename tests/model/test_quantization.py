@@ -62,6 +62,36 @@ def test_quantized_engine_matches_the_dequantized_float_model(
     assert max_diff < activation_tolerance
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2"])
+def test_the_torch_path_matches_the_dequantized_float_model(
+    tiny_checkpoint, tmp_path: Path, name: str, scheme: str
+) -> None:
+    """`--linear-backend torch`: each product widens the codes with torch ops (the path a
+    CUDA engine takes: quantized_linear.py), float activations; a tied embedding reads the
+    LM head's rows from the same codes."""
+    kwargs = dict(CHECKPOINTS[name])
+    checkpoint = tiny_checkpoint(kwargs.pop("architecture", name), **kwargs)
+    reference_dir = save_dequantized_checkpoint(
+        checkpoint, tmp_path / "ref", ROUND_TRIPS[scheme], HEAD_ROUND_TRIP
+    )
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        quantization=scheme,
+        linear_backend="torch",
+        max_model_len=128,
+    )
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is None and m.torch_weight is not None for m in linears)
+    assert model.decoder_stack is None  # op by op: the stack multiplies native layouts only
+    max_diff = compare_with_reference(
+        llm, reference_dir, random_prompts(llm.engine.vocab_size), TOLERANCE["float"]
+    )
+    assert max_diff < TOLERANCE["float"]
+
+
 def test_the_float_model_differs_from_the_dequantized_one(tiny_checkpoint, tmp_path) -> None:
     """The comparison above could not pass by accident: int4 rounding changes the float
     model's logprobs by far more than the largest tolerance."""

@@ -179,7 +179,7 @@ def test_bad_inputs_are_clear_errors() -> None:
         pack(codes[:, :48], torch.ones(16, 3), None, 8, group_size=16)
 
 
-def _layers(bits: int) -> tuple[torch.Tensor, Linear]:
+def _layers(bits: int, dequantize_on: torch.device | None) -> tuple[torch.Tensor, Linear]:
     """A layer of `bits`-bit codes: int8 and int4 quantized online from floats, 5 and 6 bits
     loaded as a GGUF file's groups of 32 are (int8 groups whose codes fit the width)."""
     torch.manual_seed(bits)
@@ -187,11 +187,12 @@ def _layers(bits: int) -> tuple[torch.Tensor, Linear]:
     if bits in (5, 6):
         codes, scales, _ = random_weight(48, 128, bits, 32, seed=bits)
         quantized = weight = Int8GroupWeight(codes, scales.half().float())
-        method = Int8LinearMethod(32, code_bits=bits)
+        method = Int8LinearMethod(32, code_bits=bits, dequantize_on=dequantize_on)
     elif bits == 8:
-        quantized, method = quantize_int8(weight), Int8LinearMethod()
+        quantized, method = quantize_int8(weight), Int8LinearMethod(dequantize_on=dequantize_on)
     else:
-        quantized, method = quantize_int4(weight, 32), Int4LinearMethod(32)
+        quantized = quantize_int4(weight, 32)
+        method = Int4LinearMethod(32, dequantize_on=dequantize_on)
     layer = Linear(128, 48, method)
     method.load_weight(layer, weight, 0)
     method.process_weights_after_loading(layer)
@@ -209,25 +210,32 @@ def test_codes_wider_than_the_declared_width_are_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 6, 5, 4])
-@pytest.mark.parametrize("native_kernels", [True, False])
+@pytest.mark.parametrize("storage", ["native", "torch-op", "dequantize-per-call"])
 def test_layers_compute_the_dequantized_product(
-    bits: int, native_kernels: bool, monkeypatch: pytest.MonkeyPatch
+    bits: int, storage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the native kernels the layer holds only the packed weight; without them (no
-    compiler) torch's int8/int4 ops run, in bfloat16."""
-    if native_kernels and native.native_kernels() is None:
+    compiler) torch's int8/int4 CPU ops run, in bfloat16; with `dequantize_on` (a CUDA
+    engine, `--linear-backend torch`) the codes are widened by torch ops per product."""
+    if storage == "native" and native.native_kernels() is None:
         pytest.skip("native kernels not buildable here")
-    if not native_kernels:
+    if storage == "torch-op":
         monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", "0")
         native.reset_for_tests()
     try:
-        dequantized, layer = _layers(bits)
+        on = torch.device("cpu") if storage == "dequantize-per-call" else None
+        dequantized, layer = _layers(bits, on)
         x = torch.randn(5, 128)
-        assert (layer.packed is not None) == native_kernels
-        if native_kernels:
+        assert (layer.packed is not None) == (storage == "native")
+        assert (layer.torch_weight is not None) == (storage == "dequantize-per-call")
+        if storage == "native":
             assert torch.equal(dequantize(layer.packed), dequantized)
             reference = kernel_reference(x, layer.packed, None)
             torch.testing.assert_close(layer(x), reference, rtol=1e-5, atol=1e-4)
+        elif storage == "dequantize-per-call":
+            rows = torch.tensor([47, 0, 5])
+            assert torch.equal(layer.quant_method.dequantize_rows(layer, rows), dequantized[rows])
+            torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
         else:  # bfloat16 inputs and outputs
             torch.testing.assert_close(layer(x), x @ dequantized.T, rtol=2e-2, atol=0.2)
     finally:

@@ -75,7 +75,8 @@ class EngineConfig:
     quantization: str | None = config_field(
         None,
         "quantize the decoder's linear weights at load time: int8 (per output channel) or "
-        "int4 (asymmetric groups of 32; int4-g128: of 128), CPU; the embedding and LM head "
+        "int4 (asymmetric groups of 32; int4-g128: of 128); on the CPU native kernels, "
+        "elsewhere dequantized per product by torch ops; the embedding and LM head "
         "choose their own format (int8 per row). Pre-quantized checkpoints (a .gguf file, a "
         "quantization_config) are detected without it (docs/quantization.md)",
         choices=("int8", "int4", "int4-g128"),

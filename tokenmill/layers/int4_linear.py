@@ -100,8 +100,9 @@ class Int4LinearMethod(PackedQuantMethod):
     """Loads float rows (quantized as they arrive: online quantization) or `Int4GroupWeight`s
     of the same group size (a pre-quantized checkpoint's), then packs them for the kernel."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, dequantize_on: torch.device | None = None) -> None:
         self.group_size = group_size
+        self.dequantize_on = dequantize_on  # quantized_linear.py
         self.weight_format = f"int4-g{group_size}"
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:
@@ -128,11 +129,14 @@ class Int4LinearMethod(PackedQuantMethod):
         weight = Int4GroupWeight(layer.qvalues, layer.qscales, layer.qzeros)
         for name in ("qvalues", "qscales", "qzeros"):
             delattr(layer, name)
+        offsets = weight.zeros if weight.zeros.any() else None
+        if self.dequantize_on is not None:
+            self.use_torch_ops(layer, weight.codes(), weight.scales, offsets, 4)
+            return
         if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
-            offsets = weight.zeros if weight.zeros.any() else None
             self.use_packed(layer, pack(weight.codes(), weight.scales, offsets, 4, self.group_size))
             return
-        layer.packed = None
+        self.use_cpu_op(layer)
         layer.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.values.to(torch.int32), 1
         )

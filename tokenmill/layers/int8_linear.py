@@ -106,7 +106,8 @@ class Int8LinearMethod(PackedQuantMethod):
     online quantization), `Int8GroupWeight`s (kept as they are) or `Int4GroupWeight`s (their
     codes widened, exactly). `code_bits` 5 or 6: the checkpoint's codes fit that width and the
     native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
-    and products of more than `max_rows` rows are the fallback's."""
+    and products of more than `max_rows` rows are the fallback's. `dequantize_on`: the device
+    whose torch ops run the layer (quantized_linear.py); None: the CPU's kernels."""
 
     def __init__(
         self,
@@ -114,7 +115,9 @@ class Int8LinearMethod(PackedQuantMethod):
         fallback: LinearMethod | None = None,
         max_rows: int = MAX_INT8_ROWS,
         code_bits: int = 8,
+        dequantize_on: torch.device | None = None,
     ) -> None:
+        self.dequantize_on = dequantize_on
         self.group_size = group_size
         self.fallback = fallback
         self.max_rows = max_rows
@@ -180,8 +183,11 @@ class Int8LinearMethod(PackedQuantMethod):
         for name in ("qweight", "scales", "offsets"):
             if hasattr(layer, name):
                 delattr(layer, name)
+        self._check_code_range(weight.values)
+        if self.dequantize_on is not None:
+            self.use_torch_ops(layer, weight.values, weight.scales, weight.offsets, 8)
+            return
         if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
-            self._check_code_range(weight.values)
             packed = pack(
                 weight.values, weight.scales, weight.offsets, self.code_bits, self.group_size
             )
@@ -189,7 +195,7 @@ class Int8LinearMethod(PackedQuantMethod):
             return
         if weight.scales.shape[1] > 1 or weight.offsets is not None:
             weight = quantize_int8(weight.dequantize())  # torch's kernel: per-row scales only
-        layer.packed = None
+        self.use_cpu_op(layer)
         layer.qweight, layer.row_scales = weight.values, weight.scales[:, 0].to(_TORCH_DTYPE)
 
     def _check_code_range(self, codes: torch.Tensor) -> None:
@@ -224,7 +230,7 @@ class Int8LinearMethod(PackedQuantMethod):
 
     def dequantize_rows(self, layer: Linear, rows: torch.Tensor) -> torch.Tensor:
         """float32 rows `rows` of the weight (an embedding's lookup from a tied LM head)."""
-        if layer.packed is not None:
+        if layer.packed is not None or layer.torch_weight is not None:
             return super().dequantize_rows(layer, rows)
         return layer.qweight[rows].float() * layer.row_scales[rows].float()[:, None]
 

@@ -89,18 +89,19 @@ class LinearPlan:
         wanted = self.format_of(name)
         if wanted is None or wanted == "float":
             return self.dense()
-        self._check_device(wanted)
+        on = self._dequantize_on(wanted)
         if wanted.startswith("int4-g"):
             group_size = int(wanted.removeprefix("int4-g"))
-            if int4_shape_supported(out_features, in_features, group_size):
-                return Int4LinearMethod(group_size)
+            if on is not None or int4_shape_supported(out_features, in_features, group_size):
+                return Int4LinearMethod(group_size, dequantize_on=on)
             self.int8_instead.append(f"{name} ({out_features}x{in_features})")
             return Int8LinearMethod()
         if wanted == "int8":
-            return Int8LinearMethod()
+            return Int8LinearMethod(dequantize_on=on)
         for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
             if wanted.startswith(f"int{bits}-g"):
-                return Int8LinearMethod(int(wanted.removeprefix(f"int{bits}-g")), code_bits=bits)
+                group_size = int(wanted.removeprefix(f"int{bits}-g"))
+                return Int8LinearMethod(group_size, code_bits=bits, dequantize_on=on)
         raise ConfigError(f"unknown weight format {wanted!r} for {name}")
 
     def embedding_format(self) -> str | None:
@@ -118,15 +119,16 @@ class LinearPlan:
             return cpu_dense_method(self.dtype) or DenseLinearMethod(self.dtype)
         return DenseLinearMethod(self.dtype)
 
-    def _check_device(self, wanted: str) -> None:
-        if self.device.type != "cpu":
-            raise ConfigError(
-                f"{wanted} weights run on the CPU only for now (torch's CPU kernels); "
-                f"this engine runs on {self.device}"
-            )
+    def _dequantize_on(self, wanted: str) -> torch.device | None:
+        """The device whose torch ops dequantize `wanted` weights per product (off the CPU,
+        or under `--linear-backend torch`: quantized_linear.py); None: the CPU's kernels,
+        which must exist."""
+        if self.device.type != "cpu" or self.linear_backend == "torch":
+            return self.device
         int4 = wanted.startswith("int4")
         if not (int4_linear_available() if int4 else int8_linear_available()):
             raise ConfigError(f"this torch build lacks the CPU kernel for {wanted} weights")
+        return None
 
 
 def online_format(quantization: str | None) -> str | None:
