@@ -77,6 +77,23 @@ def main() -> None:
     steps = decode["steps"]  # [time, seconds, prefill, decode, num_reqs, k, preempted]
     median = statistics.median(s[1] for s in steps)
     print(f"decode instance: {len(steps)} steps, median {median * 1000:.0f} ms; slowest:")
+    long_transfer = max(decode["kv_transfers"], key=lambda t: t[3], default=None)
+    if long_transfer is not None:  # the long prompt's: steps by phase, in the decode's clock
+        end, start = long_transfer[0], long_transfer[0] - long_transfer[4]
+        arrival = end - run.ttft
+        phases = {
+            "before the long prompt": (arrival - 10.0, arrival),
+            "while it is prefilled": (arrival, start),
+            "while its KV arrives": (start, end),
+            "after": (end, end + 5.0),
+        }
+        for name, (t0, t1) in phases.items():
+            times = sorted(s[1] for s in steps if t0 <= s[0] < t1)
+            if times:
+                print(
+                    f"  {name}: {len(times)} steps, median {statistics.median(times) * 1000:.0f}"
+                    f" ms, max {times[-1] * 1000:.0f} ms"
+                )
     for s in sorted(steps, key=lambda s: -s[1])[:8]:
         print(f"  t={s[0]:.3f} {s[1] * 1000:.0f} ms prefill={s[2]} decode={s[3]} reqs={s[4]}")
     for name, update in (("decode", decode), ("prefill", prefill)):
