@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -51,6 +52,8 @@ def main() -> None:
         help="a diagnostic on a shared machine: the decode instance's nice value (root), so "
         "that other jobs moved onto its cores while the prefill core is busy slow it less",
     )
+    parser.add_argument("--renice-prefill", type=int, default=None, help="its nice value")
+    parser.add_argument("--client-cpus", default=None, help="pin this client, e.g. 0")
     args = parser.parse_args()
     model = smollm2_shaped_model()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -62,10 +65,16 @@ def main() -> None:
         prefill_url, decode_url = re.search(
             r"prefill instance on (\S+) .* decode instance on (\S+) ", text
         ).groups()
+        if args.renice_prefill is not None:
+            prefill_pid = re.search(r"prefill instance on \S+ \(pid (\d+)", text)[1]
+            threads = [t.name for t in Path(f"/proc/{prefill_pid}/task").iterdir()]
+            subprocess.run(["renice", "-n", str(args.renice_prefill), "-p", *threads], check=True)
         if args.renice_decode is not None:
             decode_pid = re.search(r"decode instance on \S+ \(pid (\d+)", text)[1]
             threads = [t.name for t in Path(f"/proc/{decode_pid}/task").iterdir()]  # each one
             subprocess.run(["renice", "-n", str(args.renice_decode), "-p", *threads], check=True)
+        if args.client_cpus is not None:
+            os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
         run = asyncio.run(run_scenario(server.base_url, scenario))
         _, decode = dashboard_update(decode_url)
         _, prefill = dashboard_update(prefill_url)

@@ -17,7 +17,12 @@ From the client's clock (chunk arrival times, one chunk per token):
 - TTFT of the long prompt, and throughput: its prompt tokens plus the tokens generated in that
   window, over the TTFT;
 - steps over target: the server's `tokenmill:itl_steps_over_target_total` counter over the
-  window (tokenmill with `--itl-target-ms` only).
+  window (tokenmill with `--itl-target-ms` only);
+- control steady: the same streams' median gap at the same token positions as the window in a
+  control run against the same server, without the long prompt (`run_control`). The streams'
+  contexts grow through the window (64-token prompts, ~200 tokens more by its end), and so
+  does their step: the steady gap before the arrival understates what they would have seen
+  had the long prompt never come; the control measures it.
 """
 
 from __future__ import annotations
@@ -27,13 +32,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate, pairwise
 from pathlib import Path
 from typing import Any
 
 import httpx
-from itl_stats import Run
+from itl_stats import Run, percentile
 from llamacpp import LlamaServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,6 +100,9 @@ def scenario_run(
     admitted = [admission_window(times, arrival, last_step_end) for times in stream_times]
     ttft = first_token - arrival
     generated = 1 + sum(len(window) for window in admitted)
+    starts = [window_start(times, arrival) for times in stream_times]
+    first = round(statistics.median(starts))
+    last = round(statistics.median(s + len(w) - 1 for s, w in zip(starts, admitted)))
     return Run(
         steady=statistics.median(steady),
         admission_itls=[gap for window in admitted for gap in window],
@@ -102,7 +110,13 @@ def scenario_run(
         throughput=(long_prompt + generated) / ttft,
         steps_over_target=steps_over_target,
         num_steps=round(statistics.median(len(window) for window in admitted)),
+        window=(first, last),
     )
+
+
+def window_start(times: list[float], arrival: float) -> int:
+    """The index of a stream's first gap that ends after `arrival`."""
+    return next(i for i, (_, end) in enumerate(pairwise(times)) if end > arrival)
 
 
 def admission_window(times: list[float], arrival: float, last_step_end: float) -> list[float]:
@@ -236,12 +250,63 @@ async def run_scenario(
     )
 
 
+async def run_control(
+    base_url: str,
+    scenario: Scenario,
+    window: tuple[int, int],
+    seed: int = 1,
+    extra_body: dict[str, Any] | None = None,
+) -> tuple[float, float]:
+    """The median and p99 gap at token positions `window` (first and last gap index) of
+    streams like the scenario's (other prompts) with no long prompt: their own step at those
+    contexts, and its own tail (the floor of any p99 there)."""
+    rng = random.Random(seed)
+    first, last = window
+    async with new_http_client(TIMEOUT_S, None) as client:
+        models = await get_served_models(client, base_url)
+        config = endpoint(base_url, models[0]["id"], extra_body)
+        clock_zero = time.perf_counter()
+        records = [
+            RequestRecord(i, scenario.stream_prompt, scenario.stream_max_tokens)
+            for i in range(scenario.streams)
+        ]
+        prompts = [
+            [rng.randrange(3, scenario.vocab_size) for _ in range(scenario.stream_prompt)]
+            for _ in records
+        ]
+        tasks = [
+            asyncio.create_task(
+                send_request(
+                    client,
+                    config,
+                    completion_request(prompt, scenario.stream_max_tokens),
+                    record,
+                    clock_zero,
+                )
+            )
+            for prompt, record in zip(prompts, records)
+        ]
+        streams = _Streams(tasks, records)
+        try:
+            await streams.wait_until(lambda: all(len(r.itl) > last for r in records))
+        finally:
+            streams.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    gaps = [gap for r in records for gap in r.itl[first : last + 1]]
+    return statistics.median(gaps), percentile(gaps, 0.99)
+
+
 def served_run(
     server: ServerProcess, scenario: Scenario, extra_body: dict[str, Any] | None = None
 ) -> Run:
-    """Start `server`, run the scenario against it, stop it."""
+    """Start `server`, run the scenario against it, then the control (`run_control`), stop it."""
     with server:
-        return asyncio.run(run_scenario(server.base_url, scenario, extra_body=extra_body))
+        run = asyncio.run(run_scenario(server.base_url, scenario, extra_body=extra_body))
+        assert run.window is not None
+        control, control_p99 = asyncio.run(
+            run_control(server.base_url, scenario, run.window, extra_body=extra_body)
+        )
+    return replace(run, control_steady=control, control_p99=control_p99)
 
 
 def tokenmill_server(model: Path, max_model_len: int, flags: list[str], log: Path) -> ServerProcess:

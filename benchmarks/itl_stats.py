@@ -22,6 +22,12 @@ class Run:
     steps_over_target: int | None
     num_steps: int  # engine steps (offline) or a stream's tokens (served) until its first token
     target: float | None = None  # seconds: the ITL target the run had, if any
+    # served: the streams' token positions of the window (median first and last gap index)
+    window: tuple[int, int] | None = None
+    # served: the median gap at those positions in a control run without the long prompt
+    # (the streams' own step at the same context lengths: what they would have seen)
+    control_steady: float | None = None
+    control_p99: float | None = None  # and the p99 there (the tail a run without it has)
 
     @property
     def p99(self) -> float:
@@ -81,8 +87,21 @@ def disaggregation_check(label: str, chunked: list[Run], runs: list[Run]) -> str
     throughput = statistics.median(r.throughput for r in runs) / statistics.median(
         r.throughput for r in chunked
     )
+    controls = [r.control_steady for r in runs if r.control_steady is not None]
+    same_context = ""
+    if controls:
+        control = statistics.median(controls)
+        verdict = "ok" if p99 <= 1.2 * control else "over 1.2x"
+        floors = [r.control_p99 / r.control_steady for r in runs if r.control_p99 is not None]
+        floor = f", its own p99 {statistics.median(floors):.2f}x that" if floors else ""
+        same_context = (
+            f"p99/steady at the same tokens {p99 / control:.2f}x ({verdict}; the control run's "
+            f"{1000 * control:.0f} ms{floor}), "
+        )
     verdicts = [
-        f"p99/steady {p99 / steady:.2f}x ({'ok' if p99 <= 1.2 * steady else 'over 1.2x'})",
+        same_context
+        + f"p99/steady before arrival {p99 / steady:.2f}x"
+        + ("" if controls else f" ({'ok' if p99 <= 1.2 * steady else 'over 1.2x'})"),
         f"TTFT {ttft:.2f}x the chunked engine's ({'ok' if ttft <= 1 else 'worse'})",
         f"throughput {throughput:.2f}x",
     ]

@@ -28,7 +28,11 @@ binaries, e.g. llama.cpp/build/bin, inside its source tree), `llama-server` on t
 as f32 GGUF (converted once), one slot per request, as many threads as tokenmill uses:
 its defaults, `--ubatch-size` small, and `--batch-size` small too (llama-server samples once
 per `--batch-size` tokens, so a small ubatch alone still computes a whole 2048-token batch
-between two tokens of a stream). Each server is started for its row and stopped after.
+between two tokens of a stream). Each server is started for its row and stopped after; before it
+stops, a control run streams the same number of streams with no long prompt, and their median
+gap at the window's token positions is the streams' own step at those contexts (their
+contexts grow ~200 tokens through a window of ~25 s): issue 32's goal is checked against it,
+and against the steady gap before the arrival beside it (itl_serving.py).
 
 With no model, a random-weight model shaped like SmolLM2-135M (context 8192) is built once.
 Greedy, fp32. Run several repeats on a shared machine (configurations interleaved; medians).

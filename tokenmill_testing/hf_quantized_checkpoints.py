@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from safetensors.torch import load_file, save_file
 
 from tokenmill_testing.quantized_checkpoints import DECODER_LINEAR, copy_checkpoint_files
@@ -65,19 +66,17 @@ def quantize_module(weight: torch.Tensor, scheme: str, group: int):
         return {"weight": q, "weight_scale": scales.half()}, q.float() * scales
     if scheme == "ct-w4a16":
         q, scales = _symmetric_int4(weight, group)
-        packed = _to_int32(_pack_rows(q + 8))
+        packed = pack_to_int32(q.to(torch.int8), 4)  # compressed-tensors' own writer
         shape = torch.tensor(weight.shape, dtype=torch.int32)
         saved = {"weight_packed": packed, "weight_scale": scales.half(), "weight_shape": shape}
         return saved, q.float() * _expand(scales, group)
     if scheme == "ct-w4a16-asym":
         q, zeros, scales = _asymmetric_int4(weight, group)
         signed_zero = zeros - 8  # compressed-tensors' zero points are signed, packed as z + 8
-        saved = {
-            "weight_packed": _to_int32(_pack_rows(q)),  # q - 8 signed, stored + 8
+        saved = {  # compressed-tensors' own writer: signed values, zero points along the rows
+            "weight_packed": pack_to_int32((q - 8).to(torch.int8), 4),
             "weight_scale": scales.half(),
-            "weight_zero_point": _to_int32(_pack_rows((signed_zero + 8).t().contiguous()))
-            .t()
-            .contiguous(),
+            "weight_zero_point": pack_to_int32(signed_zero.to(torch.int8), 4, packed_dim=0),
             "weight_shape": torch.tensor(weight.shape, dtype=torch.int32),
         }
         return saved, (q - _expand(zeros, group)).float() * _expand(scales, group)

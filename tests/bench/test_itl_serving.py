@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,12 @@ from itl_serving import (
     completion_request,
     endpoint,
     llama_server,
+    run_control,
     run_scenario,
     scenario_run,
     tokenmill_server,
 )
-from itl_stats import Run, percentile, report
+from itl_stats import Run, disaggregation_check, percentile, report
 from llamacpp import source_tree, whole_character_bias
 
 from tokenmill.bench.metrics import RequestRecord
@@ -65,6 +67,7 @@ def test_scenario_run_splits_steady_gaps_from_the_window_of_the_long_prompt() ->
     assert run.ttft == pytest.approx(first_token - 1.05)
     assert run.throughput == pytest.approx((100 + 1 + 4) / run.ttft)
     assert run.steps_over_target == 3
+    assert run.window == (10, 11)  # the streams' gaps 10 and 11: their control's positions
 
 
 def test_scenario_run_refuses_a_stream_cut_before_the_long_prompts_first_token() -> None:
@@ -157,7 +160,28 @@ def test_a_small_run_against_tokenmill_serve_reports_a_complete_row(
     server = tokenmill_server(checkpoint, 2048, flags, tmp_path / "s.log")
     with server:
         run = asyncio.run(run_scenario(server.base_url, scenario))
+        assert run.window is not None and run.window[0] <= run.window[1]
+        control, control_p99 = asyncio.run(run_control(server.base_url, scenario, run.window))
+    assert 0 < control <= control_p99  # the control streams' gaps at the window's positions
     assert run.ttft > 0 and run.steady > 0 and run.throughput > 0
     assert run.num_steps >= 1
     assert len(run.admission_itls) >= scenario.streams  # each stream, at least its last gap
     assert run.steps_over_target is not None and run.steps_over_target >= 0
+
+
+def test_the_disaggregation_goal_is_judged_against_the_control_at_the_same_tokens() -> None:
+    """p99 over the control run's median gap at the window's token positions (the streams'
+    own step at those contexts); the gap before the arrival is reported beside it."""
+    chunked = [Run(0.1, [0.1] * 99 + [0.2], ttft=30.0, throughput=100.0, steps_over_target=None,
+                   num_steps=5)]  # fmt: skip
+    pair = [Run(0.1, [0.13] * 100, ttft=27.0, throughput=105.0, steps_over_target=None,
+                num_steps=5, control_steady=0.12, control_p99=0.132)]  # fmt: skip
+    text = disaggregation_check("pair", chunked, pair)
+    assert (
+        "p99/steady at the same tokens 1.08x (ok; the control run's 120 ms, its own p99 1.10x that)"
+        in text
+    )
+    assert "p99/steady before arrival 1.30x" in text
+    assert "TTFT 0.90x the chunked engine's (ok)" in text
+    slow = [replace(pair[0], admission_itls=[0.15] * 100)]
+    assert "1.25x (over 1.2x" in disaggregation_check("pair", chunked, slow)

@@ -6,6 +6,7 @@ error or recompute it; no block is ever leaked on either side."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import ConfigError
 from tokenmill.core.remote_kv import KV_TRANSFER_FAILED
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kv_transfer.p2p import sender as sender_module
@@ -404,5 +406,25 @@ def test_a_transfer_in_chunks_with_a_paced_receiver(checkpoint, prompts, expecte
         assert tokens(outputs) == {k: expected[k] for k in ("a", "b")}
         assert outputs["a"].num_cached_tokens == len(prompts["a"]) - 1
         assert all_blocks_free(pair.prefill) and all_blocks_free(pair.decode)
+    finally:
+        pair.shutdown()
+
+
+@pytest.mark.parametrize("cpus", [[], [10_000], ["0"], 0])
+def test_recv_cpus_must_be_cpus_of_this_machine(checkpoint, cpus) -> None:
+    with pytest.raises(ConfigError, match="recv_cpus must be a list of this machine's CPU"):
+        make_engine(checkpoint, "kv_consumer", extra={"recv_cpus": cpus})
+
+
+def test_the_receiver_runs_on_its_recv_cpus(checkpoint, prompts, expected) -> None:
+    """The consumer's receiving thread pins itself to `recv_cpus` (here one CPU of the
+    machine's); the transfer and its outputs are as without."""
+    cpu = min(os.sched_getaffinity(0))
+    pair = make_pair(checkpoint, decode_kwargs={}, extra={"recv_cpus": [cpu]})
+    try:
+        outputs = pair.generate({"a": prompts["a"]})
+        assert tokens(outputs) == {"a": expected["a"]}
+        links = list(pair.decode.kv_connectors[1].receiver.links.values())
+        assert links and all(os.sched_getaffinity(link.thread.native_id) == {cpu} for link in links)
     finally:
         pair.shutdown()

@@ -4,6 +4,7 @@ registry, the block file format, and how the scheduler calls a connector."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -415,3 +416,21 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends() 
     assert free_blocks(scheduler) == 29  # a transfer is still writing its three blocks
     step(scheduler, {}, KVConnectorOutput(finished_recving={"a"}))
     assert free_blocks(scheduler) == 32 and not has_pending_kv_transfers(scheduler)
+
+
+def test_disaggregate_receives_on_the_prefill_cpus_unless_told_otherwise() -> None:
+    from tokenmill.entrypoints.router.disaggregate import kv_transfer_configs
+
+    producer, consumer = (json.loads(c) for c in kv_transfer_configs(9000, None, frozenset({0})))
+    assert producer["kv_role"] == "kv_producer" and producer["kv_port"] == 9000
+    assert "kv_connector_extra_config" not in producer
+    assert consumer["kv_connector_extra_config"] == {"recv_cpus": [0]}
+    given = KVTransferConfig.parse(
+        {
+            "kv_connector": "P2pConnector",
+            "kv_connector_extra_config": {"recv_cpus": [1], "timeout": 5},
+        }
+    )
+    producer, consumer = (json.loads(c) for c in kv_transfer_configs(9000, given, frozenset({0})))
+    assert consumer["kv_connector_extra_config"] == {"recv_cpus": [1], "timeout": 5}
+    assert producer["kv_connector_extra_config"] == {"recv_cpus": [1], "timeout": 5}

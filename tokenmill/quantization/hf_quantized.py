@@ -3,7 +3,8 @@ as vLLM detects them: compressed-tensors (LLM Compressor's `int-quantized` W8A8 
 `pack-quantized` W4A16), GPTQ and AWQ 4-bit. Each linear's tensors are gathered into the
 engine's own int8 (`Int8GroupWeight`) or int4 (`Int4GroupWeight`) form, no floats between.
 
-On-disk conventions (compressed-tensors' `pack_to_int32`, AutoGPTQ's and AutoAWQ's packers):
+On-disk conventions (compressed-tensors' `pack_to_int32`, whose `unpack_from_int32` reads
+them here; AutoGPTQ's and AutoAWQ's packers, read by `_unpack_rows`):
 - compressed-tensors int8: `weight` int8 `[out, in]`, `weight_scale` `[out, 1]`; w = q * s.
 - compressed-tensors pack-quantized: `weight_packed` int32 `[out, in / 8]`, eight values per
   int32 along the input, the first in the low bits, each stored as q + 8; `weight_scale`
@@ -90,11 +91,19 @@ class QuantizedCheckpoint:
             if "weight_zero_point" in parts and parts["weight_zero_point"].any():
                 raise ValueError("asymmetric int8 weights are not supported")
             return Int8GroupWeight(values, scales.reshape(-1, 1))
-        values = _unpack_rows(parts["weight_packed"])
+        # Imported here: the package takes seconds to import, and only these checkpoints need it.
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        packed = parts["weight_packed"]
+        cols = int(parts["weight_shape"][1]) if "weight_shape" in parts else 8 * packed.shape[1]
+        codes = unpack_from_int32(packed, 4, torch.Size([packed.shape[0], cols]))  # -8..7
+        values = (codes.to(torch.int16) + 8).to(torch.uint8)
         zeros = torch.zeros_like(scales)
         if "weight_zero_point" in parts:
-            zero_points = _unpack_rows(parts["weight_zero_point"].t().contiguous()).t()
-            zeros = -(zero_points[: scales.shape[0]].float() - 8) * scales
+            stored = parts["weight_zero_point"]  # packed along the rows
+            shape = torch.Size([8 * stored.shape[0], stored.shape[1]])
+            zero_points = unpack_from_int32(stored, 4, shape, packed_dim=0)[: scales.shape[0]]
+            zeros = -zero_points.float() * scales
         return Int4GroupWeight(values, scales, zeros)
 
 

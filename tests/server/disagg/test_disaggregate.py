@@ -85,6 +85,26 @@ def test_a_request_is_prefilled_on_one_instance_and_decoded_on_the_other(
             assert metrics["tokenmill:kv_cache_usage_perc"] == 0
 
 
+def test_the_router_and_the_kv_receiver_stay_off_the_decode_cpus(
+    server: Server, http: httpx.Client
+) -> None:
+    """The decode instance's CPUs are its steps' alone: the router streams from the prefill
+    instance's, and the decode instance's KV receiving thread runs there too (`recv_cpus`)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: both instances share it")
+    prefill_pid, decode_pid = instance_pids(server)
+    prefill_cpus, decode_cpus = os.sched_getaffinity(prefill_pid), os.sched_getaffinity(decode_pid)
+    assert os.sched_getaffinity(server.process.pid) == prefill_cpus
+    http.post(  # a transfer: the receiving thread exists from the first pull on
+        "/v1/completions",
+        json={"model": MODEL, "prompt": f"{PROMPT} ran", "max_tokens": 2, "temperature": 0},
+    ).raise_for_status()
+    threads = [int(t) for t in os.listdir(f"/proc/{decode_pid}/task")]
+    affinities = [os.sched_getaffinity(t) for t in threads]
+    assert prefill_cpus in affinities  # the receiver
+    assert decode_cpus in affinities  # the engine and the HTTP server
+
+
 def test_the_dashboards_show_each_sides_transfers(server: Server, http: httpx.Client) -> None:
     """After a disaggregated request the decode instance's dashboard has the received transfer
     (and the prefill instance's the sent one), with their bytes and seconds."""

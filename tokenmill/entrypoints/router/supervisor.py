@@ -40,10 +40,13 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only 
 @dataclass(frozen=True)
 class ReplicaLaunch:
     """What one replica gets besides the command's own line: more flags (after it, so they
-    win), and the CPUs it is pinned to (None: all of the command's)."""
+    win), the CPUs it is pinned to (None: all of the command's) and how much nicer than the
+    command it runs (`os.nice`: a prefill instance yields its CPUs to the router's streaming
+    and the decode instance's KV receiver when they need them)."""
 
     extra_args: tuple[str, ...] = ()
     cpus: frozenset[int] | None = None
+    nice: int = 0
 
 
 class ReplicaSupervisor:
@@ -134,14 +137,18 @@ def _start_replica(argv: list[str], port: int, launch: ReplicaLaunch) -> subproc
     if launch.cpus is not None:  # as many OpenMP threads as its CPUs, not the machine's
         env = {**os.environ, "OMP_NUM_THREADS": str(len(launch.cpus))}
     return subprocess.Popen(
-        command, env=env, preexec_fn=functools.partial(_die_with_parent, launch.cpus)
+        command,
+        env=env,
+        preexec_fn=functools.partial(_die_with_parent, launch.cpus, launch.nice),
     )
 
 
-def _die_with_parent(cpus: frozenset[int] | None = None) -> None:
+def _die_with_parent(cpus: frozenset[int] | None = None, nice: int = 0) -> None:
     """In the child, before exec: SIGTERM when the parent dies; the default SIGINT; pinned
-    to `cpus` if given (inherited by everything it starts)."""
+    to `cpus` if given and `nice` more (both inherited by everything it starts)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+    if nice:
+        os.nice(nice)

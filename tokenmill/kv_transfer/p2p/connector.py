@@ -16,13 +16,17 @@ wait for a hold to be registered; default 30), `kv_lease_duration` (seconds a pr
 a finished prefill's blocks for its consumers; default 120), `chunk_bytes` (a transfer moves
 in chunks of about this size, each checked and written before the next; default 16 MiB) and
 `recv_duty_cycle` (the share of time a consumer's receiver may work: below 1 it rests between
-chunks, so the decode steps on the same cores are slowed less; default 1).
+chunks, so the decode steps on the same cores are slowed less; default 1) and `recv_cpus`
+(CPUs for a consumer's receiving threads, e.g. the prefill instance's on one machine, which is
+idle once it has sent: the receive, its checksums and the copy into the cache then take
+nothing from the decode steps; default: the process's own).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -75,6 +79,7 @@ class P2pConnector(KVConnectorBase):
         self.duty_cycle = _seconds(extra, "recv_duty_cycle", 1.0)
         if self.duty_cycle > 1:
             raise ConfigError("kv_connector_extra_config.recv_duty_cycle must be in (0, 1]")
+        self.recv_cpus = _cpus(extra.get("recv_cpus"))
         self._stats = KVTransferStats()
         # scheduler side
         self._remote: dict[str, RemotePrefill] = {}  # consumer: requests yet to pull or release
@@ -230,6 +235,7 @@ class P2pConnector(KVConnectorBase):
                 self._activity.set,
                 self.chunk_bytes,
                 self.duty_cycle,
+                self.recv_cpus,
             )
 
     def start_load_kv(self) -> None:
@@ -277,3 +283,21 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"kv_connector_extra_config.{key} must be a number > 0, got {value!r}")
     return float(value)
+
+
+def _cpus(value: Any) -> frozenset[int] | None:
+    """`recv_cpus`: a list of CPU numbers this machine has, or None."""
+    if value is None:
+        return None
+    available = set(range(os.cpu_count() or 1))
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(c, int) and not isinstance(c, bool) for c in value)
+        or not set(value) <= available
+    ):
+        raise ConfigError(
+            "kv_connector_extra_config.recv_cpus must be a list of this machine's CPU numbers "
+            f"({sorted(available)}), not {value!r}"
+        )
+    return frozenset(value)

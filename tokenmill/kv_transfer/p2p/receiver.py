@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import queue
 import socket
 import threading
@@ -71,6 +72,7 @@ class KVReceiver:
         on_event: Callable[[], None],
         chunk_bytes: int = 16 << 20,
         duty_cycle: float = 1.0,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.fingerprint = fingerprint
@@ -80,6 +82,7 @@ class KVReceiver:
         block_bytes = len(kv_caches) * cache[:, 0].numel() * cache.element_size()
         self.chunk_blocks = max(1, chunk_bytes // block_bytes)
         self.duty_cycle = duty_cycle
+        self.cpus = cpus  # where the links' threads run (None: the process's CPUs)
         self.links: dict[tuple[str, int], _Link] = {}
         self.events = ReceiverEvents()
         self.lock = threading.Lock()
@@ -142,6 +145,8 @@ class _Link:
         self._close()
 
     def _run(self) -> None:
+        if self.receiver.cpus is not None:
+            os.sched_setaffinity(0, self.receiver.cpus)  # this thread only (Linux)
         while (job := self.jobs.get()) is not None:
             start = time.perf_counter()
             try:
