@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.worker.capture_backends import eager_capture
+from tokenmill_testing.transformers_reference import greedy_reference
 
 MAX_TOKENS = 10
 ARCHITECTURES = {
@@ -41,18 +42,7 @@ TRACED_SCENARIO = {
 
 def reference_tokens(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    return expected
+    return greedy_reference(model, prompts, MAX_TOKENS)[0]
 
 
 def make_prompts(vocab: int) -> list[list[int]]:
