@@ -165,6 +165,38 @@ class _Streams:
         self.tasks = tasks
         self.records = records
 
+    @classmethod
+    def start(
+        cls,
+        client: httpx.AsyncClient,
+        config: EndpointConfig,
+        scenario: Scenario,
+        rng: random.Random,
+        clock_zero: float,
+    ) -> _Streams:
+        """The scenario's streams, sent: random `stream_prompt`-token prompts from `rng`."""
+        records = [
+            RequestRecord(i, scenario.stream_prompt, scenario.stream_max_tokens)
+            for i in range(scenario.streams)
+        ]
+        prompts = [
+            [rng.randrange(3, scenario.vocab_size) for _ in range(scenario.stream_prompt)]
+            for _ in records
+        ]
+        tasks = [
+            asyncio.create_task(
+                send_request(
+                    client,
+                    config,
+                    completion_request(prompt, scenario.stream_max_tokens),
+                    record,
+                    clock_zero,
+                )
+            )
+            for prompt, record in zip(prompts, records)
+        ]
+        return cls(tasks, records)
+
     async def wait_until(self, condition: Callable[[], bool], *others: asyncio.Task) -> None:
         while not condition():
             for task, record in zip(self.tasks, self.records):
@@ -200,19 +232,8 @@ async def run_scenario(
         def now() -> float:
             return time.perf_counter() - clock_zero
 
-        records = [
-            RequestRecord(i, scenario.stream_prompt, scenario.stream_max_tokens)
-            for i in range(scenario.streams)
-        ]
-        requests = [
-            completion_request(prompt(scenario.stream_prompt), scenario.stream_max_tokens)
-            for _ in records
-        ]
-        tasks = [
-            asyncio.create_task(send_request(client, config, request, record, clock_zero))
-            for request, record in zip(requests, records)
-        ]
-        streams = _Streams(tasks, records)
+        streams = _Streams.start(client, config, scenario, rng, clock_zero)
+        records, tasks = streams.records, streams.tasks
         try:
             await streams.wait_until(lambda: all(r.ttft > 0.0 for r in records))
             all_streaming = now()
@@ -265,28 +286,8 @@ async def run_control(
     async with new_http_client(TIMEOUT_S, None) as client:
         models = await get_served_models(client, base_url)
         config = endpoint(base_url, models[0]["id"], extra_body)
-        clock_zero = time.perf_counter()
-        records = [
-            RequestRecord(i, scenario.stream_prompt, scenario.stream_max_tokens)
-            for i in range(scenario.streams)
-        ]
-        prompts = [
-            [rng.randrange(3, scenario.vocab_size) for _ in range(scenario.stream_prompt)]
-            for _ in records
-        ]
-        tasks = [
-            asyncio.create_task(
-                send_request(
-                    client,
-                    config,
-                    completion_request(prompt, scenario.stream_max_tokens),
-                    record,
-                    clock_zero,
-                )
-            )
-            for prompt, record in zip(prompts, records)
-        ]
-        streams = _Streams(tasks, records)
+        streams = _Streams.start(client, config, scenario, rng, time.perf_counter())
+        records, tasks = streams.records, streams.tasks
         try:
             await streams.wait_until(lambda: all(len(r.itl) > last for r in records))
         finally:
