@@ -434,3 +434,38 @@ def test_disaggregate_receives_on_the_prefill_cpus_unless_told_otherwise() -> No
     producer, consumer = (json.loads(c) for c in kv_transfer_configs(9000, given, frozenset({0})))
     assert consumer["kv_connector_extra_config"] == {"recv_cpus": [1], "timeout": 5}
     assert producer["kv_connector_extra_config"] == {"recv_cpus": [1], "timeout": 5}
+
+
+def test_a_request_holding_loaded_kv_is_admitted_before_one_that_cannot_fit() -> None:
+    """`x`, preempted for memory after `y`'s KV arrived, lands ahead of `y` at the head of
+    the queue and needs more blocks than `y` leaves free. `y` holds its loaded blocks, so
+    it must go first (it needs one more block, and its blocks only come back once it has
+    run); admitting strictly in queue order would wait on `x` for ever."""
+    connector = AsyncConnector(num_external=8)
+    remote_ids = {"y"}
+    plain = connector.get_num_new_matched_tokens
+    connector.get_num_new_matched_tokens = lambda r, n: (
+        plain(r, n) if r.request_id in remote_ids else (0, False)
+    )
+    scheduler = Scheduler(
+        KVCacheManager(8, 4),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        kv_connector=connector,
+    )
+    x = Request("x", list(range(10, 27)), SamplingParams(max_tokens=12, ignore_eos=True), 12)
+    scheduler.add_request(x)  # 17 prompt tokens: 5 of the 8 blocks
+    step(scheduler, {"x": [7]})
+    y = Request("y", list(range(100, 109)), SamplingParams(max_tokens=2, ignore_eos=True), 2)
+    scheduler.add_request(y)  # 8 of its 9 prompt tokens loaded into 2 blocks
+    step(scheduler, {"x": [7]})
+    step(scheduler, {"x": [7]})
+    step(scheduler, {"x": [7]}, KVConnectorOutput(finished_recving={"y"}))
+    for _ in range(40):
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, {"x": [7], "y": [7]}, KVConnectorOutput(finished_sending={"x", "y"}))
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.num_preemptions >= 1  # `x` did land ahead of `y` holding its blocks
+    assert free_blocks(scheduler) == 8

@@ -5,11 +5,11 @@ Two kinds, vLLM v1's:
 - **Waiting for remote KV**: admitted with blocks for the tokens the connector will load
   (`get_num_new_matched_tokens` said "asynchronously"), out of the waiting queue and not
   running: they compute nothing until the worker half reports their KV has arrived. Then
-  they go back to the front of the waiting queue holding their blocks, `num_computed_tokens`
-  past the loaded tokens, and the next admission only adds blocks for what is left (the
-  last prompt token, at least). A load that failed either ends the request with an error
-  (`kv_load_failure_policy` "fail": a router can retry it on a fresh prefill) or sends it
-  back to compute those tokens itself ("recompute").
+  they go back to the waiting queue holding their blocks, next in line (`RequestQueue`),
+  `num_computed_tokens` past the loaded tokens, and the next admission only adds blocks for
+  what is left (the last prompt token, at least). A load that failed either ends the
+  request with an error (`kv_load_failure_policy` "fail": a router can retry it on a fresh
+  prefill) or sends it back to compute those tokens itself ("recompute").
 - **Held**: finished (or aborted) requests whose blocks the connector still reads (a send to
   another engine) or writes (an aborted request's load still arriving): freed only when the
   worker half reports that transfer ended, so no other request is given blocks a transfer
@@ -118,7 +118,7 @@ class RemoteKVRequests:
 
     def _requeue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.add_preempted(request)  # it was admitted before anyone still waiting
+        self.waiting.add_holding_blocks(request)  # next in line: it holds its blocks
 
     def _fail(self, request: Request, reason: str) -> RequestStepOutput:
         request.status = RequestStatus.FINISHED_ERROR

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.step.request import Request
@@ -21,10 +21,16 @@ MAX_HEAD_SKIPS = 4
 class RequestQueue:
     """FCFS: arrival order, preempted requests back at the front (they were admitted before
     anyone still waiting). Priority: ordered by (priority, arrival), so a preempted request
-    goes straight back to its own place."""
+    goes straight back to its own place.
+
+    Ahead of either, in the order they came: requests that already hold blocks (a KV
+    connector loaded their prompt into them). Such a request needs a block at most, and its
+    blocks come back only once it has run; behind a head that cannot fit beside them (one
+    preempted for memory after their KV arrived) it would wait on that head for ever."""
 
     def __init__(self, by_priority: bool = False) -> None:
         self.by_priority = by_priority
+        self._holding: deque[Request] = deque()
         self._queue: deque[Request] = deque()
         self._sequence = itertools.count()
         self._keys: dict[str, tuple[int, int]] = {}
@@ -35,6 +41,10 @@ class RequestQueue:
 
     def add_preempted(self, request: Request) -> None:
         self._insert(request, front=True)
+
+    def add_holding_blocks(self, request: Request) -> None:
+        """A request admitted before, back with its blocks (its KV loaded): next in line."""
+        self._holding.append(request)
 
     def _insert(self, request: Request, front: bool) -> None:
         if self.by_priority:
@@ -49,7 +59,10 @@ class RequestQueue:
         the same priority) has more of its prompt in the prefix cache. Serving it now, while
         its prefix is cached, saves recomputing that prefix after an eviction. Requests whose
         grammar is still compiling are passed over (they keep their place)."""
-        head = next((r for r in self if _grammar_ready(r)), None)
+        holder = next((r for r in self._holding if _grammar_ready(r)), None)
+        if holder is not None:
+            return holder
+        head = next((r for r in self._queue if _grammar_ready(r)), None)
         if (
             head is None
             or not manager.enable_caching
@@ -58,7 +71,7 @@ class RequestQueue:
         ):
             return head
         best, best_hits = head, -1
-        for candidate in self.head(CACHE_AWARE_WINDOW):
+        for candidate in itertools.islice(self._queue, CACHE_AWARE_WINDOW):
             if (
                 candidate.priority != head.priority
                 or manager.is_swapped(candidate)
@@ -73,9 +86,13 @@ class RequestQueue:
         return best
 
     def remove(self, request: Request) -> None:
-        self._queue.remove(request)
+        if request in self._holding:
+            self._holding.remove(request)
+        else:
+            self._queue.remove(request)
 
     def remove_ids(self, request_ids: set[str]) -> None:
+        self._holding = deque(r for r in self._holding if r.request_id not in request_ids)
         self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
         for request_id in request_ids:
             self._keys.pop(request_id, None)
@@ -84,20 +101,17 @@ class RequestQueue:
         """Drop the ordering key of a request that has left for good."""
         self._keys.pop(request.request_id, None)
 
-    def head(self, count: int) -> Iterable[Request]:
-        return itertools.islice(self._queue, count)
-
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
+        return itertools.chain(self._holding, self._queue)
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._holding) + len(self._queue)
 
     def __bool__(self) -> bool:
-        return bool(self._queue)
+        return bool(self._holding or self._queue)
 
     def __getitem__(self, index: int) -> Request:
-        return self._queue[index]
+        return next(itertools.islice(self, index, None))
 
 
 def _grammar_ready(request: Request) -> bool:
