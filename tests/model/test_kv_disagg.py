@@ -235,14 +235,16 @@ def test_salted_requests_round_trip_and_never_load_another_tenants_kv(
         pair.shutdown()
 
 
-def corrupt_in_transit(monkeypatch, index: int):
-    """Flip the payload's byte `index` after its CRCs are taken (one byte corrupted on the
-    way); returns the real CRC function."""
+def corrupt_in_transit(monkeypatch, index: int, from_chunk: int = 0):
+    """Flip byte `index` of each chunk the producer sends, from its `from_chunk`th on, after
+    the chunk's CRCs are taken (corrupted on the way); returns the real CRC function."""
     real = sender_module.block_crcs
+    chunks = iter(range(1 << 30))
 
     def corrupt_after_checksum(payload):
         crcs = real(payload)
-        payload.view(-1)[index] ^= 0xFF
+        if next(chunks) >= from_chunk:
+            payload.view(-1)[index] ^= 0xFF
         return crcs
 
     monkeypatch.setattr(sender_module, "block_crcs", corrupt_after_checksum)
@@ -252,8 +254,9 @@ def corrupt_in_transit(monkeypatch, index: int):
 def test_a_corrupted_block_fails_the_request_and_frees_both_sides(
     checkpoint, prompts, expected, monkeypatch
 ) -> None:
-    real = corrupt_in_transit(monkeypatch, -1)
-    pair = make_pair(checkpoint, extra={"chunk_bytes": 1})  # the last block, in the last chunk
+    # A block of the second chunk (of one block each): the first is in the cache already.
+    real = corrupt_in_transit(monkeypatch, -1, from_chunk=1)
+    pair = make_pair(checkpoint, extra={"chunk_bytes": 1})
     try:
         outputs = pair.generate({"a": prompts["a"]})
         output = outputs["a"]
@@ -288,20 +291,20 @@ def test_a_transfer_that_times_out_fails_without_hanging(
 ) -> None:
     """The producer stalls past the consumer's timeout before sending: the request ends
     with an error after about the timeout; the late send fails; both sides free."""
-    real = sender_module.KVSender._gather
+    real = sender_module.KVSender._claim
 
     def stalled(self, request_id, message):
         time.sleep(2.5)
         return real(self, request_id, message)
 
-    monkeypatch.setattr(sender_module.KVSender, "_gather", stalled)
+    monkeypatch.setattr(sender_module.KVSender, "_claim", stalled)
     pair = make_pair(checkpoint, extra={"timeout": 1})
     try:
         start = time.monotonic()
         outputs = pair.generate({"a": prompts["a"]})
         assert outputs["a"].error is not None and "in time" in outputs["a"].error.message
         assert time.monotonic() - start < 30
-        monkeypatch.setattr(sender_module.KVSender, "_gather", real)
+        monkeypatch.setattr(sender_module.KVSender, "_claim", real)
         assert all_blocks_free(pair.prefill) and all_blocks_free(pair.decode)
         assert tokens(pair.generate({"c": prompts["c"]})) == {"c": expected["c"]}  # reconnects
     finally:
@@ -344,13 +347,13 @@ def test_held_kv_that_nobody_pulls_is_freed_after_its_lease(checkpoint, prompts)
 def test_a_decode_request_aborted_while_loading_frees_its_blocks(
     checkpoint, prompts, monkeypatch
 ) -> None:
-    real = sender_module.KVSender._gather
+    real = sender_module.KVSender._claim
 
     def slow(self, request_id, message):
         time.sleep(0.3)
         return real(self, request_id, message)
 
-    monkeypatch.setattr(sender_module.KVSender, "_gather", slow)
+    monkeypatch.setattr(sender_module.KVSender, "_claim", slow)
     pair = make_pair(checkpoint)
     try:
         pair.prefill_all({"a": prompts["a"]})

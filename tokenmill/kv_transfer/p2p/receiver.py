@@ -3,7 +3,8 @@
 One link per producer address, made at its first pull: a control connection, the hello, a
 two-rank group (`channel.py`), and a thread that runs the link's pulls in order. A pull asks
 for a request's blocks from `first_block` on; the producer answers with a header (or a refusal)
-and sends them; each block's CRC-32 is checked before any is written into this engine's cache.
+and sends them in chunks, each after its blocks' CRC-32s, received into the link's reused
+staging buffer and checked before any of it is written into this engine's cache.
 A pull of no blocks only releases the producer's hold (a request that found its whole prompt
 in the local prefix cache, or that was aborted first). A link that fails (the producer died,
 a timeout, garbage) is closed and made again by the next pull; the failed pull is reported,
@@ -20,13 +21,12 @@ import queue
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.kv_transfer.blocks import scatter_blocks
+from tokenmill.kv_transfer.blocks import StagingBuffer, block_crcs, payload_shape, scatter_blocks
 from tokenmill.kv_transfer.p2p.channel import (
     ChannelError,
     PairGroup,
@@ -130,6 +130,7 @@ class _Link:
         self.jobs: queue.Queue[PullJob | None] = queue.Queue()
         self.sock: socket.socket | None = None
         self.pair: PairGroup | None = None
+        self.staging = StagingBuffer(receiver.kv_caches[0].device)
         name = f"kv-receiver-{address[0]}:{address[1]}"
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.tag = 0
@@ -185,7 +186,7 @@ class _Link:
                 raise TransferFailed("refused", f"the producer refused: {reply.get('error')}")
             if not num_blocks:
                 return 0
-            return self._receive(pair, reply, job.block_ids)
+            return self._receive(sock, pair, reply, job.block_ids)
         except ChannelError as e:
             reason = "timeout" if "in time" in str(e) else "connection"
             raise TransferFailed(reason, f"{self._peer()}: {e}") from e
@@ -193,36 +194,36 @@ class _Link:
             reason = "timeout" if "timed out" in str(e).lower() else "connection"
             raise TransferFailed(reason, f"{self._peer()}: {_first_line(e)}") from e
 
-    def _receive(self, pair: PairGroup, reply: dict, block_ids: list[int]) -> int:
+    def _receive(
+        self, sock: socket.socket, pair: PairGroup, reply: dict, block_ids: list[int]
+    ) -> int:
         """Receive the blocks chunk by chunk, each checked (CRC-32 per block) before it is
         written into the cache, pausing between chunks to keep the receiver's share of the
         time to `duty_cycle` (the decode steps on the same cores go on); their bytes."""
         num_blocks = len(block_ids)
-        shape, crcs = reply.get("shape"), reply.get("crc32")
-        expected = list(self._payload_shape(num_blocks))
+        caches = self.receiver.kv_caches
+        expected = payload_shape(caches, num_blocks)
         chunk = reply.get("chunk_blocks")
-        if shape != expected or not isinstance(crcs, list) or len(crcs) != num_blocks:
-            raise TransferFailed("refused", f"a header for another layout: {shape}, {expected}")
+        if reply.get("shape") != list(expected):
+            raise TransferFailed("refused", f"a header for another layout: {reply.get('shape')}")
         if not isinstance(chunk, int) or chunk < 1:
             raise TransferFailed("refused", f"a header without chunks: {chunk!r}")
-        device = self.receiver.kv_caches[0].device
         for index, first in enumerate(range(0, num_blocks, chunk)):
             start = time.perf_counter()
             count = min(chunk, num_blocks - first)
-            payload = torch.empty([*expected[:2], count, *expected[3:]], dtype=torch.uint8)
-            payload = payload.to(device)
+            crcs = recv_message(sock).get("crc32")
+            if not isinstance(crcs, list) or len(crcs) != count:
+                raise TransferFailed("refused", f"chunk {index} came without its CRCs")
+            payload = self.staging.take(payload_shape(caches, count))
             pair.recv(payload, index)
-            _check_crcs(payload.cpu(), crcs[first : first + count], first)
-            scatter_blocks(self.receiver.kv_caches, block_ids[first : first + count], payload)
+            for offset, (crc, actual) in enumerate(zip(crcs, block_crcs(payload.cpu()))):
+                if crc != actual:
+                    block = first + offset
+                    raise TransferFailed("checksum", f"block {block} arrived corrupted (CRC-32)")
+            scatter_blocks(caches, block_ids[first : first + count], payload)
             if first + count < num_blocks:
                 self.receiver.pace(time.perf_counter() - start)
         return math.prod(expected)
-
-    def _payload_shape(self, num_blocks: int) -> tuple[int, ...]:
-        cache = self.receiver.kv_caches[0]  # [2, blocks, block_size, heads, head_dim]
-        head_bytes = cache.shape[-1] * cache.element_size()
-        layers = len(self.receiver.kv_caches)
-        return (layers, 2, num_blocks, cache.shape[2], cache.shape[3], head_bytes)
 
     def _connect(self) -> tuple[socket.socket, PairGroup]:
         if self.sock is not None and self.pair is not None:
@@ -255,12 +256,6 @@ class _Link:
 
     def _peer(self) -> str:
         return f"the KV producer {self.address[0]}:{self.address[1]}"
-
-
-def _check_crcs(payload: torch.Tensor, crcs: list[int], first: int) -> None:
-    for index, crc in enumerate(crcs):
-        if zlib.crc32(payload[:, :, index].contiguous().numpy()) != crc:
-            raise TransferFailed("checksum", f"block {first + index} arrived corrupted (CRC-32)")
 
 
 def _unexpected(error: Exception) -> TransferFailed:

@@ -4,27 +4,27 @@ consumers that will pull them, and the server those consumers connect to.
 A held request is registered by the worker half (from the step's metadata) with its blocks,
 its prompt digest, how many pulls to expect and a lease. Each consumer connection is served
 by a thread of its own: a hello (checked against this engine's KV layout), then pulls, each
-answered by a header (the payload's shape, a CRC-32 per block, the transfer's tag) and one
-point-to-point send per chunk of the blocks (the consumer says how many blocks a chunk has),
-gathered into one payload first, so the blocks themselves are free again as soon as the
-gather is done. A request is done (its blocks freed by the
-scheduler) after its last pull, or when its lease runs out with no pull in flight.
+answered by a header (the payload's shape and chunking) and then, per chunk of the blocks
+(the consumer says how many blocks a chunk has), a message with each block's CRC-32 and one
+point-to-point send of the chunk, gathered into the connection's reused staging buffer. A
+request is done (its blocks freed by the scheduler) after its last pull, or when its lease
+runs out with no pull in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.kv_transfer.blocks import gather_blocks
+from tokenmill.kv_transfer.blocks import StagingBuffer, block_crcs, gather_blocks, payload_shape
 from tokenmill.kv_transfer.p2p.channel import (
     ChannelError,
     PairGroup,
@@ -55,11 +55,6 @@ class SenderEvents:
     finished: set[str] = field(default_factory=set)
     transfers: list[KVTransferRecord] = field(default_factory=list)
     num_expired: int = 0
-
-
-def block_crcs(payload: torch.Tensor) -> list[int]:
-    """CRC-32 of each block of a CPU payload `[layers, 2, blocks, ...]`."""
-    return [zlib.crc32(payload[:, :, i].contiguous().numpy()) for i in range(payload.shape[2])]
 
 
 class KVSender:
@@ -139,10 +134,11 @@ class KVSender:
     def _serve(self, connection: socket.socket) -> None:
         self._connections.add(connection)
         pair: PairGroup | None = None
+        staging = StagingBuffer(self.kv_caches[0].device)
         try:
             pair = self._handshake(connection)
             while not self._stopping:
-                self._serve_pull(connection, pair, recv_message(connection))
+                self._serve_pull(connection, pair, recv_message(connection), staging)
         except (ChannelError, RuntimeError, OSError) as e:
             if not self._stopping:
                 logger.info("a KV consumer connection ended: %s", e)
@@ -166,44 +162,54 @@ class KVSender:
         device = self.kv_caches[0].device
         return join_pair(store, 0, self.host, device, self.timeout, name)
 
-    def _serve_pull(self, connection: socket.socket, pair: PairGroup, message: dict) -> None:
+    def _serve_pull(
+        self, connection: socket.socket, pair: PairGroup, message: dict, staging: StagingBuffer
+    ) -> None:
         request_id = str(message.get("request_id"))
         start = time.perf_counter()
         try:
-            payload = self._gather(request_id, message)
+            claim = self._claim(request_id, message)
         except ValueError as e:  # refused: the held request (if any) keeps its pulls
             send_message(connection, {"ok": False, "error": str(e)})
             refusal = KVTransferRecord(time.time(), request_id, "send", 0, 0.0, str(e), "refused")
             self._record(refusal)
             return
-        if payload is None:  # a release: nothing to send
+        if claim is None:  # a release: nothing to send
             send_message(connection, {"ok": True, "num_blocks": 0})
             self._pulled(request_id, None)
             return
-        num_blocks = payload.shape[2]
+        held, block_ids = claim
+        num_blocks = len(block_ids)
         chunk = max(1, int(message.get("chunk_blocks") or num_blocks))
+        shape = payload_shape(self.kv_caches, num_blocks)
         header = {"ok": True, "num_blocks": num_blocks, "chunk_blocks": chunk}
-        send_message(
-            connection, {**header, "shape": list(payload.shape), "crc32": block_crcs(payload.cpu())}
-        )
         error = reason = None
-        try:  # in chunks, in order (tag: the chunk's index): the consumer may pace them
+        try:
+            send_message(connection, {**header, "shape": list(shape)})
+            # In chunks, in order (tag: the chunk's index): the consumer may pace them.
             for index, first in enumerate(range(0, num_blocks, chunk)):
-                pair.send(payload[:, :, first : first + chunk].contiguous(), index)
-        except RuntimeError as e:
+                ids = block_ids[first : first + chunk]
+                payload = staging.take(payload_shape(self.kv_caches, len(ids)))
+                gather_blocks(self.kv_caches, ids, out=payload)
+                send_message(connection, {"crc32": block_crcs(payload.cpu())})
+                pair.send(payload, index)
+        except (RuntimeError, OSError) as e:
             error = f"the send failed: {str(e).strip().splitlines()[0] if str(e) else e!r}"
             reason = "timeout" if "timed out" in str(e).lower() else "connection"
             raise
         finally:
+            with self.lock:
+                held.in_flight -= 1  # its blocks are read no more
             seconds = time.perf_counter() - start
             record = KVTransferRecord(
-                time.time(), request_id, "send", payload.numel(), seconds, error, reason
+                time.time(), request_id, "send", math.prod(shape), seconds, error, reason
             )
             self._pulled(request_id, record)
 
-    def _gather(self, request_id: str, message: dict) -> torch.Tensor | None:
-        """The requested blocks' payload (None for a release of zero blocks), once the
-        request is registered (the pull may arrive before the step that registers it)."""
+    def _claim(self, request_id: str, message: dict) -> tuple[HeldKV, list[int]] | None:
+        """The held request and the blocks the pull asks for, once the request is
+        registered (the pull may arrive before the step that registers it), marked in flight
+        (its lease cannot free them while they are read); None for a release of none."""
         deadline = time.monotonic() + self.timeout
         with self.lock:
             while (held := self.held.get(request_id)) is None:
@@ -221,11 +227,7 @@ class KVSender:
             if count == 0:
                 return None
             held.in_flight += 1
-        try:
-            return gather_blocks(self.kv_caches, held.block_ids[first : first + count])
-        finally:
-            with self.lock:
-                held.in_flight -= 1
+        return held, held.block_ids[first : first + count]
 
     def _pulled(self, request_id: str, record: KVTransferRecord | None) -> None:
         """One pull of `request_id` is over (sent, released, or its send failed)."""
