@@ -22,7 +22,9 @@ From the client's clock (chunk arrival times, one chunk per token):
   control run against the same server, without the long prompt (`run_control`). The streams'
   contexts grow through the window (64-token prompts, ~200 tokens more by its end), and so
   does their step: the steady gap before the arrival understates what they would have seen
-  had the long prompt never come; the control measures it.
+  had the long prompt never come; the control measures it, position by position
+  (`ControlSteps`), and each gap of the window is judged against the control's step at its
+  own position (`Run.relative_p99`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from itl_stats import Run, percentile
+from itl_stats import ControlSteps, Run, percentile
 from llamacpp import LlamaServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,6 +103,7 @@ def scenario_run(
     ttft = first_token - arrival
     generated = 1 + sum(len(window) for window in admitted)
     starts = [window_start(times, arrival) for times in stream_times]
+    positions = [s + k for s, window in zip(starts, admitted) for k in range(len(window))]
     first = round(statistics.median(starts))
     last = round(statistics.median(s + len(w) - 1 for s, w in zip(starts, admitted)))
     return Run(
@@ -111,6 +114,7 @@ def scenario_run(
         steps_over_target=steps_over_target,
         num_steps=round(statistics.median(len(window) for window in admitted)),
         window=(first, last),
+        admission_positions=positions,
     )
 
 
@@ -277,24 +281,31 @@ async def run_control(
     window: tuple[int, int],
     seed: int = 1,
     extra_body: dict[str, Any] | None = None,
-) -> tuple[float, float]:
+) -> tuple[float, float, ControlSteps]:
     """The median and p99 gap at token positions `window` (first and last gap index) of
     streams like the scenario's (other prompts) with no long prompt: their own step at those
-    contexts, and its own tail (the floor of any p99 there)."""
+    contexts, and its own tail (the floor of any p99 there); and their step position by
+    position, a little past the window on either side (each stream's window starts and ends
+    a position or two from the median's)."""
     rng = random.Random(seed)
     first, last = window
+    margin = 2 * ControlSteps.HALF_WIDTH
     async with new_http_client(TIMEOUT_S, None) as client:
         models = await get_served_models(client, base_url)
         config = endpoint(base_url, models[0]["id"], extra_body)
         streams = _Streams.start(client, config, scenario, rng, time.perf_counter())
         records, tasks = streams.records, streams.tasks
         try:
-            await streams.wait_until(lambda: all(len(r.itl) > last for r in records))
+            await streams.wait_until(lambda: all(len(r.itl) > last + margin for r in records))
         finally:
             streams.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     gaps = [gap for r in records for gap in r.itl[first : last + 1]]
-    return statistics.median(gaps), percentile(gaps, 0.99)
+    by_position = {
+        p: [r.itl[p] for r in records] for p in range(max(0, first - margin), last + margin + 1)
+    }
+    steps = ControlSteps.from_gaps(by_position)
+    return statistics.median(gaps), percentile(gaps, 0.99), steps
 
 
 def served_run(
@@ -304,10 +315,10 @@ def served_run(
     with server:
         run = asyncio.run(run_scenario(server.base_url, scenario, extra_body=extra_body))
         assert run.window is not None
-        control, control_p99 = asyncio.run(
+        control, control_p99, steps = asyncio.run(
             run_control(server.base_url, scenario, run.window, extra_body=extra_body)
         )
-    return replace(run, control_steady=control, control_p99=control_p99)
+    return replace(run, control_steady=control, control_p99=control_p99, control_steps=steps)
 
 
 def tokenmill_server(model: Path, max_model_len: int, flags: list[str], log: Path) -> ServerProcess:

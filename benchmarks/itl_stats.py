@@ -28,10 +28,57 @@ class Run:
     # (the streams' own step at the same context lengths: what they would have seen)
     control_steady: float | None = None
     control_p99: float | None = None  # and the p99 there (the tail a run without it has)
+    # served: each admission gap's token position (its index among its stream's gaps)...
+    admission_positions: list[int] | None = None
+    # ...and the control's step at each position (a running median: `ControlSteps`)
+    control_steps: ControlSteps | None = None
 
     @property
     def p99(self) -> float:
         return percentile(self.admission_itls, 0.99)
+
+    @property
+    def relative_p99(self) -> float | None:
+        """The p99 of each admission gap over the control's step at its own token position:
+        how much slower than its own steady step a stream's step was, there and then."""
+        if self.admission_positions is None or self.control_steps is None:
+            return None
+        steps = self.control_steps
+        ratios = [
+            gap / steps.at(position)
+            for gap, position in zip(self.admission_itls, self.admission_positions, strict=True)
+        ]
+        return percentile(ratios, 0.99)
+
+
+@dataclass
+class ControlSteps:
+    """A control run's step by token position: the median of its streams' gaps at positions
+    within `HALF_WIDTH` of it (the streams step together, so one position holds one step's
+    gaps; the neighbours smooth one step's jitter out of the reference). `relative_p99` is
+    the control's own gaps' p99 over it: the floor any run's relative p99 sits on."""
+
+    HALF_WIDTH = 4
+    by_position: dict[int, float]
+    relative_p99: float
+
+    @classmethod
+    def from_gaps(cls, gaps: dict[int, list[float]]) -> ControlSteps:
+        """`gaps`: the control streams' gaps at each position."""
+        positions = sorted(gaps)
+        width = cls.HALF_WIDTH
+        near = {p: range(p - width, p + width + 1) for p in positions}
+        by_position = {
+            p: statistics.median(g for q in near[p] for g in gaps.get(q, [])) for p in positions
+        }
+        ratios = [g / by_position[p] for p in positions for g in gaps[p]]
+        return cls(by_position, percentile(ratios, 0.99))
+
+    def at(self, position: int) -> float:
+        """The step at `position`, or at the nearest position the control has."""
+        if position in self.by_position:
+            return self.by_position[position]
+        return self.by_position[min(self.by_position, key=lambda p: abs(p - position))]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -87,19 +134,30 @@ def disaggregation_check(label: str, chunked: list[Run], runs: list[Run]) -> str
     throughput = statistics.median(r.throughput for r in runs) / statistics.median(
         r.throughput for r in chunked
     )
+    relative = [r.relative_p99 for r in runs if r.relative_p99 is not None]
+    per_gap = ""
+    if relative:
+        ratio = statistics.median(relative)
+        floors = [r.control_steps.relative_p99 for r in runs if r.control_steps is not None]
+        per_gap = (
+            f"p99 of each gap over its own steady step (the control's at its token position) "
+            f"{ratio:.2f}x ({'ok' if ratio <= 1.2 else 'over 1.2x'}; the control's own "
+            f"{statistics.median(floors):.2f}x), "
+        )
     controls = [r.control_steady for r in runs if r.control_steady is not None]
     same_context = ""
     if controls:
         control = statistics.median(controls)
-        verdict = "ok" if p99 <= 1.2 * control else "over 1.2x"
+        verdict = "" if relative else f" ({'ok' if p99 <= 1.2 * control else 'over 1.2x'})"
         floors = [r.control_p99 / r.control_steady for r in runs if r.control_p99 is not None]
         floor = f", its own p99 {statistics.median(floors):.2f}x that" if floors else ""
         same_context = (
-            f"p99/steady at the same tokens {p99 / control:.2f}x ({verdict}; the control run's "
-            f"{1000 * control:.0f} ms{floor}), "
+            f"p99 over the control's median in the window {p99 / control:.2f}x{verdict} (the "
+            f"control run's {1000 * control:.0f} ms{floor}), "
         )
     verdicts = [
-        same_context
+        per_gap
+        + same_context
         + f"p99/steady before arrival {p99 / steady:.2f}x"
         + ("" if controls else f" ({'ok' if p99 <= 1.2 * steady else 'over 1.2x'})"),
         f"TTFT {ttft:.2f}x the chunked engine's ({'ok' if ttft <= 1 else 'worse'})",

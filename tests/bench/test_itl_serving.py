@@ -26,7 +26,7 @@ from itl_serving import (
     scenario_run,
     tokenmill_server,
 )
-from itl_stats import Run, disaggregation_check, percentile, report
+from itl_stats import ControlSteps, Run, disaggregation_check, percentile, report
 from llamacpp import source_tree, whole_character_bias
 
 from tokenmill.bench.metrics import RequestRecord
@@ -68,6 +68,7 @@ def test_scenario_run_splits_steady_gaps_from_the_window_of_the_long_prompt() ->
     assert run.throughput == pytest.approx((100 + 1 + 4) / run.ttft)
     assert run.steps_over_target == 3
     assert run.window == (10, 11)  # the streams' gaps 10 and 11: their control's positions
+    assert sorted(run.admission_positions) == [10, 10, 11, 11]  # each gap's own position
 
 
 def test_scenario_run_refuses_a_stream_cut_before_the_long_prompts_first_token() -> None:
@@ -161,26 +162,58 @@ def test_a_small_run_against_tokenmill_serve_reports_a_complete_row(
     with server:
         run = asyncio.run(run_scenario(server.base_url, scenario))
         assert run.window is not None and run.window[0] <= run.window[1]
-        control, control_p99 = asyncio.run(run_control(server.base_url, scenario, run.window))
+        control, control_p99, steps = asyncio.run(
+            run_control(server.base_url, scenario, run.window)
+        )
     assert 0 < control <= control_p99  # the control streams' gaps at the window's positions
+    assert set(range(*run.window)) <= set(steps.by_position)
+    assert all(step > 0 for step in steps.by_position.values()) and steps.relative_p99 >= 1
+    assert run.relative_p99 is None  # until the control's steps are in
     assert run.ttft > 0 and run.steady > 0 and run.throughput > 0
     assert run.num_steps >= 1
     assert len(run.admission_itls) >= scenario.streams  # each stream, at least its last gap
     assert run.steps_over_target is not None and run.steps_over_target >= 0
 
 
+def test_the_control_step_at_a_position_is_the_median_of_its_neighbours() -> None:
+    # Positions 0..19 at 100 ms, one slow step at 10: it does not raise its own reference.
+    gaps = {p: [0.1, 0.1] for p in range(20)}
+    gaps[10] = [0.3, 0.3]
+    steps = ControlSteps.from_gaps(gaps)
+    assert steps.at(10) == pytest.approx(0.1)
+    assert steps.at(25) == steps.at(19)  # past the control's positions: the nearest one's
+    assert steps.relative_p99 == pytest.approx(3.0)  # the control's own tail, over it
+    # A growing step: each position's reference follows it.
+    growing = ControlSteps.from_gaps({p: [0.1 + 0.01 * p] for p in range(30)})
+    assert growing.at(15) == pytest.approx(0.25)
+
+
+def test_each_gap_is_judged_against_the_control_step_at_its_own_position() -> None:
+    steps = ControlSteps.from_gaps({p: [0.1 + 0.01 * p] * 4 for p in range(40)})
+    # Gaps 20 % over their own position's step: 1.2x, however much the step grew meanwhile.
+    positions = list(range(10, 30)) * 5
+    itls = [1.2 * (0.1 + 0.01 * p) for p in positions]
+    run = Run(0.2, itls, ttft=1.0, throughput=1.0, steps_over_target=None, num_steps=20,
+              admission_positions=positions, control_steps=steps)  # fmt: skip
+    assert run.relative_p99 == pytest.approx(1.2)
+    assert run.p99 / steps.at(20) > 1.4  # over one median for the window, the growth counts
+
+
 def test_the_disaggregation_goal_is_judged_against_the_control_at_the_same_tokens() -> None:
-    """p99 over the control run's median gap at the window's token positions (the streams'
-    own step at those contexts); the gap before the arrival is reported beside it."""
+    """p99 of each gap over the control run's step at its token position (the streams' own
+    step at that context); the control's median over the window and the gap before the
+    arrival are reported beside it."""
     chunked = [Run(0.1, [0.1] * 99 + [0.2], ttft=30.0, throughput=100.0, steps_over_target=None,
                    num_steps=5)]  # fmt: skip
+    steps = ControlSteps.from_gaps({p: [0.12] * 4 for p in range(100)})
     pair = [Run(0.1, [0.13] * 100, ttft=27.0, throughput=105.0, steps_over_target=None,
-                num_steps=5, control_steady=0.12, control_p99=0.132)]  # fmt: skip
+                num_steps=5, control_steady=0.12, control_p99=0.132,
+                admission_positions=list(range(100)), control_steps=steps)]  # fmt: skip
     text = disaggregation_check("pair", chunked, pair)
-    assert (
-        "p99/steady at the same tokens 1.08x (ok; the control run's 120 ms, its own p99 1.10x that)"
-        in text
-    )
+    assert "p99 of each gap over its own steady step (the control's at its token position) " in text
+    assert "1.08x (ok; the control's own 1.00x)" in text
+    assert "p99 over the control's median in the window 1.08x (the control run's 120 ms, " in text
+    assert "its own p99 1.10x that)" in text
     assert "p99/steady before arrival 1.30x" in text
     assert "TTFT 0.90x the chunked engine's (ok)" in text
     slow = [replace(pair[0], admission_itls=[0.15] * 100)]
