@@ -30,6 +30,8 @@ from tokenmill.kv_transfer.block_file import (
     write_block,
 )
 from tokenmill.kv_transfer.factory import create_connector
+from tokenmill.kv_transfer.p2p.connector import P2pConnector
+from tokenmill.kv_transfer.p2p.params import RemotePrefill
 from tokenmill.kv_transfer.storage import SharedStorageConnector, StorageConnectorMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.metrics.prometheus import EngineMetrics
@@ -469,3 +471,28 @@ def test_a_request_holding_loaded_kv_is_admitted_before_one_that_cannot_fit() ->
     assert not scheduler.has_unfinished_requests()
     assert scheduler.num_preemptions >= 1  # `x` did land ahead of `y` holding its blocks
     assert free_blocks(scheduler) == 8
+
+
+def test_a_refused_requests_params_release_the_producers_hold() -> None:
+    """A decode instance that refuses a request (bad input) before its scheduler saw it
+    releases the hold its params name: a pull of no blocks in the next step's metadata."""
+    remote = RemotePrefill("prefill-0", "127.0.0.1", 9000, "req-7", 40, "digest")
+    consumer = P2pConnector(
+        KVTransferConfig(kv_connector="P2pConnector", kv_role="kv_consumer"),
+        KVConnectorRole.SCHEDULER,
+        context(),
+    )
+    consumer.request_refused({"temperature": 0})  # no remote prefill: nothing to release
+    consumer.request_refused({"do_remote_prefill": True, "remote_port": "x"})  # malformed
+    assert not consumer.has_pending_transfers()
+    consumer.request_refused(remote.as_params())
+    assert consumer.has_pending_transfers()
+    (job,) = consumer.build_connector_meta(SchedulerOutput([], [], {}, 0), {}, lambda _: []).pulls
+    assert job.remote == remote and job.block_ids == [] and job.first_block == 0
+    producer = P2pConnector(
+        KVTransferConfig(kv_connector="P2pConnector", kv_role="kv_producer"),
+        KVConnectorRole.SCHEDULER,
+        context(),
+    )
+    producer.request_refused(remote.as_params())  # a producer pulls nothing
+    assert not producer.has_pending_transfers()

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.step_records import StepRecord
@@ -229,6 +230,12 @@ class AsyncEngine:
         ids = [r for r in request_ids if self._streams.pop(r, None) is not None]
         if ids:
             self._submit(lambda: self._abort(ids, "abort"))
+
+    def refuse_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        """A request carrying `params` was refused before it was queued (bad input): its KV
+        connector lets go of what they point at, on the engine thread."""
+        if self._dead is None and not self._stopping:
+            self._submit(lambda: self.engine.refuse_kv_transfer_params(params))
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, on the engine thread, between two steps."""

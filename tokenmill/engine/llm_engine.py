@@ -151,6 +151,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def refuse_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        """A request carrying `params` was refused before it was added: the KV connector
+        lets go of what they point at (`KVConnectorBase.request_refused`)."""
+        if self.kv_connectors is not None and isinstance(params, dict):
+            self.kv_connectors[0].request_refused(params)
+
     def has_pending_kv_transfers(self) -> bool:
         """The KV connector still moves KV (a load on its way, blocks held for a send):
         the engine must keep stepping even when it has no request to run."""

@@ -106,6 +106,11 @@ class KVConnectorBase(ABC):
         """Raise ValueError for a request's `kv_transfer_params` this connector cannot use
         (called when the request is added, so bad input fails there)."""
 
+    def request_refused(self, params: dict[str, Any]) -> None:  # noqa: B027
+        """A request carrying `kv_transfer_params` was refused before it reached the
+        scheduler (bad input): let go of what they point at, e.g. the producer's hold on its
+        prompt's KV, which would otherwise stay until its lease runs out."""
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

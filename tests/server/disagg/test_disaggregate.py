@@ -124,3 +124,30 @@ def test_the_dashboards_show_each_sides_transfers(server: Server, http: httpx.Cl
         transfers = [t for t in update["kv_transfers"] if t[2] == direction and t[5] is None]
         assert transfers and all(t[3] > 0 and t[4] > 0 for t in transfers)
         assert update["totals"][total] >= transfers[-1][3]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": 100_000},  # fits the prefill leg (one token), not the decode leg
+        {"max_tokens": -1},
+        {"logprobs": "yes"},  # a field only the decode leg gets: the body's validation
+        {"stream_options": {"include_usage": True}},  # without `stream`
+    ],
+    ids=["too-long", "negative-max-tokens", "invalid-field", "stream-options"],
+)
+def test_a_request_the_decode_instance_refuses_frees_the_prefills_kv(
+    server: Server, http: httpx.Client, bad: dict
+) -> None:
+    """Bad input only the decode instance sees (the prefill leg runs the prompt to one token,
+    without the sampling fields): a 400 for the client, and the prefill instance's hold on
+    the prompt's KV released at once, not kept for its lease (120 s)."""
+    prefill_url, _ = instance_urls(server)
+    prompt = f"{PROMPT} {next(iter(bad))}"
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, **bad}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    with client_for(prefill_url) as instance:
+        metrics = wait_for(instance, {"tokenmill:kv_cache_usage_perc": 0}, timeout=20)
+        assert metrics["tokenmill:kv_cache_usage_perc"] == 0

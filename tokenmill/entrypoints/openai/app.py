@@ -30,6 +30,7 @@ from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     error_response,
     install_error_handlers,
+    refused_body,
 )
 from tokenmill.entrypoints.openai.middleware import NoSniff, RefuseWhileStopping
 from tokenmill.entrypoints.openai.protocol import (
@@ -128,7 +129,7 @@ def build_app(
         redoc_url=None,
         swagger_ui_oauth2_redirect_url=None,
     )
-    install_error_handlers(app)
+    install_error_handlers(app, ctx.refused)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(RefuseWhileStopping, stopping=lambda: ctx.stopping)
     app.add_middleware(NoSniff)  # outermost: on every response, the refusals' too
@@ -161,7 +162,8 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
         responses={**_streamable(CompletionResponse), **BAD_REQUEST, **auth, **SERVER_ERRORS},
     )
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await create_completion(ctx, request, raw_request)
+        with refused_body(ctx.refused, request):
+            return await create_completion(ctx, request, raw_request)
 
     @router.post(
         "/chat/completions",
@@ -169,7 +171,8 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
         responses={**_streamable(ChatCompletionResponse), **BAD_REQUEST, **auth, **SERVER_ERRORS},
     )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await create_chat_completion(ctx, request, raw_request)
+        with refused_body(ctx.refused, request):
+            return await create_chat_completion(ctx, request, raw_request)
 
     add_responses_routes(router, ctx, {**BAD_REQUEST, **auth, **SERVER_ERRORS})
     return router

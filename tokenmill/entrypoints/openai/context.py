@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -88,6 +88,17 @@ class ServerContext:
     def sampling_defaults(self) -> dict[str, float]:
         """The model's generation_config.json sampling fields, for requests that omit them."""
         return self.engine.default_sampling
+
+    def refused(self, body: Any) -> None:
+        """A request refused before it was queued (bad input; `body` parsed or a request
+        model): the engine's KV connector lets go of the KV its `kv_transfer_params` point at
+        (on a decode instance: the prefill instance's hold, else kept until its lease ends)."""
+        if isinstance(body, dict):
+            params = body.get("kv_transfer_params")
+        else:
+            params = getattr(body, "kv_transfer_params", None)
+        if isinstance(params, dict):
+            self.engine.refuse_kv_transfer_params(params)
 
     def check_model(self, model: str | None) -> None:
         """Clients name the model in every request; a name we do not serve is their error."""

@@ -5,8 +5,10 @@ Bad input of any kind is a 400 naming the parameter; a 5xx means the server itse
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -109,8 +111,18 @@ def error_event(error: BaseException) -> str:
     return f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(RequestValidationError, _validation_error)
+# Told of each request body refused before it reached the engine (bad input): a decode
+# instance lets go of the prefill's KV its `kv_transfer_params` point at (`refused_body`).
+RefusedBody = Callable[[Any], None]
+
+
+def install_error_handlers(app: FastAPI, on_refused: RefusedBody | None = None) -> None:
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        if on_refused is not None:
+            on_refused(error.body)
+        return _validation_error(error)
+
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     for error_type in (OpenAIError, InvalidRequestError, EngineDeadError, EngineStepError):
         app.add_exception_handler(error_type, _known_error)
@@ -138,7 +150,20 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     return response
 
 
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+@contextlib.contextmanager
+def refused_body(on_refused: RefusedBody, body: Any) -> Iterator[None]:
+    """Tell `on_refused` of `body` if what runs inside raises a client error (4xx): bad input
+    found before the request was queued. (A server error may come after it was queued, when
+    the engine has dealt with it already.)"""
+    try:
+        yield
+    except Exception as e:
+        if error_info(e)[0] < 500:
+            on_refused(body)
+        raise
+
+
+def _validation_error(error: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 becomes OpenAI's 400, naming the offending field as `param`."""
     errors = error.errors()
     if any(e.get("type") == "json_invalid" for e in errors):

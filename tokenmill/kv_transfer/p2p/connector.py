@@ -153,6 +153,18 @@ class P2pConnector(KVConnectorBase):
         self._pending.pulls.append(PullJob(request.request_id, remote, first, block_ids[first:end]))
         self._loading[request.request_id] = (num_external_tokens, end - first)
 
+    def request_refused(self, params: dict[str, Any]) -> None:
+        """Release the producer's hold the params name (the digest is checked there)."""
+        if not self.config.is_kv_consumer:
+            return
+        try:
+            remote = RemotePrefill.parse(params)
+        except TransferParamsError:
+            return  # nothing usable: nothing to release
+        if remote is not None:
+            job_id = f"refused-{remote.request_id}"  # this engine never had an id for it
+            self._pending.pulls.append(PullJob(job_id, remote, 0, []))
+
     def build_connector_meta(
         self,
         scheduler_output: SchedulerOutput,
