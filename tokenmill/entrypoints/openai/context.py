@@ -90,9 +90,10 @@ class ServerContext:
         return self.engine.default_sampling
 
     def refused(self, body: Any) -> None:
-        """A request refused before it was queued (bad input; `body` parsed or a request
-        model): the engine's KV connector lets go of the KV its `kv_transfer_params` point at
-        (on a decode instance: the prefill instance's hold, else kept until its lease ends)."""
+        """A request refused before it was queued (bad input, or a client gone before it
+        was; `body` parsed or a request model): the engine's KV connector lets go of the KV
+        its `kv_transfer_params` point at (on a decode instance: the prefill instance's
+        hold, else kept until its lease ends)."""
         if isinstance(body, dict):
             params = body.get("kv_transfer_params")
         else:

@@ -168,6 +168,7 @@ class GenerationRun(ABC, Generic[RequestT]):
         if isinstance(constraint, StructuredOutputsParams):  # a 400 here if it can't be used
             prepared = self.ctx.prepare_structured_outputs(constraint)
             if await cancel_on_disconnect(raw_request, _done(prepared)) is None:
+                self.ctx.refused(self.request)  # never queued: let go of what it points at
                 return None  # gone while it compiled: its hold released
         return await self.ctx.engine.add_requests(engine_requests, arrival_time)
 
