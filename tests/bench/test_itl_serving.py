@@ -218,3 +218,24 @@ def test_the_disaggregation_goal_is_judged_against_the_control_at_the_same_token
     assert "TTFT 0.90x the chunked engine's (ok)" in text
     slow = [replace(pair[0], admission_itls=[0.15] * 100)]
     assert "1.25x (over 1.2x" in disaggregation_check("pair", chunked, slow)
+
+
+def test_targets_follow_the_calibration_run_with_the_lowest_steady_step() -> None:
+    from itl_under_prefill import measure
+
+    steadies = iter([0.088, 0.073, 0.075])  # the first calibration run was slowed by noise
+
+    def baseline() -> Run:
+        return Run(next(steadies), [0.1], ttft=1.0, throughput=1.0, steps_over_target=None,
+                   num_steps=1)  # fmt: skip
+
+    targets: list[float] = []
+
+    def rest(calibrated: Run):
+        targets.append(calibrated.steady)
+        return {"target": lambda: replace(calibrated, target=2 * calibrated.steady)}
+
+    runs = measure("baseline", baseline, rest, repeats=3, calibration_runs=2)
+    assert targets == [0.073]
+    assert [r.steady for r in runs["baseline"]] == [0.088, 0.073, 0.075]  # 2 + the third repeat
+    assert [r.target for r in runs["target"]] == [0.146] * 3
