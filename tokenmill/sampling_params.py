@@ -238,9 +238,9 @@ class StructuredOutputsParams:
         return self.kind, text, self.disable_any_whitespace
 
 
-def json_depth(value: Any) -> int:
+def json_depth(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
     """How deeply objects and arrays nest in `value` (0 for a scalar), without recursion;
-    past `MAX_SCHEMA_DEPTH` the walk stops (deep enough to refuse)."""
+    past `limit` the walk stops (deep enough to refuse)."""
     depth = 0
     stack = [(value, 1)]
     while stack:
@@ -248,7 +248,7 @@ def json_depth(value: Any) -> int:
         children = item.values() if isinstance(item, dict) else item
         if isinstance(item, dict | list):
             depth = max(depth, level)
-            if depth > MAX_SCHEMA_DEPTH:
+            if depth > limit:
                 return depth
             stack.extend((child, level + 1) for child in children)
     return depth

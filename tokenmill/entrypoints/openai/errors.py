@@ -130,12 +130,20 @@ def install_error_handlers(app: FastAPI, on_refused: RefusedBody | None = None) 
 
 
 async def _known_error(request: Request, error: Exception) -> JSONResponse:
+    log_server_error(error, f"{request.method} {request.url.path}")
     return error_response(error)
 
 
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
-    logger.exception("unexpected error in %s %s", request.method, request.url.path)
+    log_server_error(error, f"{request.method} {request.url.path}")
     return error_response(error)
+
+
+def log_server_error(error: BaseException, where: str) -> None:
+    """Every 500 is logged with its traceback (a client sees only "internal server error"); a
+    client's mistake (4xx) or a stopped engine (503) is not the server failing."""
+    if error_info(error)[0] == 500:
+        logger.error("server error in %s", where, exc_info=error)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -13,6 +13,11 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatMessage, ToolCall
+from tokenmill.entrypoints.openai.validation import (
+    MAX_JSON_DEPTH,
+    InvalidBodyError,
+    check_json_depth,
+)
 
 
 @dataclass
@@ -120,17 +125,25 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         rendered["name"] = message.name
     if message.tool_calls:
-        rendered["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        rendered["tool_calls"] = [
+            _template_tool_call(call, f"messages.{index}.tool_calls.{number}.function.arguments")
+            for number, call in enumerate(message.tool_calls)
+        ]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
 
 
-def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+def _template_tool_call(call: ToolCall, param: str) -> dict[str, Any]:
     """Arguments as a mapping (templates write them with `tojson`), as vLLM passes them; text
-    that is not a JSON object stays text."""
+    that is not a JSON object stays text. Nested deeper than `MAX_JSON_DEPTH`: a 400 (Python's
+    json and the template's `tojson` recurse; 5,000 levels was a RecursionError)."""
     try:
         arguments: Any = json.loads(call.function.arguments)
+        check_json_depth(arguments, param)
+    except (RecursionError, InvalidBodyError):
+        message = f"nests objects and arrays more than {MAX_JSON_DEPTH} levels deep"
+        raise bad_request(message, param) from None
     except ValueError:
         arguments = call.function.arguments
     if not isinstance(arguments, dict):

@@ -50,16 +50,20 @@ async def create_chat_completion(
 
 
 async def start_chat_run(ctx: ServerContext, request: ChatCompletionRequest) -> ChatRun:
-    """The request's tool plan and prompt, checked; nothing is queued yet."""
+    """The request's tool plan and prompt, checked on the tokenizer thread (a thousand tools
+    take milliseconds to plan and render, which the event loop owes other clients); nothing
+    is queued yet."""
+    plan, prompt = await ctx.off_loop(_plan_and_prompt, ctx, request)
+    return ChatRun(ctx, request, f"chatcmpl-{uuid.uuid4().hex}", [prompt], plan)
+
+
+def _plan_and_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> tuple[ToolPlan, Prompt]:
     options = ctx.reply_parsing
     plan = plan_tools(request, options.enable_auto_tool_choice, options.tool_parser())
-    prompt = await ctx.off_loop(
-        ctx.prompts.chat_prompt,
-        request.messages,
-        request.add_generation_prompt,
-        tools=template_tools(request),
+    prompt = ctx.prompts.chat_prompt(
+        request.messages, request.add_generation_prompt, tools=template_tools(request)
     )
-    return ChatRun(ctx, request, f"chatcmpl-{uuid.uuid4().hex}", [prompt], plan)
+    return plan, prompt
 
 
 def chat_finish_reason(reason: FinishReason | None, tools_called: bool) -> ChatFinishReason | None:

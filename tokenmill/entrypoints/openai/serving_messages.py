@@ -9,7 +9,7 @@ shape too (the app's handlers answer OpenAI's).
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import secrets
 import time
 import uuid
@@ -31,13 +31,11 @@ from tokenmill.entrypoints.openai.anthropic.protocol import (
 )
 from tokenmill.entrypoints.openai.anthropic.stream import MessageEvents, message_events, sse
 from tokenmill.entrypoints.openai.context import ServerContext, log_ignored_fields
-from tokenmill.entrypoints.openai.errors import OpenAIError, error_info
+from tokenmill.entrypoints.openai.errors import OpenAIError, error_info, log_server_error
 from tokenmill.entrypoints.openai.protocol import ChatCompletionChunk, ChatCompletionResponse
 from tokenmill.entrypoints.openai.serving_chat import start_chat_run
 from tokenmill.entrypoints.openai.streaming import EventStreamResponse, cancel_on_disconnect
 from tokenmill.entrypoints.openai.tool_calling import template_tools
-
-logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 # Anthropic's error types by status.
@@ -77,8 +75,7 @@ async def answer_anthropic(
     except ValidationError as e:  # a body valid here but not for the chat path
         return _error_response(OpenAIError(400, _validation_message(e)))
     except Exception as e:
-        if not isinstance(e, OpenAIError | ValueError):
-            logger.exception("unexpected error in an Anthropic route")
+        log_server_error(e, "an Anthropic route")
         return _error_response(e)
 
 
@@ -89,9 +86,16 @@ def _error_response(error: BaseException) -> JSONResponse:
 
 
 def _validation_message(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-    return f"{where}: {first.get('msg', 'invalid')}"
+    """The deepest failure, named by its field path: a union's members (`str`, `list[...]`,
+    block tags like `<text>`) are left out of the path, so `messages.0.content.0.text`."""
+    deepest = max(error.errors(), key=lambda e: len(e.get("loc", ())))
+    parts = [str(part) for part in deepest.get("loc", ())]
+    where = ".".join(p for p in parts if not _union_member(p)) or "body"
+    return f"{where}: {deepest.get('msg', 'invalid')}"
+
+
+def _union_member(part: str) -> bool:
+    return "[" in part or part.startswith("<") or part in ("str", "int", "float", "bool")
 
 
 def check_key(given: str, api_key: str | None) -> None:
@@ -103,9 +107,11 @@ def check_key(given: str, api_key: str | None) -> None:
 
 
 async def parse_body(raw_request: Request, model: type[ModelT]) -> ModelT:
+    """Parsed and validated on a worker thread: a 2 MiB body takes a good part of a second,
+    which would stall every other client on the event loop."""
     body = await raw_request.body()
     try:
-        return model.model_validate_json(body)
+        return await asyncio.to_thread(model.model_validate_json, body)
     except ValidationError as e:
         raise OpenAIError(400, _validation_message(e)) from None
 

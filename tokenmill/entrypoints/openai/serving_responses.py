@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.context import ServerContext, log_ignored_fields
-from tokenmill.entrypoints.openai.errors import OpenAIError, error_info
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, error_info
 from tokenmill.entrypoints.openai.protocol import ChatCompletionResponse
 from tokenmill.entrypoints.openai.responses.convert import (
     chat_request,
@@ -42,6 +42,10 @@ async def create_response(
     log_ignored_fields(request, "/v1/responses")
     history = _history(store, request.previous_response_id)
     turns = history + input_messages(request)
+    if not turns:  # nothing to answer (instructions alone are no turn); as OpenAI: a 400
+        raise bad_request(
+            "Invalid 'input': empty array. Expected at least one input item.", param="input"
+        )
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     run = await start_chat_run(ctx, chat_request(request, system + turns))
     stream = await run.start(raw_request, arrival_time)

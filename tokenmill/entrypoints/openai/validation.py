@@ -1,13 +1,24 @@
 """Checks on a request body as a whole, before any field reaches the engine: text must be
-valid Unicode, and one request may not ask for more sequences than `MAX_SEQUENCES`."""
+valid Unicode, objects and arrays nest at most `MAX_JSON_DEPTH` deep, one request may not ask
+for more sequences than `MAX_SEQUENCES` nor carry more tools than `MAX_TOOLS`. Each check is
+one linear pass without recursion: a body is up to 2 MiB of anything a client chose."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.sampling_params import json_depth
+
 # Prompts x n one request may ask for: a client that leaves takes them all with it, and a
 # queue of a million requests from one body starves everyone else.
 MAX_SEQUENCES = 1024
+# Tools in one request: OpenAI allows 128; this is generous, yet keeps the tools' checks, the
+# chat template and a `required` constraint over them cheap (40,000 froze the server).
+MAX_TOOLS = 1024
+# Objects and arrays inside one another anywhere in a body, or in a tool call's `arguments`
+# text: deeper ones are refused before anything recursive (the chat template's `tojson`,
+# Python's json) sees them.
+MAX_JSON_DEPTH = 128
 
 
 class InvalidBodyError(ValueError):
@@ -21,11 +32,27 @@ class InvalidBodyError(ValueError):
 def check_unicode(data: Any) -> None:
     """Reject lone surrogates ("\\ud800", which JSON can spell) anywhere in the body: they are
     not Unicode text, cannot be encoded to UTF-8, and would fail the tokenizer, the prefix
-    cache's hash or the log line far from here."""
-    path = _first_unencodable(data, ())
-    if path is not None:
+    cache's hash or the log line far from here. Nesting deeper than `MAX_JSON_DEPTH` is
+    refused in the same pass."""
+    if not isinstance(data, dict | list | str):
+        return
+    problem = _first_problem(data)
+    if problem is not None:
+        path, message = problem
+        raise InvalidBodyError(".".join(path), message)
+
+
+def check_json_depth(value: Any, param: str) -> None:
+    """`value` (parsed JSON) nests objects and arrays at most `MAX_JSON_DEPTH` deep."""
+    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidBodyError(param, _too_deep())
+
+
+def check_num_tools(tools: Any, param: str = "tools") -> None:
+    """At most `MAX_TOOLS` tools, counted before any of them is validated."""
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise InvalidBodyError(
-            ".".join(path), "contains a lone UTF-16 surrogate, which is not valid Unicode text"
+            param, f"{len(tools)} tools given; at most {MAX_TOOLS} are allowed per request"
         )
 
 
@@ -44,23 +71,45 @@ def check_num_sequences(prompt: Any, n: Any) -> None:
         )
 
 
-def _first_unencodable(value: Any, path: tuple[str, ...]) -> tuple[str, ...] | None:
-    if isinstance(value, str):
-        return None if value.isascii() or _encodable(value) else path
-    if isinstance(value, dict):
-        for key, item in value.items():
+def _first_problem(data: Any) -> tuple[tuple[str, ...], str] | None:
+    """The path to the first lone surrogate or too-deep nesting, and what is wrong there.
+    Iterative: each stack entry is (container, its depth, its parent entry, its key), so a
+    path is built only for the one problem found; strings are checked in place."""
+    if isinstance(data, str):
+        return None if data.isascii() or _encodable(data) else ((), _SURROGATE)
+    stack: list[tuple[Any, int, Any, str | None]] = [(data, 0, None, None)]
+    while stack:
+        entry = stack.pop()
+        value, depth = entry[0], entry[1]
+        if depth >= MAX_JSON_DEPTH:
+            return _path(entry)[:4], _too_deep()  # the field; not 128 indices
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        children = []
+        for key, item in pairs:
             if isinstance(key, str) and not _encodable(key):
-                return path
-            found = _first_unencodable(item, (*path, str(key)))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            if isinstance(item, str | dict | list):
-                found = _first_unencodable(item, (*path, str(index)))
-                if found is not None:
-                    return found
+                return _path(entry), _SURROGATE
+            if isinstance(item, str):
+                if not (item.isascii() or _encodable(item)):
+                    return (*_path(entry), str(key)), _SURROGATE
+            elif isinstance(item, dict | list):
+                children.append((item, depth + 1, entry, str(key)))
+        stack.extend(reversed(children))  # depth first, in order
     return None
+
+
+_SURROGATE = "contains a lone UTF-16 surrogate, which is not valid Unicode text"
+
+
+def _too_deep() -> str:
+    return f"nests objects and arrays more than {MAX_JSON_DEPTH} levels deep"
+
+
+def _path(entry: tuple[Any, int, Any, str | None]) -> tuple[str, ...]:
+    keys: list[str] = []
+    while entry is not None and entry[3] is not None:
+        keys.append(entry[3])
+        entry = entry[2]
+    return tuple(reversed(keys))
 
 
 def _encodable(text: str) -> bool:

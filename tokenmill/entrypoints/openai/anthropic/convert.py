@@ -34,7 +34,10 @@ def chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that generates (or, for count_tokens, renders) this message."""
     body: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request)}
     if request.tools:
-        body["tools"] = [_chat_tool(tool.name, tool.description, tool) for tool in request.tools]
+        body["tools"] = [
+            _chat_tool(tool.name, tool.description, tool, index)
+            for index, tool in enumerate(request.tools)
+        ]
     body.update(_tool_choice(request))
     if isinstance(request, MessagesRequest):
         body.update(
@@ -63,7 +66,7 @@ def message_response(reply: ChatCompletionResponse, message_id: str) -> MessageR
             ToolUseContent(
                 id=tool_use_id(call.id),
                 name=call.function.name,
-                input=json.loads(call.function.arguments),
+                input=_call_input(call.function.arguments),
             )
         )
     reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
@@ -77,6 +80,17 @@ def message_response(reply: ChatCompletionResponse, message_id: str) -> MessageR
             input_tokens=reply.usage.prompt_tokens, output_tokens=reply.usage.completion_tokens
         ),
     )
+
+
+def _call_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as `input`; a call cut short by max_tokens has arguments that do not
+    parse yet: its block is left with an empty input, the reply with stop_reason max_tokens
+    (as Anthropic answers a tool_use cut short), not a 500."""
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def stop_reason(finish: str | None, matched: int | str | None) -> tuple[StopReason, str | None]:
@@ -93,9 +107,14 @@ def tool_use_id(chat_id: str) -> str:
     return TOOL_USE_ID_PREFIX + chat_id.removeprefix(CHAT_TOOL_ID_PREFIX)
 
 
-def _chat_tool(name: str, description: str | None, tool: Any) -> dict[str, Any]:
+def _chat_tool(name: str, description: str | None, tool: Any, index: int) -> dict[str, Any]:
     if tool.type not in (None, "custom"):
         raise bad_request(f"tool type {tool.type!r} is not supported (custom tools only)", "tools")
+    if tool.input_schema.get("type") != "object":  # as Anthropic: checked before any work
+        raise bad_request(
+            "input_schema must be a JSON schema of type 'object'",
+            param=f"tools.{index}.input_schema.type",
+        )
     function = {"name": name, "parameters": tool.input_schema}
     if description is not None:
         function["description"] = description

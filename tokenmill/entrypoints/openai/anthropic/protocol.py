@@ -4,11 +4,11 @@ as Anthropic's API reference describes them)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, FiniteFloat, Tag, model_validator
 
-from tokenmill.entrypoints.openai.protocol import RequestModel
+from tokenmill.entrypoints.openai.protocol import RequestBody, RequestModel, bounded_tools
 
 
 class AnthropicResponseModel(BaseModel):
@@ -46,7 +46,21 @@ class OtherBlock(RequestModel):
     type: str
 
 
-InputBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | OtherBlock
+def _block_kind(block: Any) -> str:
+    """Blocks are told apart by `type` (so an integer `text` is a 400 naming `text`, not an
+    unsupported block); tags are in angle brackets, left out of the error's field path."""
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return f"<{kind}>" if kind in ("text", "tool_use", "tool_result", "thinking") else "<other>"
+
+
+InputBlock = Annotated[
+    Annotated[TextBlock, Tag("<text>")]
+    | Annotated[ToolUseBlock, Tag("<tool_use>")]
+    | Annotated[ToolResultBlock, Tag("<tool_result>")]
+    | Annotated[ThinkingBlock, Tag("<thinking>")]
+    | Annotated[OtherBlock, Tag("<other>")],
+    Discriminator(_block_kind),
+]
 
 
 class InputMessage(RequestModel):
@@ -72,13 +86,15 @@ class ThinkingConfig(RequestModel):
     budget_tokens: int | None = None
 
 
-class CountTokensRequest(RequestModel):
+class CountTokensRequest(RequestBody):
     model: str
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
+
+    _bounded_tools = model_validator(mode="before")(bounded_tools)
 
 
 class MessagesRequest(CountTokensRequest):

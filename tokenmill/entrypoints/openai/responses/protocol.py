@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, FiniteFloat
+from pydantic import Field, FiniteFloat, model_validator
 
-from tokenmill.entrypoints.openai.protocol import RequestModel
+from tokenmill.entrypoints.openai.protocol import RequestBody, RequestModel, bounded_tools
 
 
 class InputText(RequestModel):
@@ -66,7 +66,7 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -82,3 +82,5 @@ class ResponsesRequest(RequestModel):
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
     user: str | None = None
+
+    _bounded_tools = model_validator(mode="before")(bounded_tools)
