@@ -9,6 +9,10 @@ from enum import Enum
 from typing import Any
 
 _MAX_SEED = 2**63 - 1
+# Stop strings and stop token ids per request: every generated token is checked against each
+# (the stop strings on the engine thread), so a body of 100,000 would slow every other
+# request's steps. OpenAI allows 4 stop strings; this is generous.
+MAX_STOPS = 256
 
 
 class RequestOutputKind(Enum):
@@ -102,6 +106,9 @@ class SamplingParams:
             if value is not None:
                 _check(value >= 0, name, f"must be >= 0, got {value}")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        for name in ("stop", "stop_token_ids"):
+            count = len(getattr(self, name))
+            _check(count <= MAX_STOPS, name, f"has {count} entries; at most {MAX_STOPS} allowed")
         _check(
             self.extra_args is None or isinstance(self.extra_args, dict),
             "extra_args",
