@@ -82,7 +82,7 @@ def _first_problem(data: Any) -> tuple[tuple[str, ...], str] | None:
         entry = stack.pop()
         value, depth = entry[0], entry[1]
         if depth >= MAX_JSON_DEPTH:
-            return _path(entry)[:4], _too_deep()  # the field; not 128 indices
+            return _path(entry)[:1], _too_deep()  # the top-level field; not 128 keys
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
         children = []
         for key, item in pairs:

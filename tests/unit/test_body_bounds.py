@@ -43,7 +43,7 @@ def test_a_body_walk_survives_any_depth_and_names_the_field() -> None:
         deep = {"a": deep}
     with pytest.raises(InvalidBodyError) as error:
         check_unicode({"messages": USER, "kv_transfer_params": deep})
-    assert error.value.param == "kv_transfer_params.a.a.a"
+    assert error.value.param == "kv_transfer_params"
     assert str(MAX_JSON_DEPTH) in str(error.value)
     shallow: Any = "x"
     for _ in range(MAX_JSON_DEPTH - 1):
