@@ -93,3 +93,37 @@ def test_every_500_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture
         caplog.records[1].exc_info[1],
     ]
     assert len(logged) == 2
+
+
+def test_route_bodies_are_validated_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A valid body becomes its model on a worker thread; an invalid one gets FastAPI's own
+    answer (here its 422; the server's handlers make it a 400 naming the field)."""
+    import threading
+
+    from fastapi import APIRouter, FastAPI
+    from fastapi.testclient import TestClient
+
+    from tokenmill.entrypoints.openai import offloop_body
+
+    threads: list[str] = []
+    parse = offloop_body._parse
+
+    def spy(body: bytes, model: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return parse(body, model)
+
+    monkeypatch.setattr(offloop_body, "_parse", spy)
+    router = APIRouter(route_class=offloop_body.OffLoopBodyRoute)
+
+    @router.post("/chat")
+    async def chat(request: ChatCompletionRequest) -> dict[str, int]:
+        return {"messages": len(request.messages)}
+
+    app = FastAPI()
+    app.include_router(router)
+    with TestClient(app) as client:
+        answer = client.post("/chat", json={"messages": USER * 3})
+        assert answer.json()["messages"] == 3
+        assert client.post("/chat", json={"messages": []}).status_code == 422
+        assert client.post("/chat", content=b"{", headers={"content-type": "application/json"})
+    assert len(threads) == 3 and threading.current_thread().name not in threads

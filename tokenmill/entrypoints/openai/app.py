@@ -33,6 +33,7 @@ from tokenmill.entrypoints.openai.errors import (
     refused_body,
 )
 from tokenmill.entrypoints.openai.middleware import NoSniff, RefuseWhileStopping
+from tokenmill.entrypoints.openai.offloop_body import OffLoopBodyRoute
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -145,7 +146,11 @@ def build_app(
 
 def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     auth: Responses = UNAUTHORIZED if api_key else {}
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    router = APIRouter(
+        prefix="/v1",
+        dependencies=[Depends(_api_key_check(api_key))],
+        route_class=OffLoopBodyRoute,
+    )
 
     @_get_and_head(router, "/models", responses=auth)
     async def list_models() -> ModelList:
@@ -219,7 +224,9 @@ def _metrics_router(registry: CollectorRegistry, api_key: str | None) -> APIRout
 def _keyed_operations_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     """vLLM's operational routes that mutate state or cost work: behind the key, if any."""
     auth: Responses = UNAUTHORIZED if api_key else {}
-    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+    router = APIRouter(
+        dependencies=[Depends(_api_key_check(api_key))], route_class=OffLoopBodyRoute
+    )
 
     @router.post(
         "/reset_prefix_cache",
