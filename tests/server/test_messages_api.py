@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -134,6 +135,21 @@ def test_forced_tool_use_validates_every_time_at_temperature_1(claude, tool_choi
         [block] = _create(claude, max_tokens=200, temperature=1, **fields).content
         assert block.type == "tool_use" and block.name == "get_weather"
         jsonschema.validate(block.input, WEATHER_SCHEMA)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use_cut_by_max_tokens_keeps_its_whole_calls(claude, tool_choice) -> None:
+    """Issue 40: parallel tool use allowed (the default), this model seldom ends its calls, so
+    64 tokens cut it inside a second one; the reply was that JSON as text, 1 time in 20."""
+    fields = {"tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 64, "temperature": 1}
+    with ThreadPoolExecutor(20) as pool:  # the Messages API has no `n`
+        messages = list(pool.map(lambda _: _create(claude, **fields), range(20)))
+    for message in messages:
+        assert message.stop_reason in ("tool_use", "max_tokens")
+        assert message.content and {block.type for block in message.content} == {"tool_use"}
+        for block in message.content:
+            assert block.name == "get_weather"
+            jsonschema.validate(block.input, WEATHER_SCHEMA)
 
 
 def test_tool_results_continue_the_conversation(claude) -> None:

@@ -30,6 +30,10 @@ COLOR = {"enum": ["red", "blue"]}
 MESSAGES = [{"role": "user", "content": "Where is the meeting?"}]
 
 
+def _json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+
+
 def nested_schema(depth: int) -> str:
     """An object schema `depth` objects deep, as JSON text (too deep for `json.dumps`)."""
     return '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + "}}" * depth
@@ -142,6 +146,28 @@ def test_invalid_constraints_are_400_naming_the_field(
     response = http.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (  # refused by the JSON Schema meta-schema (jsonschema's words after the prefix)
+            {"response_format": _json_schema_format({"properties": {"a": {"minimum": "x"}}})},
+            "response_format is not a valid JSON schema: 'x' is not of type 'number'",
+        ),
+        (  # refused by xgrammar
+            {"guided_json": {"$ref": "#/nowhere"}},
+            "guided_json is not a valid JSON schema: Cannot find field 'nowhere' in #/nowhere",
+        ),
+    ],
+    ids=["meta-schema", "xgrammar"],
+)
+def test_an_invalid_schema_is_named_once_in_the_message(
+    http: httpx.Client, body: dict[str, Any], message: str
+) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == message
 
 
 @pytest.mark.parametrize("depth", [40, 160, 300, 400, 499])

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from tokenmill.entrypoints.openai.tool_calling import ToolPlan
 from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser, tool_parser_names
 from tokenmill.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
 
@@ -168,3 +169,27 @@ def test_auto_tool_choice_without_a_parser_is_refused_at_start_up() -> None:
         reply_parsing_from_args(args)
     args = argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser="hermes")
     assert reply_parsing_from_args(args).tool_parser() is not None
+
+
+_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+
+
+@pytest.mark.parametrize(
+    "text, num_calls",
+    [
+        (f"[{_CALL}]", 1),
+        (f" [ {_CALL} , {_CALL} ] ", 2),
+        (f'[{_CALL}, {{"na', 1),  # cut by max_tokens inside the second call
+        (f"[{_CALL}", 1),  # cut before its `]`
+        (f"[{_CALL}, ", 1),
+        ('[{"name": "get_weather", "param', 0),  # nothing whole: text
+        (f"[{_CALL}] and more", 0),  # not the constrained array: text
+        ("[", 0),
+    ],
+)
+def test_required_array_keeps_the_calls_written_whole(text: str, num_calls: int) -> None:
+    extracted = ToolPlan("required").parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in extracted.calls] == [
+        ("get_weather", WEATHER)
+    ] * num_calls
+    assert extracted.content == (None if num_calls else text)

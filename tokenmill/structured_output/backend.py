@@ -66,6 +66,8 @@ def _check(params: StructuredOutputsParams) -> None:
             _json_schema_grammar(params, xgr, None)  # what can fail; not re-parsed as `_grammar`
         else:
             _grammar(params, xgr, None)
+    except InvalidRequestError:  # already says what is wrong, prefixed with the field
+        raise
     except RecursionError:  # a backstop: `StructuredOutputsParams` bounds the nesting
         raise InvalidRequestError(
             params.param, f"is not a valid {_WHAT[params.kind]}: it is nested too deeply"

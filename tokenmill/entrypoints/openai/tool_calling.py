@@ -5,7 +5,8 @@
   (refused without `--enable-auto-tool-choice` and a parser, as vLLM refuses it).
 - `required`: the reply is constrained (structured outputs) to a JSON array of
   `{"name", "parameters"}` whose items match one tool each (one item without
-  `parallel_tool_calls`).
+  `parallel_tool_calls`). The array ends when the model closes it (vLLM's schema): one cut
+  short keeps its whole calls.
 - a named function: the reply is constrained to that function's arguments.
 
 The engine never hears of tools: it sees a prompt and, for the last two, a JSON schema.
@@ -131,13 +132,50 @@ def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
 
 
 def _required_calls(text: str) -> ExtractedToolCalls:
-    """The constrained array; a reply cut short (max_tokens) does not parse and stays text."""
+    """The constrained array's calls. A reply cut short (max_tokens, a stop string) keeps the
+    calls it wrote whole, as a stream would have sent them; with none whole it stays text."""
     try:
-        items = json.loads(text)
+        items = _whole_items(text)
         calls = [
             ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
             for item in items
         ]
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return ExtractedToolCalls(content=text)
+    if not calls:
         return ExtractedToolCalls(content=text)
     return ExtractedToolCalls(calls)
+
+
+_JSON = json.JSONDecoder()
+_WHITESPACE = " \t\n\r"
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The items of the JSON array `text` starts, up to the first one cut short; ValueError
+    if it is not an array, or if anything follows its `]`."""
+    index = _skip_whitespace(text, 0)
+    if not text.startswith("[", index):
+        raise ValueError("not a JSON array")
+    items: list[Any] = []
+    index = _skip_whitespace(text, index + 1)
+    while index < len(text) and text[index] != "]":
+        try:
+            item, index = _JSON.raw_decode(text, index)
+        except ValueError:
+            return items  # cut inside this item
+        items.append(item)
+        index = _skip_whitespace(text, index)
+        if text.startswith(",", index):
+            index = _skip_whitespace(text, index + 1)
+        elif not text.startswith("]", index) and index < len(text):
+            raise ValueError("not a JSON array")
+    if index < len(text) and text[index + 1 :].strip(_WHITESPACE):
+        raise ValueError("text after the array")
+    return items
+
+
+def _skip_whitespace(text: str, index: int) -> int:
+    while index < len(text) and text[index] in _WHITESPACE:
+        index += 1
+    return index
