@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, FiniteFloat
 
 from tokenmill.entrypoints.openai.protocol import RequestModel
+from tokenmill.entrypoints.openai.responses.metadata import Metadata
 
 
 class InputText(RequestModel):
@@ -79,6 +80,6 @@ class ResponsesRequest(RequestModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     text: TextConfig | None = None
     user: str | None = None
