@@ -19,6 +19,7 @@ from server_utils import API_KEY
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.api_keys import ApiKeys
 from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.context import ServerContext
 
@@ -142,3 +143,52 @@ def test_head_on_the_dashboard_answers_like_get(context: ServerContext, path: st
     assert head.status_code == get.status_code == 200
     assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
     assert ask(app, "HEAD", path).status_code == 401
+
+
+def test_stored_responses_belong_to_the_key_that_stored_them(context: ServerContext) -> None:
+    """Several keys, each a client of its own: another key's response is a 404, as OpenAI's."""
+    other = "sk-another-client"
+    app = build_app(context, CollectorRegistry(), ApiKeys((API_KEY, other)))
+    app.state.response_store.put({"id": "resp_1", "object": "response"}, [], owner=API_KEY)
+    theirs = {"Authorization": f"Bearer {other}"}
+    assert ask(app, "GET", "/v1/responses/resp_1", headers=theirs).status_code == 404
+    assert ask(app, "DELETE", "/v1/responses/resp_1", headers=theirs).status_code == 404
+    body = {"model": "m", "input": "hi", "previous_response_id": "resp_1"}
+    chained = ask(app, "POST", "/v1/responses", json=body, headers=theirs)
+    assert chained.status_code == 404
+    assert chained.json()["error"]["param"] == "previous_response_id"
+    assert ask(app, "GET", "/v1/responses/resp_1", headers=KEYED).json()["id"] == "resp_1"
+    assert ask(app, "DELETE", "/v1/responses/resp_1", headers=KEYED).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("metadata", "limit"),
+    [
+        ({f"k{i}": "v" for i in range(17)}, "at most 16"),
+        ({"k" * 65: "v"}, "at most 64"),
+        ({"k": "v" * 513}, "at most 512"),
+    ],
+)
+def test_metadata_past_openais_limits_is_a_400(
+    context: ServerContext, metadata: dict[str, str], limit: str
+) -> None:
+    app = build_app(context, CollectorRegistry(), API_KEY)
+    body = {"model": "m", "input": "hi", "metadata": metadata}
+    refused = ask(app, "POST", "/v1/responses", json=body, headers=KEYED)
+    assert refused.status_code == 400, refused.text
+    assert limit in refused.json()["error"]["message"]
+
+
+def test_the_response_store_is_capped_in_bytes_and_counts_evictions(
+    context: ServerContext,
+) -> None:
+    registry = CollectorRegistry()
+    app = build_app(context, registry, API_KEY, responses_store_max_bytes=20_000)
+    store = app.state.response_store
+    for i in range(10):
+        store.put({"id": f"resp_{i}", "text": "x" * 5_000}, [], owner=API_KEY)
+    assert store.num_bytes <= 20_000 and store.get("resp_9", API_KEY) is not None
+    text = ask(app, "GET", "/metrics", headers=KEYED).text
+    evicted = 'tokenmill:responses_store_evictions_total{model_name="m",reason="bytes"}'
+    assert f"{evicted} {10 - len(store)}.0" in text
+    assert "tokenmill:responses_store_bytes" in text

@@ -16,7 +16,7 @@ from server_utils import API_KEY, Server, start_server, stop_server
 from test_openapi import openai_schema, validate  # noqa: F401 (fixtures)
 
 from tokenmill.demo import DEMO_TARGET_NAME
-from tokenmill.entrypoints.openai.responses.store import ResponseStore
+from tokenmill.entrypoints.openai.responses.store import ResponseStore, stored_size
 
 PROMPT = "Say these words backwards: cake egg peach shell honey"
 WEATHER_SCHEMA = {
@@ -171,3 +171,25 @@ def test_payloads_match_openais_schema(
                 lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
             for line in lines:
                 validate("ResponseStreamEvent", json.loads(line.removeprefix("data: ")))
+
+
+def test_the_store_is_bounded_by_bytes_oldest_first() -> None:
+    evicted: list[str] = []
+    big = {"metadata": {f"k{i}": "v" * 512 for i in range(16)}}
+    one = stored_size({"id": "r0", **big}, [])
+    store = ResponseStore(max_bytes=3 * one + one // 2, on_evict=evicted.append)
+    for i in range(5):
+        store.put({"id": f"r{i}", **big}, [])
+        assert store.num_bytes <= store.max_bytes
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert evicted == ["bytes", "bytes"]
+    store.delete("r4")
+    assert store.num_bytes == 2 * one
+
+
+def test_a_stored_response_is_only_its_keys() -> None:
+    store = ResponseStore()
+    store.put({"id": "r"}, [], owner="key-a")
+    assert store.get("r", "key-b") is None and not store.delete("r", "key-b")
+    assert store.get("r") is None  # no key is not key-a either
+    assert store.get("r", "key-a") is not None and store.delete("r", "key-a")

@@ -6,6 +6,7 @@ swapped. Every metric carries a `model_name` label, as vLLM's do. See docs/metri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -303,6 +304,34 @@ class _SpecDecodeMetrics:
             old = previous[position] if position < len(previous) else 0
             counter = self._per_position.labels(model_name=self._model_name, position=str(position))
             _advance(counter, count - old)
+
+
+class ResponseStoreMetrics:
+    """The Responses API store's size and evictions (entrypoints/openai/responses/store.py)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        num_bytes: Callable[[], float],
+        reasons: tuple[str, ...],
+    ) -> None:
+        """`num_bytes` is read at each scrape; `reasons` label the evictions."""
+        families = _Families(registry, model_name)
+        self.evictions = families.counters_by(
+            "responses_store_evictions",
+            "Stored responses evicted before their client deleted them, by reason (bytes: "
+            "over --responses-store-max-bytes; count: over 1,000; age: over an hour).",
+            "reason",
+            reasons,
+        )
+        self.stored_bytes = families.gauge(
+            "responses_store_bytes", "Memory the stored responses take, in bytes."
+        )
+        self.stored_bytes.set_function(num_bytes)
+
+    def evicted(self, reason: str) -> None:
+        self.evictions[reason].inc()
 
 
 def _advance(counter: Counter, amount: int) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import base64
 import binascii
 import json
-import secrets
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
@@ -20,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from tokenmill.entrypoints.api_keys import ApiKeys
 from tokenmill.entrypoints.dashboard.feed import UPDATES_PER_SECOND, DashboardFeed
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.streaming import EventStreamResponse
@@ -32,8 +32,8 @@ ASSETS = {
 _UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Basic realm="tokenmill dashboard"'}
 
 
-def dashboard_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(_key_check(api_key))], include_in_schema=False)
+def dashboard_router(ctx: ServerContext, keys: ApiKeys) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(_key_check(keys))], include_in_schema=False)
 
     # GET and HEAD (a HEAD is the GET without its body: uvicorn drops it).
     @router.api_route("/dashboard", methods=["GET", "HEAD"])
@@ -74,12 +74,12 @@ def _asset(name: str) -> Response:
     )
 
 
-def _key_check(api_key: str | None) -> Callable[[Request], None]:
+def _key_check(keys: ApiKeys) -> Callable[[Request], None]:
     def check(request: Request) -> None:
-        if api_key is None:
+        if not keys:
             return
         given = _given_key(request.headers.get("authorization", ""))
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
+        if keys.match(given) is None:
             raise HTTPException(
                 401,
                 "The dashboard needs the server's --api-key: as a bearer token, or as the "

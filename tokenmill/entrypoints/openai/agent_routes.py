@@ -9,7 +9,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
 
+from tokenmill.entrypoints.api_keys import ApiKeys, request_key
 from tokenmill.entrypoints.openai.anthropic.protocol import (
     AnthropicErrorResponse,
     CountTokensRequest,
@@ -20,7 +22,7 @@ from tokenmill.entrypoints.openai.anthropic.protocol import (
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.protocol import ErrorResponse
 from tokenmill.entrypoints.openai.responses.protocol import ResponsesRequest
-from tokenmill.entrypoints.openai.responses.store import ResponseStore
+from tokenmill.entrypoints.openai.responses.store import EVICTION_REASONS, ResponseStore
 from tokenmill.entrypoints.openai.serving_messages import (
     answer_anthropic,
     count_tokens,
@@ -31,6 +33,7 @@ from tokenmill.entrypoints.openai.serving_responses import (
     delete_response,
     retrieve_response,
 )
+from tokenmill.metrics.prometheus import ResponseStoreMetrics
 
 # Either header carries the key (Anthropic's clients send x-api-key); declared so that
 # /openapi.json says so. Checked by the handler, which answers in its API's error shape.
@@ -59,7 +62,7 @@ def _given_key(x_api_key: str | None, bearer: HTTPAuthorizationCredentials | Non
     return bearer.credentials if bearer is not None else ""
 
 
-def messages_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
+def messages_router(ctx: ServerContext, keys: ApiKeys) -> APIRouter:
     router = APIRouter(prefix="/v1")
     errors = _errors(AnthropicErrorResponse, (400, 401, 404, 500, 503))
 
@@ -71,7 +74,7 @@ def messages_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
     )
     async def messages(raw_request: Request, x_api_key: XApiKey, bearer: Bearer) -> Response:
         given = _given_key(x_api_key, bearer)
-        return await answer_anthropic(given, api_key, lambda: create_message(ctx, raw_request))
+        return await answer_anthropic(given, keys, lambda: create_message(ctx, raw_request))
 
     @router.post(
         "/messages/count_tokens",
@@ -83,16 +86,27 @@ def messages_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
         raw_request: Request, x_api_key: XApiKey, bearer: Bearer
     ) -> Response:
         given = _given_key(x_api_key, bearer)
-        return await answer_anthropic(given, api_key, lambda: count_tokens(ctx, raw_request))
+        return await answer_anthropic(given, keys, lambda: count_tokens(ctx, raw_request))
 
     return router
 
 
+def response_store(registry: CollectorRegistry, model_name: str, max_bytes: int) -> ResponseStore:
+    """The server's one store of responses, its size and evictions on /metrics."""
+    store = ResponseStore(max_bytes=max_bytes)
+    metrics = ResponseStoreMetrics(registry, model_name, lambda: store.num_bytes, EVICTION_REASONS)
+    store.on_evict = metrics.evicted
+    return store
+
+
 def add_responses_routes(
-    router: APIRouter, ctx: ServerContext, errors: dict[int | str, dict[str, Any]]
+    router: APIRouter,
+    ctx: ServerContext,
+    store: ResponseStore,
+    errors: dict[int | str, dict[str, Any]],
 ) -> None:
-    """/responses on the /v1 router (its bearer key check, OpenAI's errors); one store."""
-    store = ResponseStore()
+    """/responses on the /v1 router (its bearer key check, which notes the request's key: a
+    stored response is its key's own; OpenAI's errors)."""
     not_found = {404: {"model": ErrorResponse, "description": "No such stored response"}}
     streamed = {200: {"description": "The response, or with `stream: true` its events",
                       "content": SSE}}  # fmt: skip
@@ -106,13 +120,13 @@ def add_responses_routes(
         response_model=None,
         responses={200: {"description": "The stored response"}, **errors, **not_found},
     )
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return retrieve_response(store, response_id)
+    async def get_response(response_id: str, raw_request: Request) -> dict[str, Any]:
+        return retrieve_response(store, response_id, request_key(raw_request))
 
     @router.delete(
         "/responses/{response_id}",
         response_model=None,
         responses={200: {"description": "Deleted"}, **errors, **not_found},
     )
-    async def remove_response(response_id: str) -> dict[str, Any]:
-        return delete_response(store, response_id)
+    async def remove_response(response_id: str, raw_request: Request) -> dict[str, Any]:
+        return delete_response(store, response_id, request_key(raw_request))

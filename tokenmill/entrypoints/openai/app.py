@@ -10,7 +10,6 @@ clients' prompts; `--metrics-without-api-key` opens it for scrapers that cannot 
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -22,8 +21,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.entrypoints.api_keys import ApiKeys, remember_key
 from tokenmill.entrypoints.dashboard.routes import dashboard_router
-from tokenmill.entrypoints.openai.agent_routes import add_responses_routes, messages_router
+from tokenmill.entrypoints.openai.agent_routes import (
+    add_responses_routes,
+    messages_router,
+    response_store,
+)
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimit
 from tokenmill.entrypoints.openai.context import ServerContext
 from tokenmill.entrypoints.openai.errors import (
@@ -48,6 +52,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from tokenmill.entrypoints.openai.responses.store import DEFAULT_MAX_STORED_BYTES, ResponseStore
 from tokenmill.entrypoints.openai.serving_chat import create_chat_completion
 from tokenmill.entrypoints.openai.serving_completion import create_completion
 from tokenmill.entrypoints.openai.serving_tokenization import detokenize_tokens, tokenize_prompt
@@ -109,10 +114,15 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
 def build_app(
     ctx: ServerContext,
     registry: CollectorRegistry,
-    api_key: str | None,
+    api_key: ApiKeys | str | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_without_api_key: bool = False,
+    responses_store_max_bytes: int = DEFAULT_MAX_STORED_BYTES,
 ) -> FastAPI:
+    """`api_key`: the keys the keyed routes take (a string is one; None or none: open)."""
+    keys = ApiKeys.of(api_key)
+    store = response_store(registry, ctx.model_name, responses_store_max_bytes)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
@@ -134,21 +144,22 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(RefuseWhileStopping, stopping=lambda: ctx.stopping)
     app.add_middleware(NoSniff)  # outermost: on every response, the refusals' too
-    app.include_router(_v1_router(ctx, api_key))
-    app.include_router(messages_router(ctx, api_key))  # its own key check (x-api-key too)
+    app.state.response_store = store
+    app.include_router(_v1_router(ctx, keys, store))
+    app.include_router(messages_router(ctx, keys))  # its own key check (x-api-key too)
     app.include_router(_operations_router(ctx))
-    app.include_router(_metrics_router(registry, None if metrics_without_api_key else api_key))
-    app.include_router(_keyed_operations_router(ctx, api_key))
-    app.include_router(dashboard_router(ctx, api_key))
+    app.include_router(_metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
+    app.include_router(_keyed_operations_router(ctx, keys))
+    app.include_router(dashboard_router(ctx, keys))
     app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
     return app
 
 
-def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
-    auth: Responses = UNAUTHORIZED if api_key else {}
+def _v1_router(ctx: ServerContext, keys: ApiKeys, store: ResponseStore) -> APIRouter:
+    auth: Responses = UNAUTHORIZED if keys else {}
     router = APIRouter(
         prefix="/v1",
-        dependencies=[Depends(_api_key_check(api_key))],
+        dependencies=[Depends(_api_key_check(keys))],
         route_class=OffLoopBodyRoute,
     )
 
@@ -179,7 +190,7 @@ def _v1_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
         with refused_body(ctx.refused, request):
             return await create_chat_completion(ctx, request, raw_request)
 
-    add_responses_routes(router, ctx, {**BAD_REQUEST, **auth, **SERVER_ERRORS})
+    add_responses_routes(router, ctx, store, {**BAD_REQUEST, **auth, **SERVER_ERRORS})
     return router
 
 
@@ -204,10 +215,10 @@ def _operations_router(ctx: ServerContext) -> APIRouter:
     return router
 
 
-def _metrics_router(registry: CollectorRegistry, api_key: str | None) -> APIRouter:
-    """`/metrics`, behind `api_key` unless it is None."""
-    auth: Responses = UNAUTHORIZED if api_key else {}
-    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+def _metrics_router(registry: CollectorRegistry, keys: ApiKeys) -> APIRouter:
+    """`/metrics`, behind `keys` unless there are none."""
+    auth: Responses = UNAUTHORIZED if keys else {}
+    router = APIRouter(dependencies=[Depends(_api_key_check(keys))])
 
     @_get_and_head(
         router,
@@ -221,11 +232,11 @@ def _metrics_router(registry: CollectorRegistry, api_key: str | None) -> APIRout
     return router
 
 
-def _keyed_operations_router(ctx: ServerContext, api_key: str | None) -> APIRouter:
-    """vLLM's operational routes that mutate state or cost work: behind the key, if any."""
-    auth: Responses = UNAUTHORIZED if api_key else {}
+def _keyed_operations_router(ctx: ServerContext, keys: ApiKeys) -> APIRouter:
+    """vLLM's operational routes that mutate state or cost work: behind the keys, if any."""
+    auth: Responses = UNAUTHORIZED if keys else {}
     router = APIRouter(
-        dependencies=[Depends(_api_key_check(api_key))], route_class=OffLoopBodyRoute
+        dependencies=[Depends(_api_key_check(keys))], route_class=OffLoopBodyRoute
     )
 
     @router.post(
@@ -260,19 +271,22 @@ def _get_and_head(router: APIRouter, path: str, **route: Any) -> Callable[[Endpo
     return register
 
 
-def _api_key_check(api_key: str | None) -> Callable[..., Any]:
-    """A dependency of every keyed route: a bearer token equal to the key (compared in constant
-    time), or no check at all without a key."""
-    if api_key is None:
+def _api_key_check(keys: ApiKeys) -> Callable[..., Any]:
+    """A dependency of every keyed route: a bearer token equal to one of the keys (compared in
+    constant time), noted on the request (stored responses are the key's own); or no check
+    at all without keys."""
+    if not keys:
 
         async def open_access() -> None:
             return None
 
         return open_access
 
-    async def check(credentials: BearerCredentials) -> None:
+    async def check(request: Request, credentials: BearerCredentials) -> None:
         given = credentials.credentials if credentials is not None else ""
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
+        key = keys.match(given)
+        remember_key(request, key)
+        if key is None:
             raise OpenAIError(
                 401,
                 "Incorrect API key provided. Pass the server's --api-key as a bearer token.",

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from tokenmill.entrypoints.api_keys import add_api_key_args
+from tokenmill.entrypoints.openai.responses.store import DEFAULT_MAX_STORED_BYTES
 from tokenmill.entrypoints.router.cli_args import add_routing_args
 from tokenmill.entrypoints.router.policies import POLICIES
 
@@ -20,12 +21,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model name(s) clients use; the first is reported (default: the model argument)",
     )
-    group.add_argument(
-        "--api-key",
-        default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require this bearer token on every route but /health, /version and "
-        "/openapi.json: /v1/*, /metrics, /dashboard*, /tokenize, /detokenize, "
-        "/reset_prefix_cache (default: $TOKENMILL_API_KEY)",
+    add_api_key_args(
+        group,
+        "on every route but /health, /version and /openapi.json: /v1/*, /metrics, "
+        "/dashboard*, /tokenize, /detokenize, /reset_prefix_cache",
     )
     group.add_argument(
         "--metrics-without-api-key",
@@ -51,6 +50,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2 * 1024 * 1024,
         help="refuse request bodies larger than this with 413 (default: 2 MiB)",
+    )
+    group.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_STORED_BYTES,
+        help="the most memory the Responses API's stored responses (`store: true`) may take, "
+        "in bytes; the oldest are evicted first (default: 256 MiB)",
     )
     _add_connection_args(group)
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")

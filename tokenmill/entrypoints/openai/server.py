@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from tokenmill.demo import DEMO_TARGET_NAME
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.api_keys import ApiKeys, api_keys_from_args
 from tokenmill.entrypoints.dashboard.slo import parse_slo
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
@@ -50,6 +51,11 @@ ERROR_FLUSH_SECONDS = 2.0
 def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     slos = parse_slo(args.slo)
     reply_parsing = reply_parsing_from_args(args)  # checked before the model loads
+    api_keys = api_keys_from_args(args)
+    if args.responses_store_max_bytes < 1:
+        raise ValueError(
+            f"--responses-store-max-bytes must be >= 1, got {args.responses_store_max_bytes}"
+        )
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
     registry = CollectorRegistry()
@@ -70,9 +76,10 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     app = build_app(
         ctx,
         registry,
-        args.api_key,
+        api_keys,
         args.max_request_body_bytes,
         metrics_without_api_key=args.metrics_without_api_key,
+        responses_store_max_bytes=args.responses_store_max_bytes,
     )
     max_connections = args.max_connections or default_max_connections()
     num_kv_blocks, block_size = engine.get_stats().scheduler.num_kv_blocks, engine.config.block_size
@@ -88,7 +95,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         block_size,
         num_kv_blocks * block_size,
         max_connections,
-        "; API key required (docs/server.md lists the open routes)" if args.api_key else "",
+        _key_note(api_keys),
     )
     config = uvicorn.Config(
         app,
@@ -104,6 +111,13 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     server = _Server(config, async_engine, ctx, args.shutdown_timeout)
     server.run(sockets=[listener])
     return 1 if server.engine_died else 0
+
+
+def _key_note(keys: ApiKeys) -> str:
+    if not keys:
+        return ""
+    several = f" (one of {len(keys.keys)})" if len(keys.keys) > 1 else ""
+    return f"; API key required{several} (docs/server.md lists the open routes)"
 
 
 class _Server(uvicorn.Server):

@@ -10,7 +10,6 @@ shape too (the app's handlers answer OpenAI's).
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from tokenmill.entrypoints.api_keys import ApiKeys
 from tokenmill.entrypoints.openai.anthropic.convert import chat_request, message_response
 from tokenmill.entrypoints.openai.anthropic.protocol import (
     AnthropicErrorInfo,
@@ -66,11 +66,11 @@ def error_event(error: BaseException) -> str:
 
 
 async def answer_anthropic(
-    given_key: str, api_key: str | None, handler: Callable[[], Awaitable[Response]]
+    given_key: str, keys: ApiKeys, handler: Callable[[], Awaitable[Response]]
 ) -> Response:
     """Run `handler` after the key check, every failure answered in Anthropic's shape."""
     try:
-        check_key(given_key, api_key)
+        check_key(given_key, keys)
         return await handler()
     except ValidationError as e:  # a body valid here but not for the chat path
         return _error_response(OpenAIError(400, _validation_message(e)))
@@ -98,11 +98,9 @@ def _union_member(part: str) -> bool:
     return "[" in part or part.startswith("<") or part in ("str", "int", "float", "bool")
 
 
-def check_key(given: str, api_key: str | None) -> None:
+def check_key(given: str, keys: ApiKeys) -> None:
     """`given`: the x-api-key header, else the bearer token, else empty."""
-    if api_key is None:
-        return
-    if not secrets.compare_digest(given.encode(), api_key.encode()):
+    if keys and keys.match(given) is None:
         raise OpenAIError(401, "invalid x-api-key: pass the server's --api-key")
 
 

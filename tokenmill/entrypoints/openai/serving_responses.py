@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.entrypoints.api_keys import request_key
 from tokenmill.entrypoints.openai.context import ServerContext, log_ignored_fields
 from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, error_info
 from tokenmill.entrypoints.openai.protocol import ChatCompletionResponse
@@ -40,7 +41,8 @@ async def create_response(
     arrival_time = time.time()
     ctx.check_model(request.model)
     log_ignored_fields(request, "/v1/responses")
-    history = _history(store, request.previous_response_id)
+    owner = request_key(raw_request)  # a stored response is its API key's own
+    history = _history(store, request.previous_response_id, owner)
     turns = history + input_messages(request)
     if not turns:  # nothing to answer (instructions alone are no turn); as OpenAI: a 400
         raise bad_request(
@@ -67,7 +69,7 @@ async def create_response(
             incomplete,
         )  # fmt: skip
         if request.store:
-            store.put(response, turns + output_messages(output))
+            store.put(response, turns + output_messages(output), owner)
         return response
 
     if request.stream:
@@ -79,23 +81,30 @@ async def create_response(
     return JSONResponse(finished(output_items(reply), reply.choices[0].finish_reason))
 
 
-def retrieve_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
-    stored = store.get(response_id)
+def retrieve_response(
+    store: ResponseStore, response_id: str, owner: str | None = None
+) -> dict[str, Any]:
+    """`owner`: the request's API key; another key's response is not found, as OpenAI says."""
+    stored = store.get(response_id, owner)
     if stored is None:
         raise _not_found(response_id, "response_id")
     return stored.response
 
 
-def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
-    if not store.delete(response_id):
+def delete_response(
+    store: ResponseStore, response_id: str, owner: str | None = None
+) -> dict[str, Any]:
+    if not store.delete(response_id, owner):
         raise _not_found(response_id, "response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _history(store: ResponseStore, previous_response_id: str | None) -> list[dict[str, Any]]:
+def _history(
+    store: ResponseStore, previous_response_id: str | None, owner: str | None
+) -> list[dict[str, Any]]:
     if previous_response_id is None:
         return []
-    stored = store.get(previous_response_id)
+    stored = store.get(previous_response_id, owner)
     if stored is None:
         raise _not_found(previous_response_id, "previous_response_id")
     return list(stored.messages)

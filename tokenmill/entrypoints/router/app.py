@@ -7,10 +7,11 @@ everything else (`/v1/models`, `/tokenize`, ...) goes to any healthy replica, ex
 request for a stored response (`previous_response_id`, GET or DELETE /v1/responses/{id}),
 sent to the replica that stored it (response_affinity.py; to any replica, which answers 404,
 when that one is gone).
-Before a body is read the router checks the API key (`--api-key`; every route but the open
-ones a server has), then reads the body up to `--max-request-body-bytes` (413 past it);
-headers pass through both ways (the `Authorization` header included: each replica checks it
-again). A client that disconnects before its answer closes the router's request to the
+Before a body is read the router checks the API key (`--api-key`, repeatable, and
+`--api-key-file`; every route but the open ones a server has), then reads the body up to
+`--max-request-body-bytes` (413 past it); headers pass through both ways (the `Authorization`
+header included: each replica checks it again, and keeps a client's stored responses to its
+key). A client that disconnects before its answer closes the router's request to the
 replica, which aborts it, streaming or not. A server-sent-event stream is passed through
 chunk by chunk as the replica writes it; if the replica dies mid-stream the client gets an
 OpenAI error event and `[DONE]`, a non-streaming request a 502. A replica that refuses the
@@ -28,6 +29,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.entrypoints.api_keys import ApiKeys
 from tokenmill.entrypoints.openai.responses.ids import REPLICA_TAG_HEADER
 from tokenmill.entrypoints.router.guard import (
     ClientGone,
@@ -63,16 +65,18 @@ def build_router_app(
     replicas: ReplicaSet,
     policy: Policy,
     prefix_chars: int = DEFAULT_PREFIX_CHARS,
-    api_key: str | None = None,
+    api_key: ApiKeys | str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_without_api_key: bool = False,
 ) -> FastAPI:
-    proxy = Proxy(replicas, policy, prefix_chars, api_key, max_body_bytes)
-    proxy.metrics_api_key = None if metrics_without_api_key else api_key
+    """`api_key`: the keys clients may send (a string is one; None or none: open)."""
+    keys = ApiKeys.of(api_key)
+    proxy = Proxy(replicas, policy, prefix_chars, keys, max_body_bytes)
+    proxy.metrics_api_key = ApiKeys() if metrics_without_api_key else keys
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with replica_client(api_key) as client:
+        async with replica_client(keys.first) as client:
             proxy.client = client
             await replicas.check_all(client)
             checker = asyncio.create_task(replicas.run(client))
@@ -104,7 +108,7 @@ class Proxy:
         replicas: ReplicaSet,
         policy: Policy,
         prefix_chars: int,
-        api_key: str | None,
+        api_key: ApiKeys,
         max_body_bytes: int,
         metrics: RouterMetrics | None = None,
     ) -> None:
@@ -112,7 +116,7 @@ class Proxy:
         self.policy = policy
         self.prefix_chars = prefix_chars
         self.api_key = api_key
-        self.metrics_api_key = api_key  # the key /metrics needs (None: open)
+        self.metrics_api_key = api_key  # the keys /metrics takes (none: open)
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics or RouterMetrics(replicas)
         self.client: httpx.AsyncClient

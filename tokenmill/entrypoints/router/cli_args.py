@@ -4,8 +4,8 @@ shares with it. Light to import (no torch)."""
 from __future__ import annotations
 
 import argparse
-import os
 
+from tokenmill.entrypoints.api_keys import add_api_key_args
 from tokenmill.entrypoints.router.policies import (
     DEFAULT_BALANCE_ABS_THRESHOLD,
     DEFAULT_BALANCE_REL_THRESHOLD,
@@ -39,12 +39,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument("--policy", default="prefix-aware", choices=POLICIES, help="routing policy")
-    group.add_argument(
-        "--api-key",
-        default=os.environ.get("TOKENMILL_API_KEY"),
-        help="require this bearer token on the routes a server keys (all but /health, "
-        "/version and /openapi.json), checked before a body is read; give the "
-        "replicas' key (default: $TOKENMILL_API_KEY)",
+    add_api_key_args(
+        group,
+        "on the routes a server keys (all but /health, /version and /openapi.json), "
+        "checked before a body is read; give the replicas' keys (the router sends the first "
+        "on its own requests; a client's own key is passed on)",
     )
     group.add_argument(
         "--metrics-without-api-key",

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.entrypoints.api_keys import ApiKeys
 from tokenmill.entrypoints.router.app import (
     DEFAULT_MAX_BODY_BYTES,
     METHODS,
@@ -36,20 +37,21 @@ def build_disagg_app(
     decode: ReplicaSet,
     policies: tuple[Policy, Policy],
     prefix_chars: int = DEFAULT_PREFIX_CHARS,
-    api_key: str | None = None,
+    api_key: ApiKeys | str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics_without_api_key: bool = False,
 ) -> FastAPI:
+    keys = ApiKeys.of(api_key)
     metrics = RouterMetrics(prefill, decode)
     proxies = [
-        Proxy(replicas, policy, prefix_chars, api_key, max_body_bytes, metrics)
+        Proxy(replicas, policy, prefix_chars, keys, max_body_bytes, metrics)
         for replicas, policy in zip((prefill, decode), policies)
     ]
-    routes = _Routes(prefill, decode, proxies, None if metrics_without_api_key else api_key)
+    routes = _Routes(prefill, decode, proxies, ApiKeys() if metrics_without_api_key else keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with replica_client(api_key) as client:
+        async with replica_client(keys.first) as client:
             for proxy in proxies:
                 proxy.client = client
             await asyncio.gather(prefill.check_all(client), decode.check_all(client))
@@ -76,12 +78,12 @@ class _Routes:
         prefill: ReplicaSet,
         decode: ReplicaSet,
         proxies: list[Proxy],
-        metrics_key: str | None,
+        metrics_key: ApiKeys,
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.proxies = proxies
         self.disagg = DisaggProxy(*proxies)
-        self.metrics_key = metrics_key  # the key /metrics needs (None: open)
+        self.metrics_key = metrics_key  # the keys /metrics takes (none: open)
 
     async def health(self) -> Response:
         counts = {

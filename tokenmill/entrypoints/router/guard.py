@@ -9,11 +9,12 @@ router process does not otherwise import. Codes and messages match the server's.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import Request
+
+from tokenmill.entrypoints.api_keys import ApiKeys
 
 T = TypeVar("T")
 
@@ -38,14 +39,16 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def check_api_key(request: Request, api_key: str | None, path: str) -> None:
+def check_api_key(request: Request, keys: ApiKeys, path: str) -> None:
     """Raises `GuardError` (401) unless the request may pass: no key configured, an open
-    route, or the bearer token equal to the key (compared in constant time)."""
-    if api_key is None or (path in OPEN_PATHS and request.method in ("GET", "HEAD")):
+    route, or the bearer token equal to one of the keys (compared in constant time). The
+    client's own header goes on to the replica, which checks it again and scopes the
+    responses it stores to it."""
+    if not keys or (path in OPEN_PATHS and request.method in ("GET", "HEAD")):
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else ""
-    if not secrets.compare_digest(given.encode(), api_key.encode()):
+    if keys.match(given) is None:
         raise GuardError(
             401,
             "Incorrect API key provided. Pass the router's --api-key as a bearer token.",

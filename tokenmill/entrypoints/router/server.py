@@ -11,6 +11,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from tokenmill.entrypoints.api_keys import api_keys_from_args
 from tokenmill.entrypoints.router.app import build_router_app
 from tokenmill.entrypoints.router.disagg_app import build_disagg_app
 from tokenmill.entrypoints.router.policies import Policy, make_policy
@@ -50,7 +51,7 @@ def _app(args: argparse.Namespace, backends: list[str], policy: str) -> FastAPI:
         return make_policy(policy, args.balance_abs_threshold, args.balance_rel_threshold)
 
     options = {
-        "api_key": args.api_key,
+        "api_key": api_keys_from_args(args),
         "max_body_bytes": args.max_request_body_bytes,
         "metrics_without_api_key": getattr(args, "metrics_without_api_key", False),
     }

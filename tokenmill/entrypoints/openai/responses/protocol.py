@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, FiniteFloat, model_validator
 
 from tokenmill.entrypoints.openai.protocol import RequestBody, RequestModel, bounded_tools
+from tokenmill.entrypoints.openai.responses.metadata import Metadata
 
 
 class InputText(RequestModel):
@@ -79,7 +80,7 @@ class ResponsesRequest(RequestBody):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     text: TextConfig | None = None
     user: str | None = None
 
