@@ -149,14 +149,15 @@ def save_gguf(
     """`checkpoint` (a llama-architecture directory) as a GGUF file: 2-D decoder weights in
     `qtype` (or `overrides[gguf name]`), everything else in F32. `config_overrides` change
     the metadata only (a file that disagrees with its tensors)."""
-    config = {**json.loads((checkpoint / "config.json").read_text()), **(config_overrides or {})}
+    original = json.loads((checkpoint / "config.json").read_text())
+    config = {**original, **(config_overrides or {})}
     tensors = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         tensors.update(load_file(file))
     writer = gguf.GGUFWriter(str(path), architecture)
     _write_metadata(writer, config)
     _write_tokenizer(writer, checkpoint)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    heads, kv_heads = original["num_attention_heads"], original["num_key_value_heads"]
     for hf_name, tensor in tensors.items():
         name = gguf_name(hf_name)
         array = tensor.to(torch.float32).numpy()
@@ -179,20 +180,38 @@ def save_gguf(
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // max(
+        config["num_attention_heads"], 1
+    )
     rope = config.get("rope_parameters") or {}
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    counts = {
+        gguf.Keys.LLM.CONTEXT_LENGTH: config["max_position_embeddings"],
+        gguf.Keys.LLM.EMBEDDING_LENGTH: config["hidden_size"],
+        gguf.Keys.LLM.BLOCK_COUNT: config["num_hidden_layers"],
+        gguf.Keys.LLM.FEED_FORWARD_LENGTH: config["intermediate_size"],
+        gguf.Keys.Attention.HEAD_COUNT: config["num_attention_heads"],
+        gguf.Keys.Attention.HEAD_COUNT_KV: config["num_key_value_heads"],
+        gguf.Keys.Attention.KEY_LENGTH: head_dim,
+        gguf.Keys.Attention.VALUE_LENGTH: head_dim,
+        gguf.Keys.Rope.DIMENSION_COUNT: head_dim,
+        gguf.Keys.LLM.VOCAB_SIZE: config["vocab_size"],
+    }
+    for key, value in counts.items():
+        _add_int(writer, key.format(arch=writer.arch), value)
+    if config.get("num_local_experts"):
+        writer.add_expert_count(config["num_local_experts"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
-    writer.add_vocab_size(config["vocab_size"])
+
+
+def _add_int(writer: gguf.GGUFWriter, key: str, value: int) -> None:
+    """As llama.cpp writes counts (uint32), or in the type a test's absurd value needs."""
+    if value < 0:
+        writer.add_int64(key, value)
+    elif value >= 2**32:
+        writer.add_uint64(key, value)
+    else:
+        writer.add_uint32(key, value)
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path) -> None:

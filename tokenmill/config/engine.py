@@ -136,7 +136,9 @@ class EngineConfig:
 
     # Scheduling
     max_model_len: int | None = config_field(
-        None, "longest sequence, prompt and output (default: the model's max_position_embeddings)"
+        None,
+        "longest sequence, prompt and output (default: the model's max_position_embeddings, "
+        "at most 1048576); the RoPE tables and the KV cache are sized for it",
     )
     max_num_batched_tokens: int = config_field(2048, "the token budget of one step")
     max_num_seqs: int = config_field(256, "most requests in one step")

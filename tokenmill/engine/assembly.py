@@ -55,6 +55,9 @@ from tokenmill.worker.tp_executor import TensorParallelExecutor
 logger = logging.getLogger(__name__)
 
 Draft = LlamaForCausalLM | EagleDraft | MedusaHeads
+# The default max_model_len's ceiling: above the longest context a supported model family
+# publishes (Mistral Nemo: 1,024,000; Qwen2.5-1M: 1,010,000).
+DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
 
 
 @dataclass
@@ -83,6 +86,7 @@ def assemble(config: EngineConfig) -> EngineParts:
         raise ConfigError("no model given: set EngineConfig.model to a checkpoint directory")
     model_dir = Path(config.model)
     hf_config, architecture = load_hf_config(model_dir)
+    max_model_len = _max_model_len(config, hf_config.max_position_embeddings)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device = config.torch_device()
     settings = LoadSettings(
@@ -90,6 +94,7 @@ def assemble(config: EngineConfig) -> EngineParts:
         linear_backend=config.linear_backend_for(device),
         attention_backend=resolve_attention_backend(config.attention_backend, device),
         quantization=config.quantization,
+        max_model_len=max_model_len,
     )
     torch.manual_seed(config.seed)
     # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1, which load
@@ -97,7 +102,6 @@ def assemble(config: EngineConfig) -> EngineParts:
     executor = TensorParallelExecutor(config, settings) if config.tensor_parallel_size > 1 else None
     model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
     default_sampling = _default_sampling(config, model_dir)
-    max_model_len = _max_model_len(config, model.shape.max_position)
     kv_spec = _kv_spec(config, model, settings.dtype)
     runner, kv_cache_manager, draft_has_kv = _runner(
         config, model, settings, device, executor, kv_spec, max_model_len
@@ -220,7 +224,19 @@ def _scheduler(
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:
-    max_model_len = model_max if config.max_model_len is None else config.max_model_len
+    """`config.max_model_len`, else the model's max_position_embeddings as in vLLM, but at
+    most `DEFAULT_MAX_MODEL_LEN_CAP`: the RoPE tables and one sequence's KV cache are sized
+    from it, and a config's claim (2^31 - 1 in a malformed file) must not size them."""
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+        if model_max > DEFAULT_MAX_MODEL_LEN_CAP:
+            logger.warning(
+                "the model's max_position_embeddings=%d is more than tokenmill serves by "
+                "default: max_model_len=%d; give --max-model-len to choose",
+                model_max,
+                max_model_len,
+            )
     if max_model_len > model_max:
         raise ConfigError(
             f"max_model_len={max_model_len} is longer than the model's "

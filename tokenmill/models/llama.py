@@ -220,15 +220,17 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
         attention_backend: str = "torch",
+        max_model_len: int | None = None,
     ) -> None:
-        """`attention_backend`: every layer's (resolved: torch, cpu or triton)."""
+        """`attention_backend`: every layer's (resolved: torch, cpu or triton).
+        `max_model_len`: the longest sequence served, which the RoPE tables cover (None: the
+        config's max_position_embeddings; a config may claim far more than is served)."""
         super().__init__()
         self.shape = shape = ModelShape.from_hf_config(hf_config)
         self.tp = tp
         traits = architecture_traits(architecture, hf_config)
-        self.rotary = RotaryEmbedding(
-            shape.head_dim, shape.max_position, rope_parameters(hf_config), dtype
-        )
+        positions = min(shape.max_position, max_model_len or shape.max_position)
+        self.rotary = RotaryEmbedding(shape.head_dim, positions, rope_parameters(hf_config), dtype)
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(shape, traits, tp, attention_backend) for _ in range(shape.num_layers)

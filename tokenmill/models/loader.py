@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError
@@ -23,8 +22,10 @@ from tokenmill.layers.linear import (
     replace_linears,
 )
 from tokenmill.layers.parallel import SINGLE, TensorParallel
+from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
+from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.embedding import use_quantized_embedding
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
@@ -39,7 +40,6 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 
-_INDEX_FILE = "model.safetensors.index.json"
 # Files that hold a tokenizer's vocabulary, in the formats transformers reads without extra
 # packages (tokenizer.json) or with them (sentencepiece, tiktoken, BPE/WordPiece vocabularies).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
@@ -56,29 +56,45 @@ _FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 TensorReader = Callable[[RankSlice | None], torch.Tensor]
 
 
-class ModelLoadError(ConfigError):
-    """The checkpoint directory is missing something or holds something unexpected."""
-
-
 def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
-    """The checkpoint's transformers config and its (supported) architecture name."""
+    """The checkpoint's transformers config and its (supported) architecture name, its sizes
+    checked against each other and the tensors' shapes (`config_checks.py`) before anything
+    is allocated from them."""
     path = Path(model_dir)
+    if not path.exists():
+        raise ModelLoadError(f"{path} does not exist")
     if is_gguf(path):
-        return GGUFCheckpoint(path).hf_config(), "LlamaForCausalLM"
-    if not (path / "config.json").is_file():
+        gguf = GGUFCheckpoint(path)
+        sizes = check_sizes(gguf.sizing_metadata(), gguf.tensor_shapes(), f"{path}'s metadata")
+        return gguf.hf_config(sizes), "LlamaForCausalLM"
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{config_file} could not be read: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file} could not be read: not a JSON object")
+    architecture = _supported_architecture(raw.get("architectures"), config_file)
+    check_values(hf_sizing(raw), str(config_file))  # values transformers would choke on
     try:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises several types for a bad config
-        raise ModelLoadError(f"{path}/config.json could not be read: {e}") from e
-    architectures = getattr(hf_config, "architectures", None) or []
-    supported = [a for a in architectures if a in MODEL_REGISTRY]
+        raise ModelLoadError(f"{config_file} could not be read: {e}") from e
+    check_sizes(hf_sizing(hf_config), tensor_shapes(path), str(config_file))
+    return hf_config, architecture
+
+
+def _supported_architecture(architectures: Any, config_file: Path) -> str:
+    listed = architectures if isinstance(architectures, list) else []
+    supported = [a for a in listed if a in MODEL_REGISTRY]
     if not supported:
         raise ModelLoadError(
-            f"unsupported architecture {architectures or '(none given)'} in {path}/config.json; "
+            f"unsupported architecture {architectures or '(none given)'} in {config_file}; "
             f"tokenmill supports {sorted(MODEL_REGISTRY)}"
         )
-    return hf_config, supported[0]
+    return supported[0]
 
 
 def load_tokenizer(tokenizer_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -116,7 +132,12 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    """The dtype the checkpoint's config names, if any. transformers 4.56+ calls it `dtype`
+    and warns on each read of `torch_dtype`, which only older versions need."""
+    if hasattr(hf_config, "dtype"):
+        dtype = hf_config.dtype
+    else:
+        dtype = getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None
@@ -178,6 +199,8 @@ class LoadSettings:
     linear_backend: str = "auto"  # EngineConfig.linear_backend (or "torch" for a captured step)
     attention_backend: str = "torch"  # resolved: torch, cpu or triton (attention_backends.py)
     quantization: str | None = None  # EngineConfig.quantization: int8, int4, int4-g128
+    # The longest sequence served: the RoPE tables cover it (None: max_position_embeddings).
+    max_model_len: int | None = None
 
 
 def load_model(
@@ -194,7 +217,7 @@ def load_model(
     dtype, quantization = settings.dtype, settings.quantization
     with torch.device(device):
         model = MODEL_REGISTRY[architecture](
-            hf_config, architecture, dtype, tp, settings.attention_backend
+            hf_config, architecture, dtype, tp, settings.attention_backend, settings.max_model_len
         )
     model.to(dtype=dtype)
     plan = LinearPlan.online(dtype, device, settings.linear_backend, quantization, tp.size > 1)
@@ -334,27 +357,10 @@ def _expected_parts(targets: list[str]) -> Iterator[tuple[str, int | None]]:
 
 
 def _iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, TensorReader]]:
-    index = model_dir / _INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
-    for file in files:
-        path = model_dir / file
-        if not path.is_file():
-            raise ModelLoadError(f"{_INDEX_FILE} names {file}, which is missing from {model_dir}")
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
-                    yield name, _reader(f, name)
-        except SafetensorError as e:
-            raise ModelLoadError(
-                f"{path} is not a complete safetensors file ({e}); it may be truncated by an "
-                "interrupted download: fetch it again"
-            ) from e
+    for path in checkpoint_files(model_dir):
+        with open_safetensors(path) as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
+                yield name, _reader(f, name)
 
 
 def _reader(f: Any, name: str) -> TensorReader:

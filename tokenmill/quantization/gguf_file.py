@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +28,7 @@ from tokenmill.quantization.gguf_blocks import (
     dequantize,
     groups,
 )
+from tokenmill.quantization.gguf_open import open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,18 @@ _GGUF_TO_HF = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+# The values that size the model: role (models/config_checks.py) -> metadata key after
+# `<architecture>.`.
+_SIZING_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_layers": "block_count",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "vocab_size": "vocab_size",
+    "max_position": "context_length",
 }
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # tokenmill's fused linears and the GGUF tensors each is made of.
@@ -64,15 +77,7 @@ class GGUFCheckpoint:
 
     @cached_property
     def reader(self) -> GGUFReader:
-        if not self.path.is_file():
-            raise ConfigError(f"{self.path}: no such GGUF file")
-        try:
-            return GGUFReader(self.path)
-        except (ValueError, OSError, IndexError, KeyError) as e:
-            raise ConfigError(
-                f"{self.path} is not a complete GGUF file ({e}); it may be truncated by an "
-                "interrupted download: fetch it again"
-            ) from e
+        return open_gguf(self.path)
 
     def field(self, key: str, default: Any = None) -> Any:
         value = self.reader.fields.get(key)
@@ -83,11 +88,21 @@ class GGUFCheckpoint:
 
     @cached_property
     def architecture(self) -> str:
+        """`general.architecture`, if tokenmill runs it: a dense model of a supported
+        architecture (llama.cpp writes Mixtral as `llama` with `llama.expert_count`)."""
         architecture = self.field("general.architecture")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
-                f"unsupported GGUF architecture {architecture!r} in {self.path}; tokenmill reads "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files"
+                f"unsupported GGUF architecture {architecture!r} (general.architecture) in "
+                f"{self.path}; tokenmill reads GGUF files of the architectures: {supported}"
+            )
+        experts = self.field(f"{architecture}.expert_count", 0)
+        if experts:
+            raise ConfigError(
+                f"unsupported GGUF model in {self.path}: general.architecture {architecture!r} "
+                f"with {architecture}.expert_count={experts} (a mixture of experts, as Mixtral); "
+                f"tokenmill reads dense models of the architectures: {supported}"
             )
         return architecture
 
@@ -95,8 +110,24 @@ class GGUFCheckpoint:
     def tensors(self) -> dict[str, Any]:
         return {t.name: t for t in self.reader.tensors}
 
-    def hf_config(self) -> Any:
-        """A transformers LlamaConfig from the metadata."""
+    def sizing_metadata(self) -> dict[str, tuple[str, Any]]:
+        """What sizes the model, as `models/config_checks.py` checks it: role -> (metadata
+        key, its value, None where absent)."""
+        keys = {role: f"{self.architecture}.{key}" for role, key in _SIZING_KEYS.items()}
+        return {role: (key, self.field(key)) for role, key in keys.items()}
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's Hugging Face name (without `model.`) -> its shape, rows first (from
+        the header: no data is read)."""
+        return {
+            hf_name.removeprefix("model."): tuple(int(n) for n in reversed(tensor.shape))
+            for name, tensor in self.tensors.items()
+            if (hf_name := _hf_name(name)) is not None
+        }
+
+    def hf_config(self, sizes: Mapping[str, int]) -> Any:
+        """A transformers LlamaConfig from the metadata, with the sizes `sizing_metadata`
+        gave as `models/config_checks.py` checked them (role -> value, every role)."""
         from transformers import LlamaConfig
 
         arch = self.architecture
@@ -111,22 +142,16 @@ class GGUFCheckpoint:
             "rope_freqs.weight" in self.tensors
         ):
             raise ConfigError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
-        num_heads = meta("attention.head_count")
-        hidden = meta("embedding_length")
-        embed = self.tensors.get("token_embd.weight")
-        if embed is None:
-            raise ConfigError(f"{self.path} has no token_embd.weight tensor")
-        vocab = self.field(f"{arch}.vocab_size") or int(embed.shape[1])
         config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=meta("feed_forward_length"),
-            num_hidden_layers=meta("block_count"),
-            num_attention_heads=num_heads,
-            num_key_value_heads=meta("attention.head_count_kv", num_heads),
-            head_dim=meta("attention.key_length", hidden // num_heads),
+            vocab_size=sizes["vocab_size"],
+            hidden_size=sizes["hidden_size"],
+            intermediate_size=sizes["intermediate_size"],
+            num_hidden_layers=sizes["num_layers"],
+            num_attention_heads=sizes["num_heads"],
+            num_key_value_heads=sizes["num_kv_heads"],
+            head_dim=sizes["head_dim"],
             rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
-            max_position_embeddings=meta("context_length"),
+            max_position_embeddings=sizes["max_position"],
             rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 1e4)},
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),

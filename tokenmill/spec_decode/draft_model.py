@@ -47,7 +47,7 @@ class DraftModelProposer:
         self.block_size = kv_cache_spec.block_size
         self.device = device
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
-        self.max_position = model.shape.max_position
+        self.max_position = model.rotary.max_position  # the positions its RoPE tables cover
         self.sliding_window = model.shape.sliding_window
 
     @torch.inference_mode()

@@ -100,7 +100,8 @@ class EagleProposer:
         self.block_size = kv_cache_spec.block_size
         self.device = device
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
-        self.max_position = draft.shape.max_position
+        # Positions the draft knows and the target's RoPE tables (which it uses) cover.
+        self.max_position = min(draft.shape.max_position, draft._target[0].rotary.max_position)
 
     def record_hidden_states(
         self, state: CachedRequestState, first_position: int, hidden: torch.Tensor
