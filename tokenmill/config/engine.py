@@ -55,7 +55,7 @@ class EngineConfig:
     flag of `tokenmill serve | generate | bench throughput | eval`, generated from it."""
 
     model: str | None = config_field(
-        None, "local Hugging Face model directory (default: the built-in demo model)"
+        None, "local Hugging Face model directory or GGUF file (default: the built-in demo model)"
     )
     tokenizer: str | None = config_field(None, "tokenizer directory (default: the model's)")
     dtype: str = config_field(
