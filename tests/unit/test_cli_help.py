@@ -110,3 +110,14 @@ def test_help_imports_neither_torch_nor_transformers() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_tp_worker_help_says_what_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """Above its flags, not only its usage line."""
+    text = " ".join(help_text(["tp-worker", "--help"], capsys).split())
+    assert "tensor-parallel ranks" in text.split("options:")[0]
+
+
+def test_serve_model_help_names_gguf_files(capsys: pytest.CaptureFixture[str]) -> None:
+    text = " ".join(help_text(["serve", "--help"], capsys).split())
+    assert "GGUF file" in text.split("--model MODEL")[-1][:200]

@@ -164,7 +164,8 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tokenizer",
         default=None,
-        help="local tokenizer directory (default: --model, or the served model's root directory)",
+        help="local tokenizer: a Hugging Face directory or a GGUF file (default: --model, or "
+        "the served model's root, a directory or a GGUF file)",
     )
     add_request_args(parser)
     add_measure_args(parser)
@@ -298,7 +299,7 @@ def make_target(
     model: str,
     tokenizer_dir: str,
 ) -> Target:
-    from transformers import AutoTokenizer
+    from tokenmill.models.loader import load_tokenizer
 
     slos = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.percentiles)
@@ -307,7 +308,7 @@ def make_target(
         raise ValueError("--extra-body must be a JSON object")
     if dataset.name == "random-ids" and args.endpoint != "/v1/completions":
         raise ValueError("--dataset-name random-ids sends token ids: --endpoint /v1/completions")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer = load_tokenizer(tokenizer_dir)  # a Hugging Face directory or a GGUF file
     print(f"generating the {dataset.name} dataset with the tokenizer of {tokenizer_dir}")
     requests = generate_dataset(dataset, tokenizer)
     print(describe(requests))
@@ -336,8 +337,9 @@ def make_target(
 async def resolve_model(
     base_url: str, model: str | None, tokenizer: str | None, api_key: str | None = None
 ) -> tuple[str, str]:
-    """(model name to send, local tokenizer directory). Without --model, the server's first
-    model; without --tokenizer, --model if it is a directory, else the served model's root.
+    """(model name to send, local tokenizer: a directory or a GGUF file). Without --model, the
+    server's first model; without --tokenizer, --model if it is one, else the served model's
+    root (a GGUF server's root is its file).
     `api_key`: the bearer token a keyed server wants on /v1/models too."""
     if model is not None and tokenizer is not None:
         return model, tokenizer
@@ -349,12 +351,17 @@ async def resolve_model(
     entry = served[0] if model is None else next((m for m in served if m["id"] == model), {})
     model = model or entry["id"]
     for candidate in (tokenizer, model, entry.get("root")):
-        if candidate and Path(candidate).is_dir():
+        if candidate and _is_tokenizer_source(Path(candidate)):
             return model, candidate
     raise BenchError(
-        f"no local tokenizer for model {model!r}: pass --tokenizer DIR (datasets are sized "
-        "with the model's own tokenizer)"
+        f"no local tokenizer for model {model!r}: pass --tokenizer DIR or FILE.gguf (datasets "
+        "are sized with the model's own tokenizer)"
     )
+
+
+def _is_tokenizer_source(path: Path) -> bool:
+    """A Hugging Face directory, or a GGUF file (its tokenizer is in its metadata)."""
+    return path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
 
 
 def run_serve(args: argparse.Namespace) -> int:

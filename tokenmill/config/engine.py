@@ -24,8 +24,8 @@ _DTYPES = {
     "half": "float16",
 }
 
-# On CPU, with no memory budget given, the KV cache takes this much (vLLM's CPU backend takes
-# 4 GiB by default; tokenmill targets small machines).
+# On CPU, with no memory budget given, the KV cache takes at most this much (and at most what
+# the served limits use, or half the memory available: engine/kv_sizing.py says why).
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
@@ -55,7 +55,7 @@ class EngineConfig:
     flag of `tokenmill serve | generate | bench throughput | eval`, generated from it."""
 
     model: str | None = config_field(
-        None, "local Hugging Face model directory (default: the built-in demo model)"
+        None, "local Hugging Face model directory or GGUF file (default: the built-in demo model)"
     )
     tokenizer: str | None = config_field(None, "tokenizer directory (default: the model's)")
     dtype: str = config_field(
@@ -113,7 +113,9 @@ class EngineConfig:
     )
     kv_cache_memory: int | None = config_field(
         None,
-        "KV cache size in bytes (default: 2 GiB on the CPU; on CUDA from --gpu-memory-utilization)",
+        "KV cache size in bytes (default on the CPU: the smallest of max_num_seqs x "
+        "max_model_len, 2 GiB and half the memory available, resident only as used; on CUDA "
+        "from --gpu-memory-utilization)",
         flags=("--kv-cache-memory-bytes", "--kv-cache-memory"),
     )
     gpu_memory_utilization: float = config_field(

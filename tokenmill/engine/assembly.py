@@ -21,7 +21,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculation_policy import SpeculationPolicy
 from tokenmill.core.step_cost import StepCostModel
 from tokenmill.engine.kv_connectors import KVConnectors
-from tokenmill.engine.kv_sizing import num_kv_blocks, num_swap_blocks
+from tokenmill.engine.kv_sizing import kv_cache_size, num_swap_blocks
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
@@ -103,7 +103,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
     default_sampling = _default_sampling(config, model_dir)
     kv_spec = _kv_spec(config, model, settings.dtype)
-    runner, kv_cache_manager, draft_has_kv = _runner(
+    runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
         config, model, settings, device, executor, kv_spec, max_model_len
     )
     kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
@@ -140,7 +140,7 @@ def assemble(config: EngineConfig) -> EngineParts:
             tokenizer, vocab_size, eos_ids, config.structured_outputs_config
         ),
     )
-    _log_start(parts, kv_spec, kv_cache_manager.num_blocks, config.block_size)
+    _log_start(parts, kv_spec, kv_cache_manager.num_blocks, config.block_size, kv_size_reason)
     return parts
 
 
@@ -152,9 +152,10 @@ def _runner(
     executor: TensorParallelExecutor | None,
     kv_spec: KVCacheSpec,
     max_model_len: int,
-) -> tuple[ModelRunner, KVCacheManager, bool]:
+) -> tuple[ModelRunner, KVCacheManager, bool, str]:
     """The runner, over a KV cache sized for the target and the draft (if it keeps KV), and
-    the manager of that cache's blocks; whether the draft keeps KV (proposals need slots)."""
+    the manager of that cache's blocks; whether the draft keeps KV (proposals need slots);
+    how the cache's size was chosen."""
     draft = None
     if config.speculative_config is not None:
         draft = _load_draft(config, model, settings, device, max_model_len)
@@ -164,7 +165,8 @@ def _runner(
         if draft is None or isinstance(draft, MedusaHeads)
         else _kv_spec(config, draft, settings.dtype)
     )
-    num_blocks = num_kv_blocks(config, kv_spec, max_model_len, device, draft_spec)
+    kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec)
+    num_blocks = kv_size.num_blocks
     swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
     kv_cache_manager = KVCacheManager(
         num_blocks,
@@ -177,7 +179,7 @@ def _runner(
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
     if config.captures_decode(device):
         runner.use_captured_decode(config.max_num_seqs, max_model_len)
-    return runner, kv_cache_manager, draft_spec is not None
+    return runner, kv_cache_manager, draft_spec is not None, kv_size.reason
 
 
 def _kv_connectors(
@@ -370,10 +372,12 @@ def _default_sampling(config: EngineConfig, model_dir: Path) -> dict[str, Any]:
     return defaults
 
 
-def _log_start(parts: EngineParts, kv_spec: KVCacheSpec, num_blocks: int, block_size: int) -> None:
+def _log_start(
+    parts: EngineParts, kv_spec: KVCacheSpec, num_blocks: int, block_size: int, kv_reason: str
+) -> None:
     logger.info(
         "loaded %s (%s, %s on %s, attention %s, weights %s); KV cache (%s): %d blocks of "
-        "%d tokens = %d tokens, %.1f GiB; max concurrency at max_model_len=%d: %.1fx",
+        "%d tokens = %d tokens, %.2f GiB (%s); max concurrency at max_model_len=%d: %.1fx",
         parts.model_dir,
         parts.architecture,
         parts.dtype,
@@ -385,6 +389,7 @@ def _log_start(parts: EngineParts, kv_spec: KVCacheSpec, num_blocks: int, block_
         block_size,
         num_blocks * block_size,
         num_blocks * kv_spec.bytes_per_block / 1024**3,
+        kv_reason,
         parts.max_model_len,
         num_blocks * block_size / parts.max_model_len,
     )

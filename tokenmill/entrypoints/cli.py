@@ -110,6 +110,9 @@ def _add_tp_worker(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "tp-worker",
         help="this machine's tensor-parallel ranks of an engine started elsewhere with --nnodes",
+        description="Run this machine's tensor-parallel ranks of an engine that `tokenmill "
+        "serve --nnodes N` started on another machine: they join it at --master-addr and "
+        "--master-port and serve until it stops.",
     )
     parser.add_argument(
         "--master-addr", required=True, help="the engine's MASTER_ADDR (where its ranks meet)"

@@ -1,12 +1,10 @@
 """Building, caching and loading the C++ CPU kernels (`csrc/*.cpp`, one module).
 
-The extension is compiled at first use with `torch.utils.cpp_extension.load` (gcc and ninja),
-into a directory under the user's cache keyed by the source's hash, torch's version and the
-compiler flags: a restart, or another process, reuses it. One process builds at a time, under
-an `flock` that the kernel releases if the builder dies; torch's own lock file, which a killed
-builder leaves behind (and torch then waits on forever), is cleared under it. Building takes
-~60 s of CPU (seven files, compiled in parallel), once per machine and source version; it is
-logged.
+The extension is compiled at first use (gcc and ninja) into a directory under the user's cache
+keyed by everything the build depends on; a valid build there is loaded without the compiler,
+by any process, checkout or environment with the same key (`extension_cache.py`). Building
+takes ~60 s of CPU (seven files, compiled in parallel), once per key; it prints one progress
+line.
 
 Where it cannot be built (no compiler, no ninja, an unsupported CPU) every caller falls back to
 the portable torch code, with one warning. Environment:
@@ -18,24 +16,17 @@ the portable torch code, with one warning. Environment:
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
 import os
-import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
-logger = logging.getLogger(__name__)
+from tokenmill.kernels.extension_cache import ExtensionSpec, load_extension
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
 _SOURCE_DIR = Path(__file__).parent / "csrc"
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -44,46 +35,17 @@ def cache_root() -> Path:
     return Path(base) / "tokenmill" / "torch_extensions"
 
 
-def _sources() -> list[Path]:
-    return sorted(_SOURCE_DIR.glob("*.cpp"))
-
-
-def _build_name() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(_SOURCE_DIR.glob("*.[ch]*")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(f"{torch.__version__}|{' '.join(_CFLAGS)}".encode())
-    return f"tokenmill_cpu_kernels_{digest.hexdigest()[:12]}"
+_KERNELS = ExtensionSpec(
+    prefix="tokenmill_cpu_kernels",
+    source_dir=_SOURCE_DIR,
+    cflags=("-O3", "-fopenmp", "-fno-math-errno"),
+    ldflags=("-fopenmp",),
+    label="the CPU kernels (~60 s of CPU)",
+)
 
 
 def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load
-
-    name = _build_name()
-    build_dir = cache_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    built = any(build_dir.glob(f"{name}*.so"))
-    if not built:
-        logger.warning(
-            "building tokenmill's CPU kernels once (~60 s of CPU over the machine's cores: "
-            "~35 s on 2 idle cores; cached in %s)",
-            build_dir,
-        )
-    start = time.perf_counter()
-    with open(build_dir / "tokenmill-build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, stale if we hold ours
-        module = load(
-            name=name,
-            sources=[str(path) for path in _sources()],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    if not built:
-        logger.warning("built tokenmill's CPU kernels in %.0f s", time.perf_counter() - start)
-    return module
+    return load_extension(_KERNELS, cache_root())
 
 
 def requested_isa() -> int | None:

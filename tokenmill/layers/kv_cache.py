@@ -14,6 +14,8 @@ which K/V activations of Llama-family models do (e4m3 reaches 448, e5m2 57344). 
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +38,26 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, device: torch.device, pin: bool = False) -> list:
         """Zeroed, not empty: attention multiplies masked-out (zero-weight) slots by their
-        values, and an uninitialised NaN there would poison the whole row."""
+        values, and an uninitialised NaN there would poison the whole row. In host memory
+        (unpinned) the zeros are the OS's own (`lazily_zeroed`): resident only once used."""
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if device.type == "cpu" and not pin:
+            return [lazily_zeroed(shape, self.dtype) for _ in range(self.num_layers)]
         return [
             torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
             for _ in range(self.num_layers)
         ]
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor over an anonymous memory mapping: the kernel supplies zero pages
+    on first touch, so a large KV cache costs resident memory only for the blocks written
+    (`torch.zeros` writes every byte, making the whole budget resident at start)."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, num_bytes)  # private and anonymous: zero-filled, lazily
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
