@@ -23,9 +23,20 @@ from pathlib import Path
 from tokenmill.bench.server_process import HOST, ServerProcess
 
 # GGUF types by the name vs_peers.py uses: converted from the checkpoint directly, or
-# quantized by `llama-quantize` from the f32 file (Q8_0, Q4_K_M: llama.cpp's usual recipe).
+# quantized by `llama-quantize` from the checkpoint's own precision (f32, or bf16 for a bf16
+# checkpoint: lossless either way), llama.cpp's usual recipe.
 CONVERTED = {"float32": "f32", "bfloat16": "bf16"}
-QUANTIZED = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+QUANTIZED = {
+    "q8_0": "Q8_0",
+    "q6_k": "Q6_K",
+    "q5_k_m": "Q5_K_M",
+    "q4_k_m": "Q4_K_M",
+    "q4_0": "Q4_0",
+    "iq4_xs": "IQ4_XS",
+    "iq4_nl": "IQ4_NL",
+    "q3_k_m": "Q3_K_M",
+    "q2_k": "Q2_K",
+}
 
 # convert_hf_to_gguf.py refuses a BPE tokenizer whose pre-tokenizer it does not know (the
 # random model's own small one) and tries sentencepiece first (not installed, and there is no
@@ -74,7 +85,7 @@ def gguf_file(model: Path, llamacpp: Path, kind: str) -> Path:
         command += ["--outtype", CONVERTED[kind], "--outfile"]
     elif kind in QUANTIZED:
         out = gguf_cache() / f"{model.name}-{kind}.gguf"
-        source = gguf_file(model, llamacpp, "float32")
+        source = gguf_file(model, llamacpp, _source_kind(model))
         command = [str(llamacpp / "build" / "bin" / "llama-quantize"), str(source)]
     else:
         raise ValueError(f"unknown GGUF kind {kind!r}; one of {[*CONVERTED, *QUANTIZED]}")
@@ -90,6 +101,13 @@ def gguf_file(model: Path, llamacpp: Path, kind: str) -> Path:
             raise RuntimeError(f"{Path(command[0]).name} failed:\n{result.stderr[-4000:]}")
         partial.rename(out)
     return out
+
+
+def _source_kind(model: Path) -> str:
+    """The float GGUF a quantized one is made from: the checkpoint's own dtype."""
+    config = json.loads((model / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 @dataclass

@@ -49,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from llamacpp import QUANTIZED
 from peers_engines import DEFAULT_ENGINES, Engine, resolve_engines
 from peers_machine import gguf_tensor_types, lscpu_summary, read_bandwidth_gbs, weight_bytes
 from peers_offline import OfflineResult, Resident, offline_run, resident_after_load
@@ -253,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--engines", default=None, help="comma-separated (peers_engines.py)")
     parser.add_argument("--online", action="store_true", help="servers under bench serve")
-    parser.add_argument("--quantization", choices=("q8_0", "q4_k_m"), default=None)
+    parser.add_argument("--quantization", choices=tuple(QUANTIZED), default=None)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-shaped")
     parser.add_argument("--batches", default="1,16,64", help="offline: requests at once")
     parser.add_argument("--concurrency", default="1,8,32", help="online: requests in flight")
