@@ -235,9 +235,7 @@ def _metrics_router(registry: CollectorRegistry, keys: ApiKeys) -> APIRouter:
 def _keyed_operations_router(ctx: ServerContext, keys: ApiKeys) -> APIRouter:
     """vLLM's operational routes that mutate state or cost work: behind the keys, if any."""
     auth: Responses = UNAUTHORIZED if keys else {}
-    router = APIRouter(
-        dependencies=[Depends(_api_key_check(keys))], route_class=OffLoopBodyRoute
-    )
+    router = APIRouter(dependencies=[Depends(_api_key_check(keys))], route_class=OffLoopBodyRoute)
 
     @router.post(
         "/reset_prefix_cache",
