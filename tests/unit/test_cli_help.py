@@ -46,7 +46,8 @@ def test_every_flag_of_every_command_has_a_help_text() -> None:
 def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     serve = " ".join(help_text(["serve", "--help"], capsys).split())
     assert "port to listen on (default: 8000)" in serve
-    assert "the token budget of one step (default: 2048)" in serve
+    scheduler = " ".join(help_text(["serve", "--help=scheduler"], capsys).split())
+    assert "the token budget of one step (default: 2048)" in scheduler
     throughput = " ".join(help_text(["bench", "throughput", "--help"], capsys).split())
     assert "prompt tokens, uniform in [MIN, MAX] (default: [16, 256])" in throughput
 
@@ -119,5 +120,39 @@ def test_tp_worker_help_says_what_it_is(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_serve_model_help_names_gguf_files(capsys: pytest.CaptureFixture[str]) -> None:
-    text = " ".join(help_text(["serve", "--help"], capsys).split())
+    text = " ".join(help_text(["serve", "--help=model"], capsys).split())
     assert "GGUF file" in text.split("--model MODEL")[-1][:200]
+
+
+ENGINE_COMMANDS = (["serve"], ["generate"], ["bench", "throughput"], ["eval"])
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_help_lists_engine_flags_by_name_only(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`eval --help` was 185 lines: the engine's 30-odd flags are named, not explained."""
+    short = help_text([*command, "--help"], capsys)
+    everything = help_text([*command, "--help=all"], capsys)
+    assert len(short.splitlines()) < len(everything.splitlines()) - 80
+    for flag in ("--max-num-seqs", "--kv-cache-dtype", "--speculative-config", "--model"):
+        assert flag in short and flag in everything
+    assert "the token budget of one step" not in short
+    assert "the token budget of one step" in everything
+
+
+def test_eval_help_fits_a_page(capsys: pytest.CaptureFixture[str]) -> None:
+    assert len(help_text(["eval", "--help"], capsys).splitlines()) <= 60
+
+
+def test_help_explains_one_section_or_the_flags_mentioning_a_word(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cache = " ".join(help_text(["eval", "--help=cache"], capsys).split())
+    assert "--kv-cache-dtype" in cache and "--max-num-seqs" not in cache
+    assert "--tasks" not in cache  # eval's own flags are in the plain --help
+    prefix = " ".join(help_text(["serve", "--help=prefix"], capsys).split())
+    assert "--enable-prefix-caching" in prefix and "--prefix-chars" in prefix
+    assert "--max-num-seqs" not in prefix
+    nothing = help_text(["serve", "--help=no-such-word"], capsys)
+    assert "no flag mentions 'no-such-word'" in nothing

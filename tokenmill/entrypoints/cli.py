@@ -11,6 +11,7 @@ import sys
 from tokenmill.entrypoints.cli_parser import CommandParser
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import add_server_args
+from tokenmill.entrypoints.sectioned_help import add_sectioned_help
 from tokenmill.version import __version__
 
 
@@ -45,8 +46,17 @@ def build_parser() -> CommandParser:
     return parser
 
 
+def _engine_command(
+    commands: argparse._SubParsersAction, name: str, **kwargs: str | None
+) -> argparse.ArgumentParser:
+    """A command that takes the engine flags: its `--help` lists them by section."""
+    parser = commands.add_parser(name, add_help=False, **kwargs)
+    add_sectioned_help(parser)
+    return parser
+
+
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    parser = _engine_command(commands, "serve", help="serve the OpenAI-compatible HTTP API")
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model"
     )
@@ -133,8 +143,11 @@ def _tp_worker(args: argparse.Namespace) -> int:
 def _add_generate(commands: argparse._SubParsersAction) -> None:
     from tokenmill.entrypoints import generate
 
-    parser = commands.add_parser(
-        "generate", help="generate text for prompts, offline", description=generate.__doc__
+    parser = _engine_command(
+        commands,
+        "generate",
+        help="generate text for prompts, offline",
+        description=generate.__doc__,
     )
     generate.add_generate_args(parser)
     add_engine_args(parser)
@@ -150,8 +163,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _add_bench(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("bench", help="benchmarks")
     kinds = parser.add_subparsers(dest="bench", required=True)
-    throughput = kinds.add_parser(
-        "throughput", help="offline throughput against Hugging Face static batching"
+    throughput = _engine_command(
+        kinds, "throughput", help="offline throughput against Hugging Face static batching"
     )
     from tokenmill.bench.throughput import add_throughput_args
 
@@ -179,8 +192,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "eval", help="exact-match accuracy per task of the demo model on held-out prompts"
+    parser = _engine_command(
+        commands, "eval", help="exact-match accuracy per task of the demo model on held-out prompts"
     )
     from tokenmill.entrypoints.demo_commands import add_eval_args
 

@@ -13,16 +13,64 @@ from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
 
+# The engine flags by what they set: a command's `--help` lists them by section
+# (entrypoints/sectioned_help.py). Every `EngineConfig` field is in exactly one.
+ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "model",
+        "tokenizer",
+        "dtype",
+        "device",
+        "seed",
+        "linear_backend",
+        "quantization",
+        "attention_backend",
+        "enforce_eager",
+        "generation_config",
+        "max_model_len",
+    ),
+    "cache": (
+        "block_size",
+        "num_kv_blocks",
+        "kv_cache_memory",
+        "gpu_memory_utilization",
+        "kv_cache_dtype",
+        "enable_prefix_caching",
+        "preemption_mode",
+        "swap_space",
+    ),
+    "scheduler": (
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "enable_chunked_prefill",
+        "scheduling_policy",
+        "itl_target_ms",
+        "long_prefill_token_threshold",
+        "max_num_partial_prefills",
+    ),
+    "decoding": ("speculative_config", "structured_outputs_config"),
+    "parallel": ("tensor_parallel_size", "nnodes", "distributed_timeout", "kv_transfer_config"),
+}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
-    for config_field in dataclasses.fields(EngineConfig):
-        group.add_argument(
-            *flag_names(config_field),
-            dest=config_field.name,
-            **_argparse_kwargs(config_field, hints[config_field.name]),
-        )
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    sectioned = [name for names in ENGINE_SECTIONS.values() for name in names]
+    if sorted(sectioned) != sorted(fields):
+        raise RuntimeError(f"ENGINE_SECTIONS must name each EngineConfig field once: {sectioned}")
+    for title, names in ENGINE_SECTIONS.items():
+        group = parser.add_argument_group(title)
+        for config_field in (fields[name] for name in names):
+            _add_flag(group, config_field, hints[config_field.name])
+
+
+def _add_flag(group: argparse._ArgumentGroup, config_field: dataclasses.Field, hint: Any) -> None:
+    group.add_argument(
+        *flag_names(config_field),
+        dest=config_field.name,
+        **_argparse_kwargs(config_field, hint),
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
