@@ -15,7 +15,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
-from tokenmill.core.remote_kv import KV_TRANSFER_FAILED
+from tokenmill.core.sched.remote_kv import KV_TRANSFER_FAILED
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kv_transfer.p2p import sender as sender_module
 from tokenmill.kv_transfer.p2p.connector import P2pConnector

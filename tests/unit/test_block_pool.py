@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.core.block_pool import BlockPool
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.kv.block_pool import BlockPool
+from tokenmill.core.kv.cache_manager import KVCacheManager, cdiv
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request
 

@@ -13,9 +13,9 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
@@ -308,7 +308,7 @@ def test_the_stats_line_shows_the_intervals_loads_and_saves() -> None:
     assert "KV connector" not in format_stats_line(engine_stats(None), engine_stats(None), 1.0)
 
 
-# ---- asynchronous loads and held blocks (core/remote_kv.py) -------------------------------
+# ---- asynchronous loads and held blocks (core/sched/remote_kv.py) -------------------------------
 
 
 class AsyncConnector(RecordingConnector):

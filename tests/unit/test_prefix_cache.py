@@ -6,9 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager, cdiv
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput

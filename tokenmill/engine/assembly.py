@@ -15,13 +15,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.prefill_budget import PrefillLimits
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_cost import StepCostModel
+from tokenmill.core.feedback.cost_model import StepCostModel
+from tokenmill.core.feedback.prefill_budget import PrefillLimits
+from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.kv.sizing import kv_cache_size, num_swap_blocks
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.engine.kv_connectors import KVConnectors
-from tokenmill.engine.kv_sizing import kv_cache_size, num_swap_blocks
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.step_records import StepRecord
+from tokenmill.core.feedback.records import StepRecord
 from tokenmill.engine.intake import PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import EngineMetrics

@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.output_applier import OutputApplier
+from tokenmill.core.sched.output_applier import OutputApplier
 from tokenmill.engine.assembly import assemble
 from tokenmill.engine.intake import PromptType, RequestIntake, ResolvedRequest
 from tokenmill.engine.kv_connectors import kv_transfer_stats, record_transfers, transfer_ring

@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv.cache_manager import KVCacheManager
 from tokenmill.step.request import Request
 
 # Cache-aware admission looks this far down the waiting queue for the request with the most

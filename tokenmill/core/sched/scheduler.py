@@ -8,7 +8,7 @@ prefill) while the decodes of others share each forward pass. A prefix-cache hit
 
 The scheduler only plans: a step's results are applied to its requests, and finished ones
 decided, by the output applier (`output_applier.py`); what is learned from a step once it is
-measured goes to its observer (`step_observer.py`), which it tells of each plan.
+measured goes to its observer (`core/feedback/observer.py`), which it tells of each plan.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.config import PREEMPTION_MODES
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
-from tokenmill.core.remote_kv import RemoteKVRequests
-from tokenmill.core.request_queue import RequestQueue
-from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_observer import StepObserver
+from tokenmill.core.feedback.observer import StepObserver
+from tokenmill.core.feedback.prefill_budget import PrefillBudget, PrefillLimits
+from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.remote_kv import RemoteKVRequests
+from tokenmill.core.sched.request_queue import RequestQueue
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats
 from tokenmill.step.request import Request, RequestStatus

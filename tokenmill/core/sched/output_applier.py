@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.stop_check import advance_grammar, check_stop
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.sched.stop_check import advance_grammar, check_stop
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.request_step_output import RequestStepOutput
 from tokenmill.step.runner_output import ModelRunnerOutput

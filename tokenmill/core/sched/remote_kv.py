@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.core.block_pool import KVCacheBlock
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request_queue import RequestQueue
+from tokenmill.core.kv.block_pool import KVCacheBlock
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.request_queue import RequestQueue
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.outputs import RequestError
 from tokenmill.step.request import Request, RequestStatus

@@ -8,7 +8,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Sequence
 
-from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
 from tokenmill.step.request import Request
 
