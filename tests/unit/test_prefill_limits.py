@@ -133,7 +133,7 @@ def test_no_step_is_predicted_over_target_except_the_progress_floor(
         assert step.num_partial <= max_partial, step
         if threshold:
             assert all(n <= threshold for n in step.chunks.values()), step
-    assert outputs == {r.request_id: expected_output(r) for r in requests}
+    assert outputs == {r.sample_id: expected_output(r) for r in requests}
 
 
 def decodes_only(shape: StepShape) -> StepShape:
