@@ -61,6 +61,8 @@ DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
 
 @dataclass
 class EngineParts:
+    """What `assemble` builds: `LLMEngine` keeps it whole, as `parts`, and copies none of it."""
+
     model_dir: Path
     architecture: str
     tokenizer: PreTrainedTokenizerBase
