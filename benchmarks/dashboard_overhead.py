@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.step_records import StepRecord, new_step_ring
+from tokenmill.core.feedback.records import StepRecord, new_step_ring
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.dashboard.feed import UPDATES_PER_SECOND, DashboardFeed

@@ -119,7 +119,7 @@ def compare(
     theirs = llamacpp_perplexity(llamacpp, gguf, text_file, ctx, chunks)
     llm = LLM(model=str(gguf), tokenizer=str(demo_target()), max_model_len=ctx + 1, dtype="float32")
     ours = tokenmill_perplexity(llm, tokens, ctx, chunks)
-    return ours, theirs, llm.engine.weight_format
+    return ours, theirs, llm.engine.parts.weight_format
 
 
 def main() -> None:

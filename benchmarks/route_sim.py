@@ -10,7 +10,7 @@ by the router's own policies (tokenmill/entrypoints/router/policies.py, the same
 - a prefix cache of its KV capacity in tokens, holding whole system prompts, least recently
   used evicted first (user parts are unique, so never hit);
 - one work-conserving FCFS server: a request's prefill costs what tokenmill's step cost
-  model (tokenmill/core/step_cost.py) says for its uncached tokens after its cached ones,
+  model (tokenmill/core/feedback/cost_model.py) says for its uncached tokens after its cached ones,
   `fixed + per_prefill * n + per_context * (n * c + n (n + 1) / 2)`, and its decode adds
   `per_decode` per output token of the replica's time. The coefficients default to a fit
   on this machine (`--fit-model`, see docs/scale_out.md).
@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenmill.core.step_cost import chunk_context
+from tokenmill.core.feedback.cost_model import chunk_context
 from tokenmill.entrypoints.router.policies import (
     DEFAULT_BALANCE_ABS_THRESHOLD,
     ReplicaLoad,

@@ -197,7 +197,7 @@ def bench_step_overhead(llm: LLM, repeats: int, tokens: int) -> None:
 def bench_compile(llm: LLM, repeats: int) -> None:
     engine = llm.engine
     start = time.perf_counter()
-    backend = XgrammarBackend(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    backend = XgrammarBackend(engine.tokenizer, engine.vocab_size, engine.parts.eos_token_ids)
     print(f"\n2. compile time (tokenizer table built once: {time.perf_counter() - start:.3f} s)")
     print("| schema | validate, on the engine thread (ms) | compile (ms) |")
     print("|---|---|---|")

@@ -33,7 +33,7 @@ LAYERS: tuple[str, ...] = (
     "structured_output",  # grammars: validation, compiles, a request's matcher, the bitmask
     "step",  # a step's vocabulary: requests as scheduler and runner see them, the seam values
     "kv_transfer",  # KV connectors, which the scheduler and the runner call
-    "core",  # scheduler, KV-cache manager, block pool, speculation policy
+    "core",  # KV memory, the feedback loop, scheduling: three rooms (ROOMS below)
     "spec_decode",  # proposers and verification
     "worker",  # the model runner (which calls proposers), tensor-parallel workers
     "engine",  # the step loop, its assembly, the output processor, the async engine
@@ -43,6 +43,14 @@ LAYERS: tuple[str, ...] = (
 )
 BASE_LAYER = 0  # tokenmill's own modules
 TOP_LAYER = len(LAYERS) + 1  # tokenmill/__init__.py
+
+# Rooms inside a layer, lowest first: each is one subpackage of the layer, which may import
+# from its own room and the rooms before it (and the layers below), never from a later one.
+ROOMS: dict[str, tuple[str, ...]] = {
+    # KV memory; the feedback loop (learned from measured steps: the cost model, the
+    # speculation policy, the prefill budget); scheduling, which reads both.
+    "core": ("kv", "feedback", "sched"),
+}
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,30 @@ def layer_of(module: str) -> int:
     if parts[1] not in LAYERS:
         raise ValueError(f"{module} is in no layer: add tokenmill.{parts[1]} to LAYERS")
     return LAYERS.index(parts[1]) + 1
+
+
+def room_of(module: str) -> int | None:
+    """The index in its layer's ROOMS of the room `module` is in; None for a module of a
+    layer without rooms, and for the layer's package itself."""
+    parts = module.split(".")
+    rooms = ROOMS.get(parts[1]) if len(parts) > 1 else None
+    if rooms is None or len(parts) == 2:
+        return None
+    if parts[2] not in rooms:
+        raise ValueError(f"{module} is in no room: add it to ROOMS[{parts[1]!r}]")
+    return rooms.index(parts[2])
+
+
+def imports_against_rooms(graph: list[Import]) -> list[Import]:
+    """Imports within a layer from a later room than the importer's."""
+    found = []
+    for i in graph:
+        if i.importer.split(".")[:2] != i.imported.split(".")[:2]:
+            continue  # across layers: `upward_imports` judges those
+        importer, imported = room_of(i.importer), room_of(i.imported)
+        if importer is not None and imported is not None and imported > importer:
+            found.append(i)
+    return found
 
 
 def subpackages() -> set[str]:
@@ -158,12 +190,12 @@ def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
 def main() -> int:
     graph = import_graph()
     circles = import_circles(graph)
-    upward = upward_imports(graph)
+    upward = upward_imports(graph) + imports_against_rooms(graph)
     print(f"{len(module_paths())} modules, {len(graph)} imports between them")
     print(f"import circles: {len(circles)}")
     for circle in circles:
         print("  " + " <-> ".join(circle))
-    print(f"upward imports: {len(upward)}")
+    print(f"upward imports (across layers or rooms): {len(upward)}")
     for i in upward:
         print(f"  {i.importer}:{i.line} -> {i.imported}")
     for title, found in (

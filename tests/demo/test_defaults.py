@@ -21,7 +21,7 @@ def chats() -> list[list[dict[str, str]]]:
 
 def test_no_model_means_the_demo_target() -> None:
     llm = LLM(dtype="float32", max_model_len=256)
-    assert llm.engine.model_dir == demo_model_path("target")
+    assert llm.engine.parts.model_dir == demo_model_path("target")
     reply = llm.chat(
         [[{"role": "user", "content": "Reverse this list: cat dog fish"}]],
         SamplingParams(temperature=0.0, max_tokens=8),

@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.assembly import EngineParts
 from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -215,9 +217,20 @@ def test_running_request_ids_name_requests_not_their_samples(llm: LLM) -> None:
     assert engine.running_request_ids() == set()  # nothing scheduled yet
     engine.step()
     assert engine.running_request_ids() == {"pair", "single"}
+    # The scheduler knows each sample by its own id; callers see only the request's.
+    assert {r.sample_id for r in engine.scheduler.running} == {"0_pair", "1_pair", "single"}
+    finished = []
     while engine.has_unfinished_requests():
-        engine.step()
+        finished += [o.request_id for o in engine.step() if o.finished]
     assert engine.running_request_ids() == set()
+    assert sorted(finished) == ["pair", "single"]
+
+
+def test_the_engine_keeps_its_parts_instead_of_copying_them(llm: LLM) -> None:
+    engine = llm.engine
+    assert {f.name for f in fields(EngineParts)} & set(vars(engine)) == set()
+    assert engine.scheduler is engine.parts.scheduler
+    assert engine.intake.kv_connector is None and engine.parts.kv_connectors is None
 
 
 def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) -> None:
@@ -226,7 +239,7 @@ def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) ->
     from tokenmill.config.engine import _cpu_has_fast_half_matmul
 
     expected = torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32
-    assert llm.engine.dtype == expected
+    assert llm.engine.parts.dtype == expected
     out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3
 
@@ -244,8 +257,9 @@ def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(
     fast = bool(flags & {"avx512_bf16", "amx_bf16"})
     checkpoint = str(tiny_checkpoint("llama"))  # saved in float32
     auto = LLM(model=checkpoint, max_model_len=64)
-    assert auto.engine.dtype == (torch.bfloat16 if fast else torch.float32)
-    assert LLM(model=checkpoint, max_model_len=64, dtype="float32").engine.dtype == torch.float32
+    assert auto.engine.parts.dtype == (torch.bfloat16 if fast else torch.float32)
+    forced = LLM(model=checkpoint, max_model_len=64, dtype="float32")
+    assert forced.engine.parts.dtype == torch.float32
 
 
 def test_chat_prompt_has_exactly_one_bos(llm: LLM) -> None:

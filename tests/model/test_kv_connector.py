@@ -98,7 +98,7 @@ def test_outputs_identical_with_the_connector(
     assert token_ids(generate(llm, prompts)) == reference
     stats = llm.get_stats().kv_transfer
     assert stats is not None and stats.num_saved_blocks > 0
-    spec = llm.engine.kv_connectors[0].context.kv_cache_spec
+    spec = llm.engine.parts.kv_connectors.scheduler.context.kv_cache_spec
     assert spec.dtype == (torch.float32 if kv_dtype == "auto" else torch.float8_e4m3fn)
     assert stats.bytes_saved == stats.num_saved_blocks * spec.bytes_per_block
     assert stats.num_loaded_tokens == 0  # one engine: its own prefix cache serves the hits
@@ -134,7 +134,7 @@ def test_a_different_cache_salt_never_loads_another_tenants_blocks(
 
 def block_path(llm: LLM, prompt: list[int], index: int) -> Path:
     core = llm.engine
-    connector = core.kv_connectors[0]
+    connector = core.parts.kv_connectors.scheduler
     assert isinstance(connector, SharedStorageConnector)
     request = Request("probe", prompt, greedy(), MAX_TOKENS)
     return connector.block_path(core.kv_cache_manager.block_hashes(request)[index])

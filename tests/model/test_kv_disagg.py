@@ -15,7 +15,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
-from tokenmill.core.remote_kv import KV_TRANSFER_FAILED
+from tokenmill.core.sched.remote_kv import KV_TRANSFER_FAILED
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kv_transfer.p2p import sender as sender_module
 from tokenmill.kv_transfer.p2p.connector import P2pConnector
@@ -393,7 +393,7 @@ def test_bad_kv_transfer_params_are_rejected_when_added(checkpoint) -> None:
         bad = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "x"}
         with pytest.raises(ValueError, match="kv_transfer_params"):
             decode.add_request("x", [1, 2, 3], greedy(kv_transfer_params=bad))
-        assert isinstance(decode.kv_connectors[0], P2pConnector)
+        assert isinstance(decode.parts.kv_connectors.scheduler, P2pConnector)
         assert not decode.has_unfinished_requests()
     finally:
         decode.shutdown()
@@ -404,7 +404,7 @@ def test_a_transfer_in_chunks_with_a_paced_receiver(checkpoint, prompts, expecte
     between chunks as long as it worked: the same outputs, every block written."""
     pair = make_pair(checkpoint, extra={"chunk_bytes": 1, "recv_duty_cycle": 0.5})
     try:
-        assert pair.decode.kv_connectors[1].receiver.chunk_blocks == 1
+        assert pair.decode.parts.kv_connectors.worker.receiver.chunk_blocks == 1
         outputs = pair.generate({"a": prompts["a"], "b": prompts["b"]})
         assert tokens(outputs) == {k: expected[k] for k in ("a", "b")}
         assert outputs["a"].num_cached_tokens == len(prompts["a"]) - 1
@@ -427,7 +427,7 @@ def test_the_receiver_runs_on_its_recv_cpus(checkpoint, prompts, expected) -> No
     try:
         outputs = pair.generate({"a": prompts["a"]})
         assert tokens(outputs) == {"a": expected["a"]}
-        links = list(pair.decode.kv_connectors[1].receiver.links.values())
+        links = list(pair.decode.parts.kv_connectors.worker.receiver.links.values())
         assert links and all(os.sched_getaffinity(link.thread.native_id) == {cpu} for link in links)
     finally:
         pair.shutdown()

@@ -86,7 +86,7 @@ def _accepts(xgrammar_backend: backend.XgrammarBackend, text: str, **kind) -> bo
 
 def test_whitespace_between_json_tokens_is_bounded_unless_freed(random_llm: LLM) -> None:
     engine = random_llm.engine
-    args = (engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    args = (engine.tokenizer, engine.vocab_size, engine.parts.eos_token_ids)
     bounded = backend.XgrammarBackend(*args)  # the default: StructuredOutputsConfig's
     free = backend.XgrammarBackend(*args, max_whitespace=None)
     assert _accepts(bounded, '{ "answer": 1', json=README_SCHEMA)
@@ -100,7 +100,7 @@ def test_whitespace_between_json_tokens_is_bounded_unless_freed(random_llm: LLM)
 def test_the_server_wide_switches_reach_the_grammar(tiny_checkpoint) -> None:
     config = {"max_whitespace": None, "disable_any_whitespace": True}
     llm = LLM(model=str(tiny_checkpoint("llama")), structured_outputs_config=config)
-    manager = llm.engine.structured_output
+    manager = llm.engine.parts.structured_output
     assert manager.config == StructuredOutputsConfig(
         max_whitespace=None, disable_any_whitespace=True
     )
@@ -137,7 +137,7 @@ def nested(depth: int) -> dict:
 
 
 def test_schema_nesting_is_bounded_before_any_recursive_check(random_llm: LLM) -> None:
-    random_llm.engine.structured_output.validate(StructuredOutputsParams(json=nested(30)))
+    random_llm.engine.parts.structured_output.validate(StructuredOutputsParams(json=nested(30)))
     for depth in (40, 160, 400):  # 160 and more: a RecursionError in the check before
         with pytest.raises(InvalidRequestError, match="levels deep") as error:
             StructuredOutputsParams(json=nested(depth), param="guided_json")
@@ -195,7 +195,7 @@ def wait_running(future: Future) -> None:
 
 def manager_of(tiny_checkpoint, **config) -> StructuredOutputManager:
     llm = LLM(model=str(tiny_checkpoint("llama")), structured_outputs_config=config)
-    return llm.engine.structured_output
+    return llm.engine.parts.structured_output
 
 
 def test_a_compile_past_its_timeout_ends_the_request_with_the_reason(
@@ -229,7 +229,7 @@ def test_a_small_constraint_never_waits_behind_a_large_compile(
 def test_a_compile_nobody_waits_for_is_cancelled(tiny_checkpoint, blocked_compiles) -> None:
     """Its request aborted while the compile still queued: it never runs, nor stays cached."""
     llm = LLM(model=str(tiny_checkpoint("llama")))
-    engine, manager = llm.engine, llm.engine.structured_output
+    engine, manager = llm.engine, llm.engine.parts.structured_output
     running, release_running = manager.hold(StructuredOutputsParams(regex="slow1"))
     wait_running(running)
     engine.add_request("gone", PROMPT, SamplingParams(structured_outputs={"regex": "slow2"}))
@@ -262,7 +262,7 @@ def test_the_grammar_cache_is_capped_by_bytes(tiny_checkpoint) -> None:
 
 def test_engine_shutdown_stops_the_compile_threads(tiny_checkpoint, blocked_compiles) -> None:
     llm = LLM(model=str(tiny_checkpoint("llama")))
-    manager = llm.engine.structured_output
+    manager = llm.engine.parts.structured_output
     running, _ = manager.hold(StructuredOutputsParams(regex="slow1"))
     wait_running(running)
     queued, _ = manager.hold(StructuredOutputsParams(regex="slow2"))

@@ -173,7 +173,7 @@ def test_equal_schemas_compile_once(tiny_checkpoint) -> None:
     llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=128)
     params = [constrained(json=PET), constrained(json=dict(PET)), constrained(regex="a+")]
     llm.generate([PROMPT] * 3, params, use_tqdm=False)
-    assert llm.engine.structured_output.num_cached_grammars == 2
+    assert llm.engine.parts.structured_output.num_cached_grammars == 2
 
 
 # A word-level vocabulary that cannot spell "z".
@@ -230,7 +230,7 @@ def test_drafts_ending_the_grammar_with_its_stop_token_get_masks(words_checkpoin
     there) allows every token instead of asking a terminated matcher for a mask (which
     raised, and failed the whole step)."""
     llm = LLM(model=words_checkpoint, dtype="float32", max_model_len=64)
-    manager = llm.engine.structured_output
+    manager = llm.engine.parts.structured_output
     grammar = manager.request_grammar(constrained(regex="ab"))
     while not grammar.is_ready():
         time.sleep(0.01)

@@ -70,7 +70,7 @@ def test_two_ranks_generate_what_one_rank_does(engines, prompts) -> None:
 def test_each_rank_loads_half_the_weights(engines) -> None:
     single, sharded = engines
     whole = weight_bytes(single.engine.runner.model)
-    per_rank = sharded.engine.executor.weight_bytes
+    per_rank = sharded.engine.parts.executor.weight_bytes
     assert per_rank[0] == weight_bytes(sharded.engine.runner.model)
     # Norms (and mistral's single KV head) are replicated: a little over half.
     assert len(per_rank) == 2 and all(0.5 <= b / whole < 0.56 for b in per_rank), per_rank

@@ -29,7 +29,7 @@ def tiny_tp_engine(tiny_checkpoint, **kwargs) -> LLM:
 
 def test_a_killed_worker_fails_the_engine_clearly(tiny_checkpoint) -> None:
     llm = tiny_tp_engine(tiny_checkpoint)
-    worker = llm.engine.executor.workers[0]
+    worker = llm.engine.parts.executor.workers[0]
     try:
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
@@ -43,7 +43,7 @@ def test_a_killed_worker_fails_the_engine_clearly(tiny_checkpoint) -> None:
 
 def test_a_hung_worker_fails_the_engine_within_the_timeout(tiny_checkpoint) -> None:
     llm = tiny_tp_engine(tiny_checkpoint, distributed_timeout=2)
-    worker = llm.engine.executor.workers[0]
+    worker = llm.engine.parts.executor.workers[0]
     try:
         os.kill(worker.pid, signal.SIGSTOP)
         start = time.monotonic()
@@ -66,7 +66,7 @@ def test_no_worker_outlives_its_engine_process(tiny_checkpoint, tmp_path: Path) 
             from tokenmill import LLM
             if __name__ == "__main__":
                 llm = LLM({checkpoint!r}, dtype="float32", tensor_parallel_size=2)
-                print(*(w.pid for w in llm.engine.executor.workers), flush=True)
+                print(*(w.pid for w in llm.engine.parts.executor.workers), flush=True)
         """)
     )
     done = subprocess.run(

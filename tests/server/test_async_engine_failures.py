@@ -14,12 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineRequest,
-    EngineStepError,
-)
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from tokenmill.engine.intake import EngineRequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.context import ServerContext

@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.core.block_pool import BlockPool
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.kv.block_pool import BlockPool
+from tokenmill.core.kv.cache_manager import KVCacheManager, cdiv
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request
 
@@ -61,18 +61,18 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         assert len(new_ids) == cdiv(num_tokens, self.block_size)
         request.num_computed_tokens = num_tokens
-        self.requests[request.request_id] = request
+        self.requests[request.sample_id] = request
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), num_new=st.integers(1, 9))
     def grow(self, data: st.DataObject, num_new: int) -> None:
         request = self.requests[data.draw(st.sampled_from(sorted(self.requests)))]
-        before = self.manager.get_block_ids(request.request_id)
+        before = self.manager.get_block_ids(request.sample_id)
         new_ids = self.manager.allocate_slots(request, num_new)
         if new_ids is None:
-            assert self.manager.get_block_ids(request.request_id) == before
+            assert self.manager.get_block_ids(request.sample_id) == before
             return
-        assert self.manager.get_block_ids(request.request_id) == before + new_ids
+        assert self.manager.get_block_ids(request.sample_id) == before + new_ids
         request.num_computed_tokens += num_new
         request.all_token_ids += [1] * num_new
 
@@ -110,7 +110,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     @invariant()
     def each_request_has_exactly_the_blocks_its_tokens_need(self) -> None:
         for request in self.requests.values():
-            num_blocks = len(self.manager.get_block_ids(request.request_id))
+            num_blocks = len(self.manager.get_block_ids(request.sample_id))
             assert num_blocks == cdiv(request.num_computed_tokens, self.block_size)
 
     def teardown(self) -> None:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError, EngineConfig
-from tokenmill.engine import kv_sizing
-from tokenmill.engine.kv_sizing import kv_cache_size
+from tokenmill.core.kv import sizing
+from tokenmill.core.kv.sizing import kv_cache_size
 from tokenmill.layers.kv_cache import KVCacheSpec
 
 CPU = torch.device("cpu")
@@ -27,7 +27,7 @@ def _resident_bytes() -> int:
 def test_the_cpu_default_is_what_the_served_limits_can_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 64 * 1024**3)
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda: 64 * 1024**3)
     size = kv_cache_size(EngineConfig(max_num_seqs=4), SPEC, 512, CPU)
     assert size.num_blocks == 4 * 512 // 16
     assert "max_num_seqs x max_model_len = 4 x 512 tokens" in size.reason
@@ -35,7 +35,7 @@ def test_the_cpu_default_is_what_the_served_limits_can_use(
 
 
 def test_the_cpu_default_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 64 * 1024**3)
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda: 64 * 1024**3)
     size = kv_cache_size(EngineConfig(max_num_seqs=256), SPEC, 2048, CPU)
     assert size.num_blocks == DEFAULT_CPU_KV_CACHE_BYTES // SPEC.bytes_per_block
     assert size.reason.startswith("CPU default: the cap of 2.00 GiB")
@@ -44,11 +44,11 @@ def test_the_cpu_default_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_cpu_default_takes_at_most_half_the_memory_available(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 1024**3)
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda: 1024**3)
     size = kv_cache_size(EngineConfig(max_num_seqs=256), SPEC, 2048, CPU)
     assert size.num_blocks == (1024**3 // 2) // SPEC.bytes_per_block
     assert size.reason.startswith("CPU default: half the 1.00 GiB available")
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 10 * 1024**2)
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda: 10 * 1024**2)
     with pytest.raises(ConfigError, match=r"half the 0\.01 GiB available"):
         kv_cache_size(EngineConfig(), SPEC, 2048, CPU)
 

@@ -13,9 +13,9 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tokenmill.config import ConfigError, EngineConfig, KVTransferConfig, SpeculativeConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.kv_transfer.base import (
     KVConnectorBase,
@@ -29,7 +29,7 @@ from tokenmill.kv_transfer.block_file import (
     read_block,
     write_block,
 )
-from tokenmill.kv_transfer.factory import create_connector
+from tokenmill.kv_transfer.factory import create_connector, create_connector_pair
 from tokenmill.kv_transfer.p2p.connector import P2pConnector
 from tokenmill.kv_transfer.p2p.params import RemotePrefill
 from tokenmill.kv_transfer.storage import SharedStorageConnector, StorageConnectorMetadata
@@ -168,7 +168,7 @@ class RecordingConnector(KVConnectorBase):
         return self.num_external, False
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
-        self.allocated.append((request.request_id, list(block_ids), num_external_tokens))
+        self.allocated.append((request.sample_id, list(block_ids), num_external_tokens))
 
     def build_connector_meta(
         self,
@@ -180,7 +180,7 @@ class RecordingConnector(KVConnectorBase):
         return KVConnectorMetadata()
 
     def request_finished(self, request: Request, block_ids: list[int]):
-        self.finished.append(request.request_id)
+        self.finished.append(request.sample_id)
         return False, None
 
     def start_load_kv(self) -> None: ...
@@ -300,6 +300,29 @@ def test_storage_round_trip_between_halves(tmp_path: Path, dtype) -> None:
     assert scheduler_half.stats().num_loaded_tokens == 8
 
 
+def test_the_pair_names_its_halves_and_sums_their_stats(tmp_path: Path) -> None:
+    config = KVTransferConfig(
+        kv_connector="SharedStorageConnector",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )
+    ctx = context()
+    pair = create_connector_pair(config, ctx)
+    assert (pair.scheduler.role, pair.worker.role) == (
+        KVConnectorRole.SCHEDULER,
+        KVConnectorRole.WORKER,
+    )
+    pair.worker.register_kv_caches([torch.randn(2, 8, 4, 2, 4) for _ in range(2)])
+    probe = request("a", num_prompt=12)
+    hashes = ctx.block_hashes(probe)
+    pair.worker.bind_connector_metadata(StorageConnectorMetadata(saves=[(5, hashes[0])]))
+    pair.worker.wait_for_save()
+    assert pair.scheduler.get_num_new_matched_tokens(probe, 0) == (4, False)
+    pair.scheduler.update_state_after_alloc(probe, [1], 4)
+    stats = pair.stats()
+    assert (stats.num_saved_blocks, stats.num_loaded_tokens) == (1, 4)  # one from each half
+    pair.shutdown()
+
+
 def test_the_stats_line_shows_the_intervals_loads_and_saves() -> None:
     before = engine_stats(KVTransferStats(num_loaded_tokens=16, num_saved_blocks=1))
     now = engine_stats(KVTransferStats(num_loaded_tokens=48, num_saved_blocks=3))
@@ -308,7 +331,7 @@ def test_the_stats_line_shows_the_intervals_loads_and_saves() -> None:
     assert "KV connector" not in format_stats_line(engine_stats(None), engine_stats(None), 1.0)
 
 
-# ---- asynchronous loads and held blocks (core/remote_kv.py) -------------------------------
+# ---- asynchronous loads and held blocks (core/sched/remote_kv.py) -------------------------------
 
 
 class AsyncConnector(RecordingConnector):
@@ -320,18 +343,18 @@ class AsyncConnector(RecordingConnector):
         self.loading: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
-        if request.num_output_tokens or request.request_id in self.finished:
+        if request.num_output_tokens or request.sample_id in self.finished:
             return 0, False
         return self.num_external, True
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
         if num_external_tokens:
-            self.loading.add(request.request_id)
+            self.loading.add(request.sample_id)
 
     def request_finished(self, request: Request, block_ids: list[int]):
-        self.finished.append(request.request_id)
-        if request.request_id in self.loading:
+        self.finished.append(request.sample_id)
+        if request.sample_id in self.loading:
             return True, None
         if request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
             return True, {"where": "here"}  # a send to another engine
@@ -447,7 +470,7 @@ def test_a_request_holding_loaded_kv_is_admitted_before_one_that_cannot_fit() ->
     remote_ids = {"y"}
     plain = connector.get_num_new_matched_tokens
     connector.get_num_new_matched_tokens = lambda r, n: (
-        plain(r, n) if r.request_id in remote_ids else (0, False)
+        plain(r, n) if r.sample_id in remote_ids else (0, False)
     )
     scheduler = Scheduler(
         KVCacheManager(8, 4),

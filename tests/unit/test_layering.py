@@ -10,12 +10,15 @@ import pytest
 
 from tokenmill_testing.import_graph import (
     LAYERS,
+    ROOMS,
     Import,
     import_circles,
     import_graph,
+    imports_against_rooms,
     layer_of,
     long_modules,
     module_paths,
+    room_of,
     subpackages,
     upward_imports,
 )
@@ -55,6 +58,29 @@ def test_the_package_imports_nothing_it_does_not_ship() -> None:
 def test_no_module_imports_from_a_higher_layer(graph: list[Import]) -> None:
     upward = [f"{i.importer}:{i.line} -> {i.imported}" for i in upward_imports(graph)]
     assert upward == []
+
+
+def test_every_module_of_a_layer_with_rooms_is_in_one() -> None:
+    """core/ holds its modules in rooms (kv/, feedback/, sched/), none loose beside them."""
+    for name in module_paths():
+        room_of(name)  # raises for a module of such a layer outside its rooms
+    modules = module_paths()
+    named = {f"tokenmill.{layer}.{room}" for layer, rooms in ROOMS.items() for room in rooms}
+    assert named == {m for m in modules if len(m.split(".")) == 3 and m.split(".")[1] in ROOMS}
+
+
+def test_no_module_imports_from_a_later_room(graph: list[Import]) -> None:
+    against = [f"{i.importer}:{i.line} -> {i.imported}" for i in imports_against_rooms(graph)]
+    assert against == []
+
+
+def test_the_checker_sees_imports_against_the_rooms() -> None:
+    kv_to_sched = Import("tokenmill.core.kv.cache_manager", "tokenmill.core.sched.scheduler", 1)
+    sched_to_kv = Import("tokenmill.core.sched.scheduler", "tokenmill.core.kv.cache_manager", 1)
+    across = Import("tokenmill.engine.llm_engine", "tokenmill.core.sched.scheduler", 1)
+    assert imports_against_rooms([kv_to_sched, sched_to_kv, across]) == [kv_to_sched]
+    with pytest.raises(ValueError, match="no room"):
+        room_of("tokenmill.core.loose_module")
 
 
 def test_no_import_circles(graph: list[Import]) -> None:

@@ -1,11 +1,11 @@
-"""The output applier (core/output_applier.py): the one place that decides a request has
+"""The output applier (core/sched/output_applier.py): the one place that decides a request has
 finished, stop strings included, and what the step observer hears of it. No tensors."""
 
 from __future__ import annotations
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput

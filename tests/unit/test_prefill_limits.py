@@ -10,11 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import expected_output, fake_run, make_request
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.prefill_budget import PREFILL_FLOOR_SHARE, PredictionError, PrefillLimits
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.step_cost import StepShape, chunk_context
+from tokenmill.core.feedback.cost_model import StepShape, chunk_context
+from tokenmill.core.feedback.prefill_budget import (
+    PREFILL_FLOOR_SHARE,
+    PredictionError,
+    PrefillLimits,
+)
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.scheduler_output import SchedulerOutput
 
@@ -129,7 +133,7 @@ def test_no_step_is_predicted_over_target_except_the_progress_floor(
         assert step.num_partial <= max_partial, step
         if threshold:
             assert all(n <= threshold for n in step.chunks.values()), step
-    assert outputs == {r.request_id: expected_output(r) for r in requests}
+    assert outputs == {r.sample_id: expected_output(r) for r in requests}
 
 
 def decodes_only(shape: StepShape) -> StepShape:

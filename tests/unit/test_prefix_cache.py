@@ -6,9 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager, cdiv
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
@@ -156,11 +156,11 @@ class CachingManagerMachine(RuleBasedStateMachine):
         hits, num_hit = self.manager.get_computed_blocks(req)
         assert num_hit % BLOCK == 0 and num_hit < req.num_tokens
         if self.manager.allocate_slots(req, req.num_tokens - num_hit, hits) is None:
-            assert self.manager.get_block_ids(req.request_id) == []
+            assert self.manager.get_block_ids(req.sample_id) == []
             return
         req.num_computed_tokens = req.num_tokens
         self.manager.cache_computed_blocks(req)
-        self.live[req.request_id] = req
+        self.live[req.sample_id] = req
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -180,19 +180,19 @@ class CachingManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data: st.DataObject) -> None:
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        num_blocks = len(self.manager.get_block_ids(req.request_id))
+        num_blocks = len(self.manager.get_block_ids(req.sample_id))
         pairs = self.manager.swap_out(req)
         if pairs is not None:
             assert len(pairs) == num_blocks
-            self.swapped[req.request_id] = self.live.pop(req.request_id)
+            self.swapped[req.sample_id] = self.live.pop(req.sample_id)
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
     def swap_in(self, data: st.DataObject) -> None:
         req = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
         if self.manager.swap_in(req, 0) is not None:
-            self.live[req.request_id] = self.swapped.pop(req.request_id)
-            assert len(self.manager.get_block_ids(req.request_id)) == cdiv(
+            self.live[req.sample_id] = self.swapped.pop(req.sample_id)
+            assert len(self.manager.get_block_ids(req.sample_id)) == cdiv(
                 req.num_computed_tokens, BLOCK
             )
 
@@ -224,7 +224,7 @@ class CachingManagerMachine(RuleBasedStateMachine):
     def only_computed_blocks_are_findable(self) -> None:
         """A block in the prefix cache holds KV that was written (here: marked computed)."""
         for req in self.live.values():
-            blocks = self.manager.req_to_blocks[req.request_id]
+            blocks = self.manager.req_to_blocks[req.sample_id]
             for index, block in enumerate(blocks):
                 if block.block_hash is not None:
                     assert (index + 1) * BLOCK <= req.num_computed_tokens, (req, index)
@@ -296,7 +296,7 @@ def test_priority_policy_preempts_the_lowest_priority_running_request() -> None:
     second = scheduler.schedule()
     assert second.preempted_req_ids == {"low"}
     assert "low" not in second.num_scheduled_tokens
-    assert scheduler.waiting[0].request_id == "low"
+    assert scheduler.waiting[0].sample_id == "low"
 
 
 def test_swap_preemption_keeps_progress_and_swaps_back_in() -> None:

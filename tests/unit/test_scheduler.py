@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
@@ -130,7 +130,7 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first() -> 
     # Each now has 9 tokens; the next decode needs a third block each.
     second = scheduler.schedule()
     assert second.preempted_req_ids == {"r2"}
-    assert scheduler.waiting[0].request_id == "r2"
+    assert scheduler.waiting[0].sample_id == "r2"
     assert scheduler.waiting[0].status == RequestStatus.PREEMPTED
     assert scheduler.waiting[0].num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
@@ -162,7 +162,7 @@ def test_every_request_finishes_with_the_output_it_would_have_alone(
         scheduler.add_request(request)
     outputs = run_to_completion(scheduler)
     for request in requests:
-        assert outputs[request.request_id] == expected_output(request), request
+        assert outputs[request.sample_id] == expected_output(request), request
         assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     manager = scheduler.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
@@ -176,7 +176,7 @@ def test_preempted_requests_resume_with_identical_output() -> None:
     outputs = run_to_completion(scheduler)
     assert scheduler.num_preemptions > 0
     for request in requests:
-        assert outputs[request.request_id] == expected_output(request)
+        assert outputs[request.sample_id] == expected_output(request)
 
 
 def test_a_prompt_recomputed_after_preemption_counts_once_as_prompt() -> None:

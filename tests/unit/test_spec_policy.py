@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.output_applier import OutputApplier
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.speculation_policy import SpeculationPolicy
+from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.request import Request
 from tokenmill.step.runner_output import ModelRunnerOutput

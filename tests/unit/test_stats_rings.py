@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.kv.block_pool import BlockPool
 from tokenmill.metrics.ring import Ring
 
 

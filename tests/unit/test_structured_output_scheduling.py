@@ -8,7 +8,7 @@ from concurrent.futures import Future
 import pytest
 from test_scheduler import make_request, make_scheduler
 
-from tokenmill.core.output_applier import OutputApplier
+from tokenmill.core.sched.output_applier import OutputApplier
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.step.request import RequestStatus
 from tokenmill.structured_output.request_grammar import RequestGrammar

@@ -140,7 +140,7 @@ def run_throughput(args: argparse.Namespace, llm: Any) -> list[ThroughputResult]
     hf_model = None
     if not args.skip_hf:
         hf_model = AutoModelForCausalLM.from_pretrained(
-            llm.engine.model_dir, dtype=llm.engine.dtype
+            llm.engine.parts.model_dir, dtype=llm.engine.parts.dtype
         )
         hf_model.eval()
     pad_id = llm.get_tokenizer().pad_token_id or 0

@@ -25,7 +25,7 @@ _DTYPES = {
 }
 
 # On CPU, with no memory budget given, the KV cache takes at most this much (and at most what
-# the served limits use, or half the memory available: engine/kv_sizing.py says why).
+# the served limits use, or half the memory available: core/kv/sizing.py says why).
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 

@@ -15,14 +15,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.prefill_budget import PrefillLimits
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_cost import StepCostModel
-from tokenmill.engine.kv_connectors import KVConnectors
-from tokenmill.engine.kv_sizing import kv_cache_size, num_swap_blocks
-from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext
+from tokenmill.core.feedback.cost_model import StepCostModel
+from tokenmill.core.feedback.prefill_budget import PrefillLimits
+from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.kv.sizing import kv_cache_size, num_swap_blocks
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
 from tokenmill.layers.attention_backends import resolve_attention_backend
@@ -62,6 +61,8 @@ DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
 
 @dataclass
 class EngineParts:
+    """What `assemble` builds: `LLMEngine` keeps it whole, as `parts`, and copies none of it."""
+
     model_dir: Path
     architecture: str
     tokenizer: PreTrainedTokenizerBase
@@ -76,7 +77,7 @@ class EngineParts:
     default_sampling: dict[str, Any]  # from generation_config.json
     kv_cache_manager: KVCacheManager
     runner: ModelRunner
-    kv_connectors: KVConnectors | None  # (scheduler half, worker half)
+    kv_connectors: KVConnectorPair | None
     scheduler: Scheduler
     structured_output: StructuredOutputManager
 
@@ -108,14 +109,14 @@ def assemble(config: EngineConfig) -> EngineParts:
     )
     kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
     if kv_connectors is not None:
-        runner.use_kv_connector(kv_connectors[1])
+        runner.use_kv_connector(kv_connectors.worker)
     scheduler = _scheduler(
         config,
         runner,
         kv_cache_manager,
         max_model_len,
         spec_lookahead=draft_has_kv,
-        kv_connector=kv_connectors[0] if kv_connectors else None,
+        kv_connector=kv_connectors.scheduler if kv_connectors else None,
     )
     vocab_size = model.shape.vocab_size
     eos_ids = eos_token_ids(model_dir, hf_config)
@@ -188,7 +189,7 @@ def _kv_connectors(
     settings: LoadSettings,
     kv_spec: KVCacheSpec,
     kv_cache_manager: KVCacheManager,
-) -> KVConnectors | None:
+) -> KVConnectorPair | None:
     """The configured KV connector's scheduler and worker halves."""
     if config.kv_transfer_config is None:
         return None

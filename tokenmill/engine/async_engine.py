@@ -17,12 +17,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.step_records import StepRecord
-from tokenmill.engine.intake import PromptType
+from tokenmill.core.feedback.records import StepRecord
+from tokenmill.engine.intake import EngineRequest, PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.metrics.ring import Ring
@@ -40,15 +39,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step failed while this request was in it. The engine carries on with the others."""
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
 
 
 _Item = RequestOutput | BaseException
@@ -109,7 +99,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
-        self.default_sampling = engine.default_sampling  # from generation_config.json
+        self.default_sampling = engine.parts.default_sampling  # from generation_config.json
         self.last_stats: EngineStats = engine.get_stats()
         self.metrics = metrics
         if metrics is not None:
@@ -132,7 +122,7 @@ class AsyncEngine:
         # than answering 503 forever.
         self.on_dead: Callable[[BaseException], None] | None = None
         # A dead tensor-parallel worker kills the engine at once, even while it idles.
-        self._executor = engine.executor
+        self._executor = engine.parts.executor
         if self._executor is not None:
             self._executor.on_failure = self._die
 
@@ -194,11 +184,10 @@ class AsyncEngine:
 
     # ---- requests (event loop) ---------------------------------------------------------------
 
-    async def add_requests(
-        self, requests: Sequence[EngineRequest], arrival_time: float | None = None
-    ) -> RequestStream:
+    async def add_requests(self, requests: Sequence[EngineRequest]) -> RequestStream:
         """Queue requests that share one output stream. Raises `InvalidRequestError` (none of
-        them is queued then) before any output exists, so callers can still answer 400."""
+        them is queued then) before any output exists, so callers can still answer 400.
+        A stream carries what each request's `output_kind` asks for (the server's, deltas)."""
         self._check_alive()
         if self._thread is None:
             self.start()
@@ -207,8 +196,7 @@ class AsyncEngine:
         for request_id in ids:
             self._streams[request_id] = stream
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        self._submit(lambda: self._add(requests, arrival_time, added))
+        self._submit(lambda: self._add(requests, added))
         try:
             await asyncio.wrap_future(added)
         except BaseException:
@@ -219,8 +207,11 @@ class AsyncEngine:
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """One request's outputs; closing the iterator early aborts the request."""
-        stream = await self.add_requests([EngineRequest(request_id, prompt, params)])
+        """One request's outputs, as deltas; closing the iterator early aborts the request."""
+        request = EngineRequest(
+            request_id, prompt, params, time.time(), output_kind=RequestOutputKind.DELTA
+        )
+        stream = await self.add_requests([request])
         async with stream:
             async for output in stream:
                 yield output
@@ -351,25 +342,14 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, items)
 
     def _add(
-        self,
-        requests: Sequence[EngineRequest],
-        arrival_time: float,
-        added: concurrent.futures.Future[None],
+        self, requests: Sequence[EngineRequest], added: concurrent.futures.Future[None]
     ) -> None:
         if not added.set_running_or_notify_cancel():
             return
         done: list[str] = []
         try:
             for r in requests:
-                self.engine.add_request(
-                    r.request_id,
-                    r.prompt,
-                    r.params,
-                    arrival_time,
-                    priority=r.priority,
-                    cache_salt=r.cache_salt,
-                    output_kind=RequestOutputKind.DELTA,
-                )
+                self.engine.add(r)
                 done.append(r.request_id)
                 self._num_samples[r.request_id] = r.params.n
         except Exception as e:

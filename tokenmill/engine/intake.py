@@ -9,6 +9,9 @@ sampling parameters with the model's stop tokens and the output kind the caller 
 caller's `SamplingParams` is never written.
 The server adds its own HTTP rules before this (vLLM's 400 when prompt + max_tokens exceed
 the context, a byte cap before tokenizing), and shares `check_prompt_tokens` for /tokenize.
+
+What comes in is an `EngineRequest`, made once where a request enters tokenmill (the
+server's generation run, `LLM.generate`, `LLMEngine.add_request`) and carried here whole.
 """
 
 from __future__ import annotations
@@ -30,6 +33,20 @@ from tokenmill.sampling_params import (
 from tokenmill.structured_output.manager import StructuredOutputManager
 
 PromptType = str | list[int]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as a caller hands it to the engine, unchecked (the intake checks it)."""
+
+    request_id: str  # the caller's, which its outputs carry (its samples': `sample_id`)
+    prompt: PromptType  # text, or token ids
+    params: SamplingParams  # the caller's: never written
+    arrival_time: float | None = None  # None: when the intake takes it
+    add_special_tokens: bool = True  # False for text that carries them (a chat template's)
+    priority: int = 0  # lower runs first, under the priority policy
+    cache_salt: str | None = None  # isolates a tenant's prefix-cache entries
+    output_kind: RequestOutputKind | None = None  # None: as `params` says
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -92,6 +109,14 @@ def check_kv_transfer_params(connector: KVConnectorBase | None, params: Sampling
         raise InvalidRequestError("kv_transfer_params", str(e)) from None
 
 
+def sample_id(request_id: str, index: int, n: int) -> str:
+    """The id of sample `index` of a request with `n` samples: the request's own id when
+    n == 1, else `{index}_{request_id}` (as vLLM names a parent request's children). The
+    scheduler, the runner and the KV connectors know a sample by it; callers only ever see
+    the request's id."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
 @dataclass(frozen=True)
 class ResolvedRequest:
     """A request as the engine takes it: checked, with everything resolved. Nothing
@@ -105,6 +130,10 @@ class ResolvedRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+
+    def sample_ids(self) -> list[str]:
+        """The ids the scheduler and the runner know the `n` samples by (`sample_id`)."""
+        return [sample_id(self.request_id, index, self.params.n) for index in range(self.params.n)]
 
     def sample_params(self) -> list[SamplingParams]:
         """The parameters of each of the `n` samples: one sample each, seeds `seed + index`
@@ -143,43 +172,34 @@ class RequestIntake:
         self.structured_output = structured_output
         self.kv_connector = kv_connector
 
-    def resolve(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        add_special_tokens: bool = True,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        output_kind: RequestOutputKind | None = None,
-    ) -> ResolvedRequest:
-        """Raises `InvalidRequestError` naming the field for anything the engine can't take.
-        `output_kind`: how the outputs are shaped (default: as `params` says)."""
+    def resolve(self, request: EngineRequest) -> ResolvedRequest:
+        """Raises `InvalidRequestError` naming the field for anything the engine can't take."""
+        params = request.params
         if isinstance(params.structured_outputs, StructuredOutputsParams):
             self.structured_output.validate(params.structured_outputs)
         check_kv_transfer_params(self.kv_connector, params)
-        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        text, token_ids = self._tokenize(request.prompt, request.add_special_tokens)
         check_prompt_tokens(token_ids, self.vocab_size, self.max_model_len)
         check_token_ids(params.logit_bias or (), self.vocab_size, "logit_bias")
         check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
-        check_cache_salt(cache_salt)
+        check_cache_salt(request.cache_salt)
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         engine_params = params.clone()
         engine_params.all_stop_token_ids = set(self.eos_token_ids)
-        if output_kind is not None:
-            engine_params.output_kind = output_kind
+        if request.output_kind is not None:
+            engine_params.output_kind = request.output_kind
+        arrival_time = request.arrival_time
         return ResolvedRequest(
-            request_id,
+            request.request_id,
             text,
             tuple(token_ids),
             engine_params,
             max_tokens,
             time.time() if arrival_time is None else arrival_time,
-            priority,
-            cache_salt,
+            request.priority,
+            request.cache_salt,
         )
 
     def _tokenize(

@@ -3,17 +3,14 @@ and its two halves' stats summed (`assembly.py` makes the halves)."""
 
 from __future__ import annotations
 
-from tokenmill.kv_transfer.base import KVConnectorBase
+from tokenmill.kv_transfer.base import KVConnectorPair
 from tokenmill.metrics.recent import REQUEST_HISTORY
 from tokenmill.metrics.ring import Ring
 from tokenmill.metrics.stats import KVTransferRecord, KVTransferStats
 from tokenmill.step.runner_output import ModelRunnerOutput
 
-# (scheduler half, worker half)
-KVConnectors = tuple[KVConnectorBase, KVConnectorBase]
 
-
-def transfer_ring(connectors: KVConnectors | None) -> Ring[KVTransferRecord] | None:
+def transfer_ring(connectors: KVConnectorPair | None) -> Ring[KVTransferRecord] | None:
     """Where the engine keeps each request's transfer, for /metrics and the dashboard."""
     return None if connectors is None else Ring(REQUEST_HISTORY)
 
@@ -24,7 +21,7 @@ def record_transfers(ring: Ring[KVTransferRecord] | None, output: ModelRunnerOut
             ring.append(record)
 
 
-def kv_transfer_stats(connectors: KVConnectors | None) -> KVTransferStats | None:
+def kv_transfer_stats(connectors: KVConnectorPair | None) -> KVTransferStats | None:
     if connectors is None:
         return None
-    return connectors[0].stats() + connectors[1].stats()
+    return connectors.stats()

@@ -10,9 +10,11 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.output_applier import OutputApplier
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.output_applier import OutputApplier
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.engine.assembly import assemble
-from tokenmill.engine.intake import PromptType, RequestIntake, ResolvedRequest
+from tokenmill.engine.intake import EngineRequest, PromptType, RequestIntake, ResolvedRequest
 from tokenmill.engine.kv_connectors import kv_transfer_stats, record_transfers, transfer_ring
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.metrics.stats import EngineStats, KVBlockStates
@@ -22,43 +24,58 @@ from tokenmill.sampling_params import InvalidRequestError, RequestOutputKind, Sa
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
+from tokenmill.worker.model_runner import ModelRunner
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         forget_openmp_wait_policy()  # torch is loaded: child processes get the user's environment
         self.config = config
-        parts = assemble(config)
+        self.parts = parts = assemble(config)  # what the engine runs, built once
         self.intake = RequestIntake(
             parts.tokenizer,
             parts.vocab_size,
             parts.max_model_len,
             parts.eos_token_ids,
             parts.structured_output,
-            parts.kv_connectors[0] if parts.kv_connectors else None,
+            parts.kv_connectors.scheduler if parts.kv_connectors else None,
         )
-        self.model_dir = parts.model_dir
-        self.architecture = parts.architecture
-        self.tokenizer: PreTrainedTokenizerBase = parts.tokenizer
-        self.device = parts.device
-        self.dtype = parts.dtype
-        self.attention_backend = parts.attention_backend
-        self.weight_format = parts.weight_format
-        self.executor = parts.executor
-        self.max_model_len = parts.max_model_len
-        self.vocab_size = parts.vocab_size
-        self.eos_token_ids = parts.eos_token_ids
-        self.default_sampling = parts.default_sampling
-        self.kv_cache_manager = parts.kv_cache_manager
-        self.runner = parts.runner
-        self.kv_connectors = parts.kv_connectors
-        self.kv_transfers = transfer_ring(self.kv_connectors)  # each request's, recently
-        self.scheduler = parts.scheduler
-        self.structured_output = parts.structured_output
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.observer = self.scheduler.observer  # feedback loops, counters, step records
+        self.kv_transfers = transfer_ring(parts.kv_connectors)  # each request's, recently
+        self.output_processor = OutputProcessor(parts.tokenizer)
+        self.observer = parts.scheduler.observer  # feedback loops, counters, step records
         self.step_records = self.observer.step_records  # the last steps, for the dashboard
-        self.output_applier = OutputApplier(self.scheduler, self.output_processor.detokenize)
+        self.output_applier = OutputApplier(parts.scheduler, self.output_processor.detokenize)
+
+    # The parts read most often, from the engine's callers and tests; the rest: `self.parts`.
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.parts.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.parts.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.parts.max_model_len
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend resolved at start-up: torch, cpu or triton."""
+        return self.parts.attention_backend
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.parts.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.parts.runner
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.parts.kv_cache_manager
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -73,10 +90,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         output_kind: RequestOutputKind | None = None,
     ) -> None:
-        """Queue a request. Raises `InvalidRequestError` for one the engine can't take
-        (`RequestIntake.resolve` says what is checked). `params` is not written."""
-        self.add_resolved(
-            self.intake.resolve(
+        """Queue a request given as its fields (vLLM's `add_request` shape); `add` takes it
+        as one `EngineRequest`."""
+        self.add(
+            EngineRequest(
                 request_id,
                 prompt,
                 params,
@@ -88,21 +105,26 @@ class LLMEngine:
             )
         )
 
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request. Raises `InvalidRequestError` for one the engine can't take
+        (`RequestIntake.resolve` says what is checked). Its `params` is not written."""
+        self.add_resolved(self.intake.resolve(request))
+
     def add_resolved(self, request: ResolvedRequest) -> None:
         """Queue a request the intake has checked: one scheduler request per sample."""
         if request.request_id in self.output_processor.requests or self.scheduler.has_request(
             request.request_id  # a finished request whose blocks a KV transfer still reads
         ):
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        child_ids = self.output_processor.add_request(request)
+        sample_ids = self.output_processor.add_request(request)
         try:
-            for child_id, params in zip(child_ids, request.sample_params(), strict=True):
+            for sample_id, params in zip(sample_ids, request.sample_params(), strict=True):
                 grammar = None
                 if params.structured_outputs is not None:
-                    grammar = self.structured_output.request_grammar(params)
+                    grammar = self.parts.structured_output.request_grammar(params)
                 self.scheduler.add_request(
                     Request(
-                        child_id,
+                        sample_id,
                         request.prompt_token_ids,
                         params,
                         request.max_tokens,
@@ -120,8 +142,8 @@ class LLMEngine:
         """Abort requests in one pass over the scheduler's queues, however many there are
         (one pass per request made a client leaving with 60,000 prompts stall the engine)."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        child_ids = [c for r in ids for c in self.output_processor.abort_request(r)]
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        sample_ids = [s for r in ids for s in self.output_processor.abort_request(r)]
+        self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
 
     @property
     def speculates(self) -> bool:
@@ -144,7 +166,7 @@ class LLMEngine:
         rank; a proposer that needs KV of its own must bring it."""
         if not self.speculates:
             raise ConfigError("use_proposer needs an engine started with a speculative_config")
-        if self.executor is not None:
+        if self.parts.executor is not None:
             raise ConfigError("use_proposer runs on one rank (tensor_parallel_size 1)")
         self.runner.use_proposer(proposer)
 
@@ -154,8 +176,9 @@ class LLMEngine:
     def refuse_kv_transfer_params(self, params: dict[str, Any]) -> None:
         """A request carrying `params` was refused before it was added: the KV connector
         lets go of what they point at (`KVConnectorBase.request_refused`)."""
-        if self.kv_connectors is not None and isinstance(params, dict):
-            self.kv_connectors[0].request_refused(params)
+        connectors = self.parts.kv_connectors
+        if connectors is not None and isinstance(params, dict):
+            connectors.scheduler.request_refused(params)
 
     def has_pending_kv_transfers(self) -> bool:
         """The KV connector still moves KV (a load on its way, blocks held for a send):
@@ -173,14 +196,14 @@ class LLMEngine:
         start = time.perf_counter()
         step_outputs = self.output_applier.finish_unrunnable()
         scheduler_output = self.scheduler.schedule()
-        scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(
+        scheduler_output.grammar_bitmask = self.parts.structured_output.grammar_bitmask(
             self.scheduler.sampling_grammars(scheduler_output)
         )
         idle = scheduler_output.is_empty and not scheduler_output.finished_req_ids
-        if idle and self.kv_connectors is None:
+        if idle and self.parts.kv_connectors is None:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             # Nothing could run: at most the requests whose grammar is compiling are waiting.
-            self.structured_output.wait_for_compiles(timeout=0.01)
+            self.parts.structured_output.wait_for_compiles(timeout=0.01)
         else:  # with a KV connector the runner also reports transfers in a step that idles
             run_start = time.perf_counter()
             runner_output = self.runner.execute_model(scheduler_output)
@@ -198,9 +221,10 @@ class LLMEngine:
         instead of spinning, unless the runner just reported transfers to act on."""
         transfers = runner_output.kv_connector_output
         if transfers is None or transfers.is_empty:
-            assert self.kv_connectors is not None
-            self.structured_output.wait_for_compiles(timeout=0.005)
-            self.kv_connectors[1].wait_for_transfers(timeout=0.01)
+            connectors = self.parts.kv_connectors
+            assert connectors is not None
+            self.parts.structured_output.wait_for_compiles(timeout=0.005)
+            connectors.worker.wait_for_transfers(timeout=0.01)
 
     def set_itl_target_ms(self, itl_target_ms: float) -> None:
         """Move the inter-token-latency target (the engine must have started with one): a
@@ -217,17 +241,14 @@ class LLMEngine:
             forward_seconds=self.runner.forward_seconds,
             num_cached_prompt_tokens=self.observer.num_cached_prompt_tokens_prefilled,
             num_computed_prompt_tokens=self.observer.num_prompt_tokens_scheduled,
-            kv_transfer=kv_transfer_stats(self.kv_connectors),
+            kv_transfer=kv_transfer_stats(self.parts.kv_connectors),
         )
 
     def running_request_ids(self) -> set[str]:
         """The requests (as added, not their samples) the scheduler is running."""
-        samples = self.output_processor.child_to_sample
-        return {
-            samples[r.request_id][0].request_id
-            for r in self.scheduler.running
-            if r.request_id in samples
-        }
+        by_sample_id = self.output_processor.by_sample_id
+        running = (by_sample_id.get(r.sample_id) for r in self.scheduler.running)
+        return {entry[0].request_id for entry in running if entry is not None}
 
     def get_kv_block_states(self, max_cells: int) -> KVBlockStates:
         """Where the KV blocks are now, from O(1) counters: safe to call from another thread
@@ -239,12 +260,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the grammar compiles, the KV connector and the tensor-parallel workers, if any
         (the workers are also stopped at garbage collection and exit)."""
-        self.structured_output.shutdown()
-        for connector in self.kv_connectors or ():
-            connector.shutdown()
-        if self.executor is not None:
-            self.executor.shutdown()
+        self.parts.structured_output.shutdown()
+        if self.parts.kv_connectors is not None:
+            self.parts.kv_connectors.shutdown()
+        if self.parts.executor is not None:
+            self.parts.executor.shutdown()
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """`SamplingParams` with the model's defaults, then `overrides`."""
-        return SamplingParams(**{**self.default_sampling, **overrides})
+        return SamplingParams(**{**self.parts.default_sampling, **overrides})

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, decode_token
-from tokenmill.engine.intake import ResolvedRequest
+from tokenmill.engine.intake import ResolvedRequest, sample_id
 from tokenmill.outputs import (
     CompletionOutput,
     Logprob,
@@ -61,19 +61,14 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.samples)
 
 
-def child_request_id(request_id: str, index: int, n: int) -> str:
-    """The scheduler's id of sample `index` of a request (the request's own id when n == 1)."""
-    return request_id if n == 1 else f"{index}_{request_id}"
-
-
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
-        self.child_to_sample: dict[str, tuple[RequestState, SampleState]] = {}
+        self.by_sample_id: dict[str, tuple[RequestState, SampleState]] = {}
 
     def add_request(self, request: ResolvedRequest) -> list[str]:
-        """Registers a request; returns the scheduler's ids of its samples."""
+        """Registers a request; returns the ids of its samples (`sample_id`)."""
         request_id, params = request.request_id, request.params
         prompt_token_ids = list(request.prompt_token_ids)
         state = RequestState(
@@ -85,8 +80,8 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
-        child_ids = []
-        for index in range(params.n):
+        sample_ids = request.sample_ids()
+        for index, id_ in enumerate(sample_ids):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -99,26 +94,24 @@ class OutputProcessor:
             if params.logprobs is not None:
                 sample.logprobs, sample.cumulative_logprob = [], 0.0
             state.samples.append(sample)
-            child_id = child_request_id(request_id, index, params.n)
-            self.child_to_sample[child_id] = (state, sample)
-            child_ids.append(child_id)
+            self.by_sample_id[id_] = (state, sample)
         self.requests[request_id] = state
-        return child_ids
+        return sample_ids
 
     def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request; returns the scheduler's ids of its samples, to abort."""
+        """Forget a request; returns the ids of its samples, to abort."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
-        child_ids = [child_request_id(request_id, s.index, state.params.n) for s in state.samples]
-        for child_id in child_ids:
-            self.child_to_sample.pop(child_id, None)
-        return child_ids
+        sample_ids = [sample_id(request_id, s.index, state.params.n) for s in state.samples]
+        for id_ in sample_ids:
+            self.by_sample_id.pop(id_, None)
+        return sample_ids
 
-    def detokenize(self, req_id: str, token_ids: list[int]) -> str | None:
+    def detokenize(self, sample_id: str, token_ids: list[int]) -> str | None:
         """Feed a sample's new tokens to its detokenizer (`OutputApplier.text_stops`): the
         stop string they complete, if any."""
-        entry = self.child_to_sample.get(req_id)
+        entry = self.by_sample_id.get(sample_id)
         return None if entry is None else entry[1].detokenizer.update(token_ids)
 
     def process_outputs(self, step_outputs: list[RequestStepOutput]) -> list[RequestOutput]:
@@ -126,7 +119,7 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, RequestState] = {}
         for step_output in step_outputs:
-            entry = self.child_to_sample.get(step_output.req_id)
+            entry = self.by_sample_id.get(step_output.req_id)
             if entry is None:
                 continue
             state, sample = entry

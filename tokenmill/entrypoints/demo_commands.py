@@ -76,7 +76,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         llm = _offline_llm(args)
         reply_fn = offline_replies(llm, progress=not args.disable_tqdm)
-        source = str(llm.engine.model_dir)
+        source = str(llm.engine.parts.model_dir)
     report = evaluate(examples, reply_fn)
     print(f"{len(examples)} held-out prompts (seed {args.eval_seed}) -> {source}")
     print(report.table(ACCURACY_BARS))

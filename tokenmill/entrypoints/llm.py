@@ -10,7 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
-from tokenmill.engine.intake import PromptType
+from tokenmill.engine.intake import EngineRequest, PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.metrics.stats import EngineStats
@@ -76,13 +76,15 @@ class LLM:
         request_ids = []
         for prompt, params, request_priority in zip(prompts, params_list, priorities):
             request_id = str(next(self._request_counter))
-            self.engine.add_request(
-                request_id,
-                prompt,
-                params,
-                add_special_tokens=add_special_tokens,
-                priority=request_priority,
-                output_kind=RequestOutputKind.FINAL_ONLY,
+            self.engine.add(
+                EngineRequest(
+                    request_id,
+                    prompt,
+                    params,
+                    add_special_tokens=add_special_tokens,
+                    priority=request_priority,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
             )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)

@@ -163,3 +163,19 @@ class KVConnectorBase(ABC):
 
     def shutdown(self) -> None:  # noqa: B027
         """Stop the connector's threads and sockets (both halves)."""
+
+
+@dataclass(frozen=True)
+class KVConnectorPair:
+    """A connector's two instances in one engine: the scheduler's and the runner's."""
+
+    scheduler: KVConnectorBase  # external KV to load, per-step metadata, when blocks may free
+    worker: KVConnectorBase  # loads before the forward, saves after it
+
+    def stats(self) -> KVTransferStats:
+        """Both halves' counts, summed."""
+        return self.scheduler.stats() + self.worker.stats()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()

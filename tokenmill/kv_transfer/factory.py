@@ -6,7 +6,12 @@ import importlib
 import uuid
 
 from tokenmill.config import ConfigError, KVTransferConfig
-from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
+from tokenmill.kv_transfer.base import (
+    KVConnectorBase,
+    KVConnectorContext,
+    KVConnectorPair,
+    KVConnectorRole,
+)
 
 # name -> (module, class)
 _REGISTRY: dict[str, tuple[str, str]] = {}
@@ -40,14 +45,12 @@ register_connector(
 register_connector("P2pConnector", "tokenmill.kv_transfer.p2p.connector", "P2pConnector")
 
 
-def create_connector_pair(
-    config: KVTransferConfig, context: KVConnectorContext
-) -> tuple[KVConnectorBase, KVConnectorBase]:
+def create_connector_pair(config: KVTransferConfig, context: KVConnectorContext) -> KVConnectorPair:
     """The scheduler-side and worker-side instances of the configured connector, sharing
     one config (a P2P producer's worker half records there the port it bound)."""
     if config.engine_id is None:
         config.engine_id = uuid.uuid4().hex
-    return (
-        create_connector(config, KVConnectorRole.SCHEDULER, context),
-        create_connector(config, KVConnectorRole.WORKER, context),
+    return KVConnectorPair(
+        scheduler=create_connector(config, KVConnectorRole.SCHEDULER, context),
+        worker=create_connector(config, KVConnectorRole.WORKER, context),
     )

@@ -87,9 +87,9 @@ class SharedStorageConnector(KVConnectorBase):
         while its local hit stays the same (the blocks are content-addressed)."""
         block_size = self.context.block_size
         first = num_computed_tokens // block_size
-        matched = self._matched.pop(request.request_id, None)
+        matched = self._matched.pop(request.sample_id, None)
         if matched is not None and matched[0] == first:
-            self._matched[request.request_id] = matched
+            self._matched[request.sample_id] = matched
             return len(matched[1]) * block_size, False
         # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
         if not self.config.is_kv_consumer or request.sampling_params.prompt_logprobs is not None:
@@ -105,7 +105,7 @@ class SharedStorageConnector(KVConnectorBase):
             payloads.append(payload)
         self._stats.load_seconds += time.perf_counter() - start
         if payloads:
-            self._matched[request.request_id] = (first, payloads)
+            self._matched[request.sample_id] = (first, payloads)
         return len(payloads) * block_size, False
 
     def _read(self, block_hash: bytes) -> torch.Tensor | None:
@@ -123,7 +123,7 @@ class SharedStorageConnector(KVConnectorBase):
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        matched = self._matched.pop(request.request_id, None)
+        matched = self._matched.pop(request.sample_id, None)
         if num_external_tokens == 0 or matched is None:
             return
         first, payloads = matched
@@ -177,8 +177,8 @@ class SharedStorageConnector(KVConnectorBase):
         return [(block_id, block_hash) for block_hash, block_id in saves.items()]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        self._matched.pop(request.request_id, None)
-        self._saved_blocks.pop(request.request_id, None)
+        self._matched.pop(request.sample_id, None)
+        self._saved_blocks.pop(request.sample_id, None)
         return False, None
 
     # ---- worker side -------------------------------------------------------------------------

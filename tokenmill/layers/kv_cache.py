@@ -1,5 +1,5 @@
 """The KV cache tensors: layout, storage dtype (incl. FP8) and how values go in and out
-(how many blocks the engine gets: `engine/kv_sizing.py`).
+(how many blocks the engine gets: `core/kv/sizing.py`).
 
 Layout per layer: `[2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]`.
 

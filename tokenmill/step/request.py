@@ -43,7 +43,12 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """One sequence being generated.
+    """One sequence being generated: one sample of an engine request.
+
+    It is known by its `sample_id` (the engine request's id when it asks for one sample,
+    `{index}_{request_id}` for each of `n` > 1: `engine/intake.py`'s `sample_id`); every
+    `req_id` of the step's values (`SchedulerOutput`, `ModelRunnerOutput`,
+    `RequestStepOutput`) is this id.
 
     Its tokens are laid out as::
 
@@ -57,7 +62,7 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        sample_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         max_tokens: int,
@@ -66,7 +71,7 @@ class Request:
         cache_salt: str | None = None,
         grammar: RequestGrammar | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.sample_id = sample_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never past max_model_len
@@ -116,6 +121,6 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"Request({self.sample_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tokenmill.core.step_cost import StepShape
+from tokenmill.core.feedback.cost_model import StepShape
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner

@@ -26,6 +26,7 @@ from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
+from tokenmill.worker.batch_inputs import BatchInputs, all_decode, decode_inputs
 from tokenmill.worker.captured_step import (
     Capture,
     CapturedDecodeStep,
@@ -33,7 +34,6 @@ from tokenmill.worker.captured_step import (
     build_decode_step,
 )
 from tokenmill.worker.runner_spec import RunnerSpec
-from tokenmill.worker.step_inputs import StepInputs, all_decode, decode_inputs
 
 
 class ModelRunner:
@@ -150,7 +150,7 @@ class ModelRunner:
             compile_backend,
         )
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: BatchInputs) -> torch.Tensor:
         if inputs.decode is not None:
             assert self.decode_step is not None
             return self.decode_step.run(inputs.decode)
@@ -189,7 +189,7 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_tokens
         # Ordered by attention group, so each group is one run of rows.
@@ -235,7 +235,7 @@ class ModelRunner:
             if sample
             for index in range(int(end) - 1 - len(d), int(end))
         ]
-        return StepInputs(
+        return BatchInputs(
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
             metadata=metadata,
@@ -255,9 +255,9 @@ class ModelRunner:
         states: list[CachedRequestState],
         computed: np.ndarray,
         known_ends: list[int],
-    ) -> StepInputs:
+    ) -> BatchInputs:
         """A captured decode step's inputs go to its key's static buffers, not to tensors."""
-        return StepInputs(
+        return BatchInputs(
             input_ids=torch.from_numpy(decode.token_ids),
             positions=torch.from_numpy(decode.seq_lens - 1),
             metadata=None,
@@ -297,7 +297,7 @@ class ModelRunner:
     def _record_hidden_states(
         consumer: HiddenStateProposer,
         hidden: torch.Tensor,
-        inputs: StepInputs,
+        inputs: BatchInputs,
         output: ModelRunnerOutput,
     ) -> None:
         """Hand the proposer the hidden states of each request's verified tokens: its known
@@ -422,7 +422,7 @@ class ModelRunner:
         return to_device(array, self.device)
 
 
-def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: StepInputs) -> None:
+def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: BatchInputs) -> None:
     """Mask the logits of constrained rows: a request sampling k drafts + 1 has k + 1 rows."""
     logit_rows: list[int] = []
     bitmask_rows: list[int] = []

@@ -45,7 +45,7 @@ class DashboardFeed:
         spec = config.speculative_config
         return {
             "model": self._model_name,
-            "weight_format": self._engine.engine.weight_format,  # as /v1/models reports it
+            "weight_format": self._engine.engine.parts.weight_format,  # as /v1/models reports it
             "slo": self._slos,
             "window_seconds_max": MAX_WINDOW_SECONDS,
             "updates_per_second": UPDATES_PER_SECOND,

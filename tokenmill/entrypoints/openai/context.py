@@ -62,7 +62,7 @@ class ServerContext:
 
     async def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Check the constraint and wait for its grammar (structured_outputs.prepare)."""
-        await prepare(self.engine.engine.structured_output, params, self._schema_thread)
+        await prepare(self.engine.engine.parts.structured_output, params, self._schema_thread)
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -82,7 +82,7 @@ class ServerContext:
 
     @property
     def weight_format(self) -> str:
-        return self.engine.engine.weight_format
+        return self.engine.engine.parts.weight_format
 
     @property
     def sampling_defaults(self) -> dict[str, float]:

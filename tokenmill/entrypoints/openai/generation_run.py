@@ -18,7 +18,8 @@ from typing import Any, Generic, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.async_engine import EngineRequest, RequestStream
+from tokenmill.engine.async_engine import RequestStream
+from tokenmill.engine.intake import EngineRequest
 from tokenmill.entrypoints.openai.context import (
     ServerContext,
     finish_reason,
@@ -43,7 +44,7 @@ from tokenmill.entrypoints.openai.streaming import (
     sse_event,
 )
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -159,8 +160,10 @@ class GenerationRun(ABC, Generic[RequestT]):
                 self._engine_request_id(i),
                 state.prompt.token_ids,
                 self.sampling_params(state.prompt),
+                arrival_time,
                 priority=self.request.priority,
                 cache_salt=self.request.cache_salt,
+                output_kind=RequestOutputKind.DELTA,  # the run gathers and streams deltas
             )
             for i, state in enumerate(self.prompts)
         ]
@@ -170,7 +173,7 @@ class GenerationRun(ABC, Generic[RequestT]):
             if await cancel_on_disconnect(raw_request, _done(prepared)) is None:
                 self.ctx.refused(self.request)  # never queued: let go of what it points at
                 return None  # gone while it compiled: its hold released
-        return await self.ctx.engine.add_requests(engine_requests, arrival_time)
+        return await self.ctx.engine.add_requests(engine_requests)
 
     def max_tokens(self, prompt: Prompt, requested: int | None, param: str) -> int:
         """`requested` checked against the context left after `prompt` (see params.py)."""

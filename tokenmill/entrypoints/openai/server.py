@@ -68,7 +68,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
     ctx = ServerContext(
         async_engine,
         model_names,
-        str(engine.model_dir),
+        str(engine.parts.model_dir),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         slos=slos,
         reply_parsing=reply_parsing,
@@ -87,7 +87,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         "serving model %s (%s) on http://%s:%d; max_model_len %d; KV cache %d blocks x %d "
         "tokens = %d tokens; at most %d connections%s",
         model_names[0],
-        engine.model_dir,
+        engine.parts.model_dir,
         args.host,
         args.port,
         engine.max_model_len,

@@ -115,7 +115,7 @@ class P2pConnector(KVConnectorBase):
         """Where the request's prompt KV waits, if it says and if that KV is of its own
         prompt and salt: params of another prompt or tenant are never used (not even to
         release that hold; its lease frees it)."""
-        req_id = request.request_id
+        req_id = request.sample_id
         if not self.config.is_kv_consumer or req_id in self._not_remote:
             return None
         if req_id not in self._remote:
@@ -142,16 +142,16 @@ class P2pConnector(KVConnectorBase):
         remote = self._remote_of(request)
         if remote is None:
             return
-        del self._remote[request.request_id]
-        self._not_remote.add(request.request_id)  # used once: a preempted request recomputes
+        del self._remote[request.sample_id]
+        self._not_remote.add(request.sample_id)  # used once: a preempted request recomputes
         if num_external_tokens == 0:
-            self._pending.pulls.append(PullJob(request.request_id, remote, 0, []))
+            self._pending.pulls.append(PullJob(request.sample_id, remote, 0, []))
             return
         block_size = self.context.block_size
         first = request.num_computed_tokens // block_size
         end = math.ceil((request.num_computed_tokens + num_external_tokens) / block_size)
-        self._pending.pulls.append(PullJob(request.request_id, remote, first, block_ids[first:end]))
-        self._loading[request.request_id] = (num_external_tokens, end - first)
+        self._pending.pulls.append(PullJob(request.sample_id, remote, first, block_ids[first:end]))
+        self._loading[request.sample_id] = (num_external_tokens, end - first)
 
     def request_refused(self, params: dict[str, Any]) -> None:
         """Release the producer's hold the params name (the digest is checked there)."""
@@ -177,7 +177,7 @@ class P2pConnector(KVConnectorBase):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
+        req_id = request.sample_id
         self._not_remote.discard(req_id)
         remote = self._remote.pop(req_id, None)
         if remote is not None:  # never admitted (aborted while waiting): release the hold

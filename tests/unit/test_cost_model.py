@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tokenmill.core.step_cost import StepCostModel, StepShape, chunk_context
+from tokenmill.core.feedback.cost_model import StepCostModel, StepShape, chunk_context
 
 TRUE = (0.010, 0.0015, 0.0004, 2e-7)  # fixed, per decode, per prompt token, per position
 

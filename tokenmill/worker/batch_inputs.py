@@ -1,4 +1,5 @@
-"""A step's flat inputs for the model runner, and the lean path for a decode-only step."""
+"""The flat tensors of the batch the model runner runs in one engine step (`BatchInputs`),
+and the lean path for a decode-only step."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tokenmill.worker.captured_step import DecodeBatch
 
 
 @dataclass
-class StepInputs:
+class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata | None  # None for a captured decode step
@@ -48,7 +49,7 @@ def decode_inputs(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
-) -> StepInputs:
+) -> BatchInputs:
     """Inputs of a step in which every request computes its last token and samples the
     next (`all_decode`): built from Python ints, with a handful of array calls, since
     each call runs cold after the previous forward (`layout_decode`)."""
@@ -61,7 +62,7 @@ def decode_inputs(
         device,
     )
     input_ids = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
-    return StepInputs(
+    return BatchInputs(
         input_ids=to_device(input_ids, device),
         positions=to_device(positions, device),
         metadata=metadata,

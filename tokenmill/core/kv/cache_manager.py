@@ -8,7 +8,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Sequence
 
-from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
 from tokenmill.step.request import Request
 
@@ -135,7 +135,7 @@ class KVCacheManager:
         Returns the ids of the blocks added to its table, or None, changing nothing, when the
         pool has too few free blocks.
         """
-        blocks = self.req_to_blocks[request.request_id]
+        blocks = self.req_to_blocks[request.sample_id]
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
@@ -155,63 +155,63 @@ class KVCacheManager:
         has completed, never at allocation: a request can be given slots and then lose them
         unwritten (taken back within `schedule()`, or its step fails), and a later request
         must not find those blocks and read whatever they held."""
-        blocks = self.req_to_blocks.get(request.request_id)
+        blocks = self.req_to_blocks.get(request.sample_id)
         if not self.enable_caching or not blocks:
             return
         hashes = self.block_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(blocks))
-        start = self.num_cached_blocks.get(request.request_id, 0)
+        start = self.num_cached_blocks.get(request.sample_id, 0)
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
-        self.num_cached_blocks[request.request_id] = max(start, num_full)
+        self.num_cached_blocks[request.sample_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
         """Give back every block of the request, tail first, so that when they are evicted
         the tail blocks (least likely to be shared by another prompt) go first."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        blocks = self.req_to_blocks.pop(request.sample_id, [])
         self.block_pool.free_blocks(reversed(blocks))
-        self.num_cached_blocks.pop(request.request_id, None)
-        swapped = self.req_to_swapped_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.sample_id, None)
+        swapped = self.req_to_swapped_blocks.pop(request.sample_id, None)
         if swapped and self.swap_pool is not None:
             self.swap_pool.free_blocks(swapped)
 
     def holds_blocks(self, request: Request) -> bool:
         """Whether the request has blocks in the pool (a waiting one only after a KV
         connector loaded its prompt's KV into them)."""
-        return bool(self.req_to_blocks.get(request.request_id))
+        return bool(self.req_to_blocks.get(request.sample_id))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, sample_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(sample_id, [])]
 
     # ---- swap --------------------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host pool: returns (device block, host block) pairs
         to copy, or None, changing nothing, if the host pool can't take them all."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.sample_id, [])
         if self.swap_pool is None or len(blocks) > self.swap_pool.num_free_blocks:
             return None
         host_blocks = self.swap_pool.get_new_blocks(len(blocks))
-        self.req_to_swapped_blocks[request.request_id] = host_blocks
+        self.req_to_swapped_blocks[request.sample_id] = host_blocks
         pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
-        del self.req_to_blocks[request.request_id]
+        del self.req_to_blocks[request.sample_id]
         self.block_pool.free_blocks(reversed(blocks))
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.sample_id, None)
         return pairs
 
     def is_swapped(self, request: Request) -> bool:
-        return request.request_id in self.req_to_swapped_blocks
+        return request.sample_id in self.req_to_swapped_blocks
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped request back with room for `num_new_tokens` more: returns (host
         block, device block) pairs to copy, or None, changing nothing, if blocks are short."""
-        host_blocks = self.req_to_swapped_blocks[request.request_id]
+        host_blocks = self.req_to_swapped_blocks[request.sample_id]
         num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         if num_needed > self.block_pool.num_free_blocks:
             return None
         blocks = self.block_pool.get_new_blocks(num_needed)
-        self.req_to_blocks[request.request_id] = blocks
+        self.req_to_blocks[request.sample_id] = blocks
         pairs = [(h.block_id, d.block_id) for h, d in zip(host_blocks, blocks)]
         assert self.swap_pool is not None
-        self.swap_pool.free_blocks(self.req_to_swapped_blocks.pop(request.request_id))
+        self.swap_pool.free_blocks(self.req_to_swapped_blocks.pop(request.sample_id))
         return pairs

@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv.cache_manager import KVCacheManager
 from tokenmill.step.request import Request
 
 # Cache-aware admission looks this far down the waiting queue for the request with the most
@@ -36,7 +36,7 @@ class RequestQueue:
         self._keys: dict[str, tuple[int, int]] = {}
 
     def add(self, request: Request) -> None:
-        self._keys[request.request_id] = (request.priority, next(self._sequence))
+        self._keys[request.sample_id] = (request.priority, next(self._sequence))
         self._insert(request, front=False)
 
     def add_preempted(self, request: Request) -> None:
@@ -48,7 +48,7 @@ class RequestQueue:
 
     def _insert(self, request: Request, front: bool) -> None:
         if self.by_priority:
-            bisect.insort(self._queue, request, key=lambda r: self._keys[r.request_id])
+            bisect.insort(self._queue, request, key=lambda r: self._keys[r.sample_id])
         elif front:
             self._queue.appendleft(request)
         else:
@@ -91,15 +91,15 @@ class RequestQueue:
         else:
             self._queue.remove(request)
 
-    def remove_ids(self, request_ids: set[str]) -> None:
-        self._holding = deque(r for r in self._holding if r.request_id not in request_ids)
-        self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
-        for request_id in request_ids:
-            self._keys.pop(request_id, None)
+    def remove_ids(self, sample_ids: set[str]) -> None:
+        self._holding = deque(r for r in self._holding if r.sample_id not in sample_ids)
+        self._queue = deque(r for r in self._queue if r.sample_id not in sample_ids)
+        for sample_id in sample_ids:
+            self._keys.pop(sample_id, None)
 
     def forget(self, request: Request) -> None:
         """Drop the ordering key of a request that has left for good."""
-        self._keys.pop(request.request_id, None)
+        self._keys.pop(request.sample_id, None)
 
     def __iter__(self) -> Iterator[Request]:
         return itertools.chain(self._holding, self._queue)

@@ -3,7 +3,7 @@
 The scheduler reports each plan (`planned`), the output applier what verification and the
 prefills did (`verified`, `prefilled`), the engine the measured times (`ran`: the runner's
 part, `stepped`: the whole step). From these the observer feeds the speculation policy its
-price of k and the ITL target's cost model its samples (`step_feedback.py`), counts prompt,
+price of k and the ITL target's cost model its samples (`loops.py`), counts prompt,
 generated and draft tokens, and keeps the ring of step records the dashboard draws. The
 scheduler reads none of it back but through its planning inputs (the policy's k, the cost
 model's prediction); the engine's statistics read the counters.
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
-from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_cost import StepShape, chunk_context
-from tokenmill.core.step_feedback import ItlFeedback, SpeculationFeedback
-from tokenmill.core.step_records import StepRecord, new_step_ring
+from tokenmill.core.feedback.cost_model import StepShape, chunk_context
+from tokenmill.core.feedback.loops import ItlFeedback, SpeculationFeedback
+from tokenmill.core.feedback.prefill_budget import PrefillBudget, PrefillLimits
+from tokenmill.core.feedback.records import StepRecord, new_step_ring
+from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
 from tokenmill.metrics.stats import SpecDecodeStats
 from tokenmill.step.request import Request
 from tokenmill.step.runner_output import ModelRunnerOutput

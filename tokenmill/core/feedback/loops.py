@@ -1,4 +1,4 @@
-"""What the step observer (step_observer.py) learns from a step once its time is measured.
+"""What the step observer (observer.py) learns from a step once its time is measured.
 
 The engine times each step after `schedule()` has planned it, so what a plan was must wait
 for its time: `SpeculationFeedback` keeps what the speculation policy needs to price a
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
-from tokenmill.core.step_cost import CostModel, StepShape
+from tokenmill.core.feedback.cost_model import CostModel, StepShape
+from tokenmill.core.feedback.prefill_budget import PrefillBudget, PrefillLimits
 from tokenmill.metrics.stats import ItlTargetStats
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.scheduler_output import SchedulerOutput

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.core.block_pool import KVCacheBlock
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request_queue import RequestQueue
+from tokenmill.core.kv.block_pool import KVCacheBlock
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.request_queue import RequestQueue
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.outputs import RequestError
 from tokenmill.step.request import Request, RequestStatus
@@ -51,8 +51,8 @@ class RemoteKVRequests:
         self.held: dict[str, Request] = {}
         self.recompute_failed_loads = connector.config.kv_load_failure_policy == "recompute"
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.loading or request_id in self.held
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self.loading or sample_id in self.held
 
     @property
     def has_pending(self) -> bool:
@@ -69,22 +69,22 @@ class RemoteKVRequests:
         self.manager.record_prefix_lookup(request, num_hit)
         request.num_computed_tokens = num_hit
         self.connector.update_state_after_alloc(
-            request, self.manager.get_block_ids(request.request_id), num_external
+            request, self.manager.get_block_ids(request.sample_id), num_external
         )
         self.waiting.remove(request)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[request.request_id] = _Loading(request, num_hit + num_external)
+        self.loading[request.sample_id] = _Loading(request, num_hit + num_external)
         return True
 
     def release(self, request: Request) -> dict[str, Any] | None:
         """A request finished (or was aborted, maybe while loading): free its blocks, or hold
         them while the connector still moves them (a send, a load still arriving). Returns
         the connector's `kv_transfer_params` for its last output."""
-        self.loading.pop(request.request_id, None)  # no longer waited for
-        block_ids = self.manager.get_block_ids(request.request_id)
+        self.loading.pop(request.sample_id, None)  # no longer waited for
+        block_ids = self.manager.get_block_ids(request.sample_id)
         held, params = self.connector.request_finished(request, block_ids)
         if held:
-            self.held[request.request_id] = request
+            self.held[request.sample_id] = request
         else:
             self.manager.free(request)
         return params
@@ -124,7 +124,7 @@ class RemoteKVRequests:
         request.status = RequestStatus.FINISHED_ERROR
         message = f"the KV cache of this request's prompt could not be loaded: {reason}"
         return RequestStepOutput(
-            request.request_id,
+            request.sample_id,
             [],
             finish_reason="error",
             error=RequestError(KV_TRANSFER_FAILED, message),

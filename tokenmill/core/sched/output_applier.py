@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.stop_check import advance_grammar, check_stop
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.sched.stop_check import advance_grammar, check_stop
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.request_step_output import RequestStepOutput
 from tokenmill.step.runner_output import ModelRunnerOutput
@@ -51,10 +51,10 @@ class OutputApplier:
         if not done and not failed:
             return []
         finish = self.scheduler.finish_requests
-        finish([r.request_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
-        finish([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
-        return [RequestStepOutput(r.request_id, [], finish_reason="length") for r in done] + [
-            RequestStepOutput(r.request_id, [], finish_reason="error", stop_reason=r.grammar.error)
+        finish([r.sample_id for r in done], RequestStatus.FINISHED_LENGTH_CAPPED)
+        finish([r.sample_id for r in failed], RequestStatus.FINISHED_ERROR)
+        return [RequestStepOutput(r.sample_id, [], finish_reason="length") for r in done] + [
+            RequestStepOutput(r.sample_id, [], finish_reason="error", stop_reason=r.grammar.error)
             for r in failed
             if r.grammar is not None
         ]
@@ -143,12 +143,12 @@ class OutputApplier:
             request.status = RequestStatus.FINISHED_ERROR
             request.stop_reason = UNSATISFIABLE
         self._check_stop_strings(request, new_token_ids)
-        spec = (runner_output.spec_token_ids or {}).get(request.request_id, [])
+        spec = (runner_output.spec_token_ids or {}).get(request.sample_id, [])
         if grammar is not None and spec and not request.is_finished:
             spec = grammar.valid_prefix(spec)  # drafts the grammar rejects are not verified
         request.spec_token_ids = spec
         output = RequestStepOutput(
-            req_id=request.request_id,
+            req_id=request.sample_id,
             new_token_ids=new_token_ids,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
@@ -190,7 +190,7 @@ class OutputApplier:
         text_ids = new_token_ids
         if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
             text_ids = new_token_ids[:-1]
-        stop_string = self.text_stops(request.request_id, text_ids)
+        stop_string = self.text_stops(request.sample_id, text_ids)
         if stop_string is not None:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string

@@ -8,7 +8,7 @@ prefill) while the decodes of others share each forward pass. A prefix-cache hit
 
 The scheduler only plans: a step's results are applied to its requests, and finished ones
 decided, by the output applier (`output_applier.py`); what is learned from a step once it is
-measured goes to its observer (`step_observer.py`), which it tells of each plan.
+measured goes to its observer (`core/feedback/observer.py`), which it tells of each plan.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.config import PREEMPTION_MODES
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.prefill_budget import PrefillBudget, PrefillLimits
-from tokenmill.core.remote_kv import RemoteKVRequests
-from tokenmill.core.request_queue import RequestQueue
-from tokenmill.core.speculation_policy import SpeculationPolicy
-from tokenmill.core.step_observer import StepObserver
+from tokenmill.core.feedback.observer import StepObserver
+from tokenmill.core.feedback.prefill_budget import PrefillBudget, PrefillLimits
+from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
+from tokenmill.core.kv.cache_manager import KVCacheManager
+from tokenmill.core.sched.remote_kv import RemoteKVRequests
+from tokenmill.core.sched.request_queue import RequestQueue
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.metrics.stats import PrefixCacheStats, SchedulerStats
 from tokenmill.step.request import Request, RequestStatus
@@ -107,47 +107,47 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """`request` is checked (engine/intake.py): fits the context, a new id."""
-        assert not self.has_request(request.request_id)
+        assert not self.has_request(request.sample_id)
         assert request.num_tokens <= self.max_model_len
         if self.kv_cache_manager.enable_caching:
             # Hash the prompt now: data that cannot be hashed fails this call alone, not a
             # later step that every running request is part of.
             self.kv_cache_manager.block_hashes(request)
-        self.requests[request.request_id] = request
+        self.requests[request.sample_id] = request
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+    def finish_requests(self, sample_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests that are not running this step (aborted, or finished before it ran):
         free their blocks now."""
         assert status.is_finished
-        ids = {rid for rid in request_ids if rid in self.requests}
+        ids = {rid for rid in sample_ids if rid in self.requests}
         if not ids:
             return
-        self.running = [r for r in self.running if r.request_id not in ids]
+        self.running = [r for r in self.running if r.sample_id not in ids]
         self.waiting.remove_ids(ids)
         for rid in ids:
             request = self.requests.pop(rid)
             request.status = status
             self._free(request)
 
-    def free_finished(self, request_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+    def free_finished(self, sample_ids: Collection[str]) -> dict[str, dict[str, Any]]:
         """Free requests the output applier finished (their status says how); returns the
         KV connector's `kv_transfer_params` of those it gave any (for their last output)."""
-        if not request_ids:
+        if not sample_ids:
             return {}
-        ids = set(request_ids)
-        self.running = [r for r in self.running if r.request_id not in ids]
-        params = {req_id: self._free(self.requests.pop(req_id)) for req_id in request_ids}
+        ids = set(sample_ids)
+        self.running = [r for r in self.running if r.sample_id not in ids]
+        params = {req_id: self._free(self.requests.pop(req_id)) for req_id in sample_ids}
         return {req_id: p for req_id, p in params.items() if p is not None}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def has_request(self, request_id: str) -> bool:
+    def has_request(self, sample_id: str) -> bool:
         """Whether the id is in use: a request here, or a finished one whose blocks the KV
         connector still moves."""
-        return request_id in self.requests or (
-            self.remote_kv is not None and request_id in self.remote_kv
+        return sample_id in self.requests or (
+            self.remote_kv is not None and sample_id in self.remote_kv
         )
 
     def reset_prefix_cache(self) -> None:
@@ -244,10 +244,10 @@ class Scheduler:
                 )
             ) is None:
                 victim = self._pick_victim()
-                if victim.request_id in plan.num_scheduled:  # already given tokens: take back
-                    plan.budget += plan.num_scheduled.pop(victim.request_id)
-                    del plan.cached_reqs[victim.request_id]
-                    plan.spec_tokens.pop(victim.request_id, None)
+                if victim.sample_id in plan.num_scheduled:  # already given tokens: take back
+                    plan.budget += plan.num_scheduled.pop(victim.sample_id)
+                    del plan.cached_reqs[victim.sample_id]
+                    plan.spec_tokens.pop(victim.sample_id, None)
                     index -= 1
                 self.running.remove(victim)
                 self._preempt(victim, plan)
@@ -255,14 +255,14 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 continue  # the request preempted itself; `index` now points past it
-            plan.cached_reqs[request.request_id] = CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens
+            plan.cached_reqs[request.sample_id] = CachedRequestData(
+                request.sample_id, new_block_ids, request.num_computed_tokens
             )
             if drafts:
-                plan.spec_tokens[request.request_id] = drafts
+                plan.spec_tokens[request.sample_id] = drafts
             if is_prompt:
                 self._book_prefill(plan, num_new, num_left, request.num_computed_tokens)
-            plan.num_scheduled[request.request_id] = num_new
+            plan.num_scheduled[request.sample_id] = num_new
             plan.budget -= num_new
             index += 1
 
@@ -300,7 +300,7 @@ class Scheduler:
                 manager.record_prefix_lookup(request, num_hit)
                 if self.kv_connector is not None:
                     self.kv_connector.update_state_after_alloc(
-                        request, manager.get_block_ids(request.request_id), num_external
+                        request, manager.get_block_ids(request.sample_id), num_external
                     )
                 request.num_computed_tokens = num_cached
             self.waiting.remove(request)
@@ -312,7 +312,7 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             plan.new_reqs.append(self._new_request_data(request))
             self._book_prefill(plan, num_new, num_left, num_cached)
-            plan.num_scheduled[request.request_id] = num_new
+            plan.num_scheduled[request.sample_id] = num_new
             plan.budget -= num_new
 
     def _resume(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
@@ -420,16 +420,16 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.spec_token_ids = []
         request.num_preemptions += 1
-        plan.preempted_ids.add(request.request_id)
+        plan.preempted_ids.add(request.sample_id)
         self.waiting.add_preempted(request)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
-            req_id=request.request_id,
+            req_id=request.sample_id,
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            block_ids=self.kv_cache_manager.get_block_ids(request.sample_id),
             num_computed_tokens=request.num_computed_tokens,
         )
 
@@ -443,7 +443,7 @@ class Scheduler:
         else:
             self.kv_cache_manager.free(request)
         self.waiting.forget(request)
-        self.finished_req_ids.add(request.request_id)
+        self.finished_req_ids.add(request.sample_id)
         if request.grammar is not None:
             request.grammar.release()  # a compile nobody waits for is cancelled
         return params

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.core.step_cost import CostModel, StepShape
+from tokenmill.core.feedback.cost_model import CostModel, StepShape
 
 # The prefill time a step may always take under a latency target, as a share of the decodes'
 # predicted time: prompts progress (a third of each step) even when the decodes alone take
