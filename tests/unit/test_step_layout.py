@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import attention
-from tokenmill.layers.attention import DECODE_SLICE_ROWS, TorchPagedAttention
+from tokenmill.layers.attention.base import DECODE_SLICE_ROWS, TorchPagedAttention
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
 
 BLOCK_SIZE = 16

@@ -197,7 +197,7 @@ class LoadSettings:
 
     dtype: torch.dtype  # the compute dtype
     linear_backend: str = "auto"  # EngineConfig.linear_backend (or "torch" for a captured step)
-    attention_backend: str = "torch"  # resolved: torch, cpu or triton (attention_backends.py)
+    attention_backend: str = "torch"  # resolved: torch, cpu or triton (attention/selector.py)
     quantization: str | None = None  # EngineConfig.quantization: int8, int4, int4-g128
     # The longest sequence served: the RoPE tables cover it (None: max_position_embeddings).
     max_model_len: int | None = None

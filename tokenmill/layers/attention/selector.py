@@ -16,7 +16,7 @@ import os
 import torch
 
 from tokenmill.config import ATTENTION_BACKENDS, ConfigError
-from tokenmill.layers.attention import PagedAttention, TorchPagedAttention
+from tokenmill.layers.attention.base import PagedAttention, TorchPagedAttention
 
 
 def triton_available() -> bool:
@@ -46,11 +46,11 @@ def make_attention_backend(
 ) -> PagedAttention:
     """One attention layer's backend of kind `name` (resolved), made when the model is built."""
     if name == "triton":
-        from tokenmill.layers.attention_triton import TritonPagedAttention
+        from tokenmill.layers.attention.triton_backend import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "cpu":
-        from tokenmill.layers.attention_native import CpuPagedAttention
+        from tokenmill.layers.attention.cpu_backend import CpuPagedAttention
 
         return CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "torch":
