@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.attention.base import TorchPagedAttention
 from tokenmill.layers.attention.selector import resolve_attention_backend
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 from tokenmill.layers.attention.triton_backend import TritonPagedAttention
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.models.llama import LlamaForCausalLM

@@ -15,7 +15,8 @@ from tokenmill.kernels.linear import (
     packed_linear_available,
     unpack_linear_weight,
 )
-from tokenmill.layers.attention.base import TorchPagedAttention, build_attention_group
+from tokenmill.layers.attention.base import build_attention_group
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 from tokenmill.layers.kv_cache import write_kv
 
 module = native.native_kernels()
