@@ -27,10 +27,9 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
-from tokenmill.quantization.embedding import use_quantized_embedding
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
-from tokenmill.quantization.selection import LinearPlan, log_plan
+from tokenmill.quantization.selection import LinearPlan, log_plan, use_quantized_embedding
 
 # Architectures (config.json `architectures`) -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

@@ -8,7 +8,7 @@ precision than the rest: the rows are the logits): a GGUF file's own types; with
 the largest weight streamed per token of a small model: SmolLM2-135M's is 28M of its 135M
 weights); float for a pre-quantized Hugging Face checkpoint (its quantization_config leaves
 the head out). The embedding is then a lookup into the same int8 rows (one copy for a tied
-head; `quantization/embedding.py`).
+head; `layers/quantized_embedding.py`, `use_quantized_embedding` below).
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ from torch import nn
 
 from tokenmill.config import ConfigError
 from tokenmill.kernels.native import native_kernels
-from tokenmill.layers.int4_linear import (
-    Int4LinearMethod,
-    int4_linear_available,
-    int4_shape_supported,
-)
-from tokenmill.layers.int8_linear import Int8LinearMethod, int8_linear_available
 from tokenmill.layers.linear import (
     DenseLinearMethod,
     Linear,
     LinearMethod,
     cpu_dense_method,
 )
+from tokenmill.layers.quantized_embedding import QuantizedEmbedding
+from tokenmill.quantization.int4 import (
+    Int4LinearMethod,
+    int4_linear_available,
+    int4_shape_supported,
+)
+from tokenmill.quantization.int8 import Int8LinearMethod, int8_linear_available
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class LinearPlan:
 
     def _dequantize_on(self, wanted: str) -> torch.device | None:
         """The device whose torch ops dequantize `wanted` weights per product (off the CPU,
-        or under `--linear-backend torch`: quantized_linear.py); None: the CPU's kernels,
+        or under `--linear-backend torch`: int_codes.py); None: the CPU's kernels,
         which must exist."""
         if self.device.type != "cpu" or self.linear_backend == "torch":
             return self.device
@@ -173,3 +174,22 @@ def log_plan(plan: LinearPlan, model: nn.Module) -> None:
             len(plan.int8_instead),
             ", ".join(plan.int8_instead),
         )
+
+
+def use_quantized_embedding(model: nn.Module, plan: LinearPlan) -> dict[str, Linear]:
+    """Replace `model.embed_tokens` by a `QuantizedEmbedding` where the plan quantizes it
+    (before the weights load); returns {"embed_tokens": the Linear that loads its rows}."""
+    fmt = plan.embedding_format()
+    if fmt is None or model.tp.size > 1:
+        return {}
+    vocab_rows, hidden = model.embed_tokens.weight.shape
+    head = model.lm_head
+    tied = model.shape.tie_word_embeddings
+    if tied and isinstance(head, Linear) and head.quant_method.weight_format == fmt:
+        table, shared = head, True
+    else:
+        method = plan.method("embed_tokens", vocab_rows, hidden)
+        table = Linear(hidden, vocab_rows, method, dtype=model.embed_tokens.weight.dtype)
+        shared = False
+    model.embed_tokens = QuantizedEmbedding(table, model.embed_tokens.weight.dtype, shared)
+    return {"embed_tokens": table}

@@ -5,7 +5,7 @@ A weight is `(q - 8) * scale + zero` with q in [0, 15]: torch's convention, whic
 llama.cpp's Q4_0 (`d * (q - 8)`: zero 0) and Q4_K (`d * sc * q - dmin * m`: scale `d * sc`,
 zero `8 * d * sc - dmin * m`) blocks of 32 exactly, up to the float16 rounding of the scales
 and zeros. Where tokenmill's native kernels are built the weight is packed into their
-interleaved layout (`kernels/quant.py`; activations quantized to int8 per token and block of
+interleaved layout (`kernels/int_linear.py`; activations quantized to int8 per token and block of
 32 on CPUs with AVX-512 VNNI); without them it goes to torch's `_weight_int4pack_mm_for_cpu`
 (the kernel behind torchao's int4 CPU layout) in bfloat16 (float32 inputs take a reference
 path about 40x slower there), whose scales and zeros are bfloat16.
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels.int_linear import pack
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import pack
-from tokenmill.layers.int8_linear import Int8GroupWeight
 from tokenmill.layers.linear import Linear, check_shape
-from tokenmill.layers.quantized_linear import PackedQuantMethod
+from tokenmill.quantization.int8 import Int8GroupWeight
+from tokenmill.quantization.int_codes import PackedQuantMethod
 
 INT4_GROUP_SIZES = (32, 64, 128)
 # Rows of an int4 weight must divide into torch's kernel's tiles (the native one pads).
@@ -102,7 +102,7 @@ class Int4LinearMethod(PackedQuantMethod):
 
     def __init__(self, group_size: int, dequantize_on: torch.device | None = None) -> None:
         self.group_size = group_size
-        self.dequantize_on = dequantize_on  # quantized_linear.py
+        self.dequantize_on = dequantize_on  # int_codes.py
         self.weight_format = f"int4-g{group_size}"
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:

@@ -5,7 +5,7 @@ fused layer whose other part is wider). Codes that need fewer bits (GGUF's 5- an
 types) are packed at their own width (`code_bits`: `int5-g32`, `int6-g16`): the same method,
 a narrower layout, so that resident bytes stay those of the file.
 
-Where tokenmill's native kernels are built (`kernels/quant.py`) the weight is packed into
+Where tokenmill's native kernels are built (`kernels/int_linear.py`) the weight is packed into
 their interleaved layout and that is all the layer holds; on a CPU with AVX-512 VNNI the
 activations are quantized to int8 per token and block of 32 at run time (W8A8 dynamic), on
 others they stay float. Without the native kernels the weight goes to torch's
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from tokenmill.config import ConfigError
+from tokenmill.kernels.int_linear import code_range, pack
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import code_range, pack
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
-from tokenmill.layers.quantized_linear import PackedQuantMethod
+from tokenmill.quantization.int_codes import PackedQuantMethod
 
 # Rows up to which a draft's int8 product runs; more go to its float fallback.
 MAX_INT8_ROWS = 4
@@ -107,7 +107,7 @@ class Int8LinearMethod(PackedQuantMethod):
     codes widened, exactly). `code_bits` 5 or 6: the checkpoint's codes fit that width and the
     native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
     and products of more than `max_rows` rows are the fallback's. `dequantize_on`: the device
-    whose torch ops run the layer (quantized_linear.py); None: the CPU's kernels."""
+    whose torch ops run the layer (int_codes.py); None: the CPU's kernels."""
 
     def __init__(
         self,
