@@ -14,14 +14,16 @@ path about 40x slower there), whose scales and zeros are bfloat16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from tokenmill.kernels.int_linear import pack
 from tokenmill.kernels.native import native_kernels
-from tokenmill.layers.linear import Linear, check_shape
+from tokenmill.layers.linear import Linear, LinearMethod, check_shape
 from tokenmill.quantization.int8 import Int8GroupWeight
 from tokenmill.quantization.int_codes import PackedQuantMethod
+from tokenmill.quantization.weight_format import WeightFormat
 
 INT4_GROUP_SIZES = (32, 64, 128)
 # Rows of an int4 weight must divide into torch's kernel's tiles (the native one pads).
@@ -156,3 +158,40 @@ def int4_shape_supported(out_features: int, in_features: int, group_size: int) -
     if in_features % group_size or in_features % 32:
         return False
     return native_kernels() is not None or out_features % _TORCH_ROW_MULTIPLE == 0
+
+
+class Int4Format(WeightFormat):
+    """int4 in asymmetric groups (`int4-g32`, `int4-g64`, `int4-g128`): `--quantization
+    int4`, GPTQ, AWQ, W4A16 and GGUF Q4 checkpoints. A layer whose shape the CPU kernel cannot
+    take gets int8 per row instead."""
+
+    family = "int4"
+    online = MappingProxyType({"int4": "int4-g32", "int4-g128": "int4-g128"})
+    fallback = "int8"
+
+    def owns(self, name: str) -> bool:
+        return name.startswith("int4-g")
+
+    def kernel_available(self) -> bool:
+        return int4_linear_available()
+
+    def method(self, name: str, dequantize_on: torch.device | None) -> LinearMethod:
+        return Int4LinearMethod(_group_size(name), dequantize_on=dequantize_on)
+
+    def fits(
+        self, name: str, out_features: int, in_features: int, dequantize_on: torch.device | None
+    ) -> bool:
+        group_size = _group_size(name)
+        return dequantize_on is not None or int4_shape_supported(
+            out_features, in_features, group_size
+        )
+
+    def embedding_lookup(self) -> bool:
+        return native_kernels() is not None  # torch's int4 layout cannot be read back
+
+
+def _group_size(name: str) -> int:
+    return int(name.removeprefix("int4-g"))
+
+
+INT4 = Int4Format()

@@ -19,6 +19,7 @@ copy and sends more than `MAX_INT8_ROWS` rows to a dense `fallback` method.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from tokenmill.kernels.int_linear import code_range, pack
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
 from tokenmill.quantization.int_codes import PackedQuantMethod
+from tokenmill.quantization.weight_format import WeightFormat
 
 # Rows up to which a draft's int8 product runs; more go to its float fallback.
 MAX_INT8_ROWS = 4
@@ -256,3 +258,37 @@ def int8_linear(
         method.load_weight(layer, weight, 0)
     method.process_weights_after_loading(layer)
     return layer
+
+
+class Int8Format(WeightFormat):
+    """int8 codes with a scale per output row (`int8`: `--quantization int8`, W8A8
+    checkpoints), or per group with codes of 8, 6 or 5 bits (`int8-g32`, `int6-g16`,
+    `int5-g32`: GGUF's blocks)."""
+
+    family = "int8"
+    online = MappingProxyType({"int8": "int8"})
+
+    def owns(self, name: str) -> bool:
+        return name == "int8" or _grouped_bits(name) is not None
+
+    def kernel_available(self) -> bool:
+        return int8_linear_available()
+
+    def method(self, name: str, dequantize_on: torch.device | None) -> LinearMethod:
+        if name == "int8":
+            return Int8LinearMethod(dequantize_on=dequantize_on)
+        bits = _grouped_bits(name)
+        assert bits is not None, name
+        group_size = int(name.removeprefix(f"int{bits}-g"))
+        return Int8LinearMethod(group_size, code_bits=bits, dequantize_on=dequantize_on)
+
+
+def _grouped_bits(name: str) -> int | None:
+    """The code width of a grouped name (`int<bits>-g<group>`), or None."""
+    for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
+        if name.startswith(f"int{bits}-g"):
+            return bits
+    return None
+
+
+INT8 = Int8Format()
