@@ -8,9 +8,9 @@
 
 #include "cpu_common.h"
 #include "decoder_stack.h"
-#include "packed_linear.h"
+#include "int_linear.h"
+#include "linear.h"
 #include "paged_attention.h"
-#include "quant_linear.h"
 
 namespace tokenmill {
 

@@ -6,7 +6,7 @@
 // horizontal sums (the GEMV), and a 16 x 32 bf16 block is exactly an AMX B tile (the GEMM).
 // One layout serves every row count; the plain [n, k] weight is not kept.
 //
-// Quantized weights (quant_linear.h) are the same idea with narrower elements: blocks of 16
+// Quantized weights (int_linear.h) are the same idea with narrower elements: blocks of 16
 // output rows, k-major, each row's 32-bit lane holding consecutive k (bf16: 2, int8: 4, int4:
 // 8 nibbles), so that one 64-byte load is 16 rows' lanes: what vpdpbusd and an AMX B tile read.
 #pragma once
@@ -24,7 +24,7 @@ struct PackedWeight {
   int64_t n, k, n_pad, k_pad;
   bool is_bf16;
   // Quantized codes (bits 8, 6, 5 or 4; 0: a dense weight) with float16 scales, and optionally
-  // offsets, per group of `group` k: [blocks, k_pad / group, 16] (quant_linear.h).
+  // offsets, per group of `group` k: [blocks, k_pad / group, 16] (int_linear.h).
   int bits = 0;
   const c10::Half* scales = nullptr;
   const c10::Half* offsets = nullptr;

@@ -1,9 +1,9 @@
-// Dense linears on packed weights (layout in packed_linear.h), one kernel per ISA level:
+// Dense linears on packed weights (layout in linear.h), one kernel per ISA level:
 // portable C++, AVX2, AVX-512 (float32 FMA; bf16 weights widened), AVX-512 BF16 (vdpbf16ps)
 // and AMX tiles for bf16 products of `kAmxMinRows` rows or more.
-#include "packed_linear.h"
+#include "linear.h"
 
-#include "quant_linear.h"
+#include "int_linear.h"
 #include "thread_pool.h"
 
 #include <sys/syscall.h>

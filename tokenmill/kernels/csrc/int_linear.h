@@ -1,6 +1,6 @@
-// Quantized linears: int8 / int4 codes in packed_linear.h's 16-row blocks with float16 scales
+// Quantized linears: int8 / int4 codes in linear.h's 16-row blocks with float16 scales
 // (and offsets) per group of k; `out = x @ W.T + bias`, W = code * scale + offset. The codes'
-// layout is tokenmill/kernels/quant.py's (which packs them at load time).
+// layout is tokenmill/kernels/int_linear.py's (which packs them at load time).
 //
 // A product first prepares its input rows (a phase of its own: each row once, not once per
 // chunk of output blocks), then runs over blocks of 16 output rows. Which kernel runs (`path`):
@@ -12,7 +12,7 @@
 //   AMX tiles with bf16 rows; the weight is never dequantized whole.
 #pragma once
 
-#include "packed_linear.h"
+#include "linear.h"
 
 namespace tokenmill {
 
