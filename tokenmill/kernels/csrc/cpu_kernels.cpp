@@ -73,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which quantized products run on AMX tiles (ISA level 4)");
   pybind11::class_<PackedLinear>(m, "PackedLinear")
       .def_static("dense", &PackedLinear::dense, "a packed dense weight [n, k]")
-      .def_static("quantized", &PackedLinear::quantized,
+      .def_static("quantized", &int_codes_linear,
                   "packed int8/int4 codes with float16 scales (and offsets) per group")
       .def("forward", &PackedLinear::forward, "x @ weight.T + bias", no_gil);
   m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place",

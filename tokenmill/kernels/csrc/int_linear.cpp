@@ -687,14 +687,16 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
   return w;
 }
 
-PackedLinear PackedLinear::quantized(const at::Tensor& codes, const at::Tensor& scales,
-                                     const c10::optional<at::Tensor>& offsets, int64_t bits,
-                                     int64_t group, int64_t n, int64_t k) {
-  PackedLinear linear;
-  linear.weight_ = quant_view(codes, scales, offsets, bits, group, n, k);
-  linear.tensors_ = {codes, scales};
-  if (offsets.has_value() && offsets->defined()) linear.tensors_.push_back(*offsets);
-  return linear;
+PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, int64_t bits,
+                              int64_t group, int64_t n, int64_t k) {
+  std::vector<at::Tensor> tensors = {codes, scales};
+  if (offsets.has_value() && offsets->defined()) tensors.push_back(*offsets);
+  const auto product = [](const at::Tensor& x, const PackedWeight& w,
+                          const std::vector<at::Tensor>&, const c10::optional<at::Tensor>& bias,
+                          bool float32_out) { return quant_linear(x, w, bias, float32_out); };
+  return PackedLinear(quant_view(codes, scales, offsets, bits, group, n, k), std::move(tensors),
+                      product);
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,

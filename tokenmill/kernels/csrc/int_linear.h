@@ -62,4 +62,10 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
 at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
                         const c10::optional<at::Tensor>& bias, bool float32_out);
 
+// This format's PackedLinear (Python: `PackedLinear.quantized`): packed codes of `bits` (8, 6,
+// 5 or 4) with float16 scales (and offsets) per group of `group` k, viewed and kept alive.
+PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, int64_t bits,
+                              int64_t group, int64_t n, int64_t k);
+
 }  // namespace tokenmill

@@ -13,6 +13,7 @@
 
 #include <c10/util/Half.h>
 
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -61,23 +62,31 @@ at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t n, int64_t k);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias, bool float32_out);
 
-// A linear's packed weight, dense or quantized, as Python's LinearMethod hands it to the fused
-// decoder stack (and a quantized layer calls it): the tensors it views, kept alive.
+// A linear's packed weight, dense or of any quantized format, as Python's LinearMethod hands
+// it to the fused decoder stack (and a quantized layer calls it): the tensors it views, kept
+// alive, and its format's product. Each format makes its own in its header's factory (dense:
+// `dense` here; integer codes: int_linear.h's `int_codes_linear`), so this file knows none.
 class PackedLinear {
  public:
+  // x @ W.T + bias on `weight`, in x's dtype or float32: one format's product.
+  using Product = at::Tensor (*)(const at::Tensor& x, const PackedWeight& weight,
+                                 const std::vector<at::Tensor>& tensors,
+                                 const c10::optional<at::Tensor>& bias, bool float32_out);
+
+  PackedLinear(const PackedWeight& weight, std::vector<at::Tensor> tensors, Product product)
+      : tensors_(std::move(tensors)), weight_(weight), product_(product) {}
   static PackedLinear dense(const at::Tensor& packed, int64_t n, int64_t k);
-  // quant_linear.cpp
-  static PackedLinear quantized(const at::Tensor& codes, const at::Tensor& scales,
-                                const c10::optional<at::Tensor>& offsets, int64_t bits,
-                                int64_t group, int64_t n, int64_t k);
   const PackedWeight& weight() const { return weight_; }
   // x @ W.T + bias, in x's dtype or float32.
   at::Tensor forward(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                     bool float32_out) const;
+                     bool float32_out) const {
+    return product_(x, weight_, tensors_, bias, float32_out);
+  }
 
  private:
   std::vector<at::Tensor> tensors_;
   PackedWeight weight_{};
+  Product product_ = nullptr;
 };
 
 }  // namespace tokenmill
