@@ -25,8 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import AttentionGroup, TorchPagedAttention
-from tokenmill.layers.attention_native import CpuPagedAttention
+from tokenmill.layers.attention.base import AttentionGroup
+from tokenmill.layers.attention.cpu_backend import CpuPagedAttention
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 from tokenmill.layers.kv_cache import read_kv
 from tokenmill.step.layout import layout_step
 

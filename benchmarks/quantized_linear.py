@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenmill.layers.int4_linear import Int4LinearMethod
-from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import DenseLinearMethod, Linear, LinearMethod, OneDNNLinearMethod
+from tokenmill.quantization.int4 import Int4LinearMethod
+from tokenmill.quantization.int8 import Int8LinearMethod
 
 # (in, out) of qkv, o, gate_up, down in SmolLM2-135M.
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))

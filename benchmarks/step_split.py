@@ -21,7 +21,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.attention import PagedAttention
+from tokenmill.layers.attention.base import PagedAttention
 
 
 def timed(function, repeats: int) -> float:

@@ -27,8 +27,8 @@ LAYERS: tuple[str, ...] = (
     "config",  # EngineConfig and the JSON-valued settings: every knob, validated
     "metrics",  # stats records, Prometheus, the stats line
     "kernels",  # native CPU kernels (C++ built at first use) and their loader
-    "layers",  # KV-cache tensors, attention, linear, rotary, sampler
-    "quantization",  # which method each linear gets; GGUF and pre-quantized checkpoints
+    "layers",  # KV-cache tensors, attention/, Linear and the dense methods, rotary, sampler
+    "quantization",  # the weight formats, which method each linear gets; their checkpoints
     "models",  # the model code and its loader
     "structured_output",  # grammars: validation, compiles, a request's matcher, the bitmask
     "step",  # a step's vocabulary: requests as scheduler and runner see them, the seam values

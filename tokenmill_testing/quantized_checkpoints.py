@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from tokenmill.kernels.int_linear import INT8_ACTIVATIONS_LEVEL
 from tokenmill.kernels.native import native_kernels, using_isa
-from tokenmill.kernels.quant import INT8_ACTIVATIONS_LEVEL
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_testing.transformers_reference import greedy_reference
 

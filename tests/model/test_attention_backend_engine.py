@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.attention_triton import TritonPagedAttention
+from tokenmill.layers.attention.triton_backend import TritonPagedAttention
 from tokenmill.worker.capture_backends import eager_capture
 
 pytestmark = pytest.mark.cuda  # natively on a GPU under `pytest -m cuda`

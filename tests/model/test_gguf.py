@@ -14,10 +14,10 @@ from gguf import quants
 
 from tokenmill import LLM
 from tokenmill.config import ConfigError
-from tokenmill.layers.int4_linear import Int4LinearMethod
-from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
-from tokenmill.quantization.embedding import QuantizedEmbedding
+from tokenmill.layers.quantized_embedding import QuantizedEmbedding
+from tokenmill.quantization.int4 import Int4LinearMethod
+from tokenmill.quantization.int8 import Int8LinearMethod
 from tokenmill_testing.gguf_checkpoint import encode, llama_cpp_permute, save_gguf
 from tokenmill_testing.quantized_checkpoints import (
     activation_path,

@@ -13,10 +13,10 @@ import torch
 
 from tokenmill import LLM
 from tokenmill.config import ConfigError
-from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
-from tokenmill.layers.int8_linear import Int8LinearMethod, quantize_int8
 from tokenmill.layers.linear import Linear
-from tokenmill.quantization.embedding import QuantizedEmbedding
+from tokenmill.layers.quantized_embedding import QuantizedEmbedding
+from tokenmill.quantization.int4 import Int4LinearMethod, quantize_int4
+from tokenmill.quantization.int8 import Int8LinearMethod, quantize_int8
 from tokenmill_testing.quantized_checkpoints import (
     TOLERANCE,
     compare_with_reference,
@@ -68,7 +68,7 @@ def test_the_torch_path_matches_the_dequantized_float_model(
     tiny_checkpoint, tmp_path: Path, name: str, scheme: str
 ) -> None:
     """`--linear-backend torch`: each product widens the codes with torch ops (the path a
-    CUDA engine takes: quantized_linear.py), float activations; a tied embedding reads the
+    CUDA engine takes: int_codes.py), float activations; a tied embedding reads the
     LM head's rows from the same codes."""
     kwargs = dict(CHECKPOINTS[name])
     checkpoint = tiny_checkpoint(kwargs.pop("architecture", name), **kwargs)

@@ -12,9 +12,9 @@ import pytest
 
 from tokenmill import LLM
 from tokenmill.config import ConfigError
-from tokenmill.layers.int4_linear import Int4LinearMethod
-from tokenmill.layers.int8_linear import Int8LinearMethod
 from tokenmill.layers.linear import Linear
+from tokenmill.quantization.int4 import Int4LinearMethod
+from tokenmill.quantization.int8 import Int8LinearMethod
 from tokenmill_testing.hf_quantized_checkpoints import SCHEMES, save_quantized_checkpoint
 from tokenmill_testing.quantized_checkpoints import (
     compare_with_reference,

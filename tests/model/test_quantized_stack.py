@@ -15,8 +15,8 @@ import torch
 
 from tokenmill import LLM
 from tokenmill.kernels import native
-from tokenmill.kernels.quant import INT8_ACTIVATIONS_LEVEL
-from tokenmill.layers.quantized_linear import PackedQuantMethod
+from tokenmill.kernels.int_linear import INT8_ACTIVATIONS_LEVEL
+from tokenmill.quantization.int_codes import PackedQuantMethod
 from tokenmill_testing.quantized_checkpoints import greedy, random_prompts
 
 module = native.native_kernels()

@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.attention import TorchPagedAttention
-from tokenmill.layers.attention_backends import resolve_attention_backend
-from tokenmill.layers.attention_triton import TritonPagedAttention
+from tokenmill.layers.attention.selector import resolve_attention_backend
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
+from tokenmill.layers.attention.triton_backend import TritonPagedAttention
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.step.layout import layout_step, query_length_class

@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.engine_args import add_engine_args
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.worker.captured_step import (
     CapturedDecodeStep,
     DecodeBatch,

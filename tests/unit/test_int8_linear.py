@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.kernels.quant import dequantize, kernel_reference, on_amx_tiles
-from tokenmill.layers.int8_linear import (
+from tokenmill.kernels.int_linear import dequantize, kernel_reference, on_amx_tiles
+from tokenmill.layers.linear import DenseLinearMethod, Linear
+from tokenmill.quantization.int8 import (
     MAX_INT8_ROWS,
     Int8GroupWeight,
     Int8LinearMethod,
@@ -18,7 +19,6 @@ from tokenmill.layers.int8_linear import (
     int8_linear_available,
     quantize_int8,
 )
-from tokenmill.layers.linear import DenseLinearMethod, Linear
 
 pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="no int8 kernel in this torch")
 

@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from tokenmill.kernels import native
 from tokenmill.kernels.attention import native_paged_attention
 from tokenmill.kernels.linear import (
+    native_dense_linear,
     pack_linear_weight,
     packed_linear,
     packed_linear_available,
     unpack_linear_weight,
 )
-from tokenmill.layers.attention import TorchPagedAttention, build_attention_group
+from tokenmill.layers.attention.base import build_attention_group
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 from tokenmill.layers.kv_cache import write_kv
 
 module = native.native_kernels()
@@ -63,6 +65,25 @@ def test_packed_linear_takes_any_leading_shape() -> None:
     got = packed_linear(x, pack_linear_weight(weight), 48, None)
     assert got.shape == (2, 3, 48)
     assert torch.allclose(got, F.linear(x, weight), atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("float32_out", [False, True])
+def test_a_dense_native_linear_runs_the_packed_product(
+    dtype: torch.dtype, float32_out: bool
+) -> None:
+    """The native `PackedLinear` of a dense weight (what the fused stack takes) multiplies as
+    `packed_linear` does: each format's factory gives it its product (csrc/linear.h)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 72, generator=generator).to(dtype)
+    x = torch.randn(6, 72, generator=generator).to(dtype)
+    bias = torch.randn(40, generator=generator)
+    packed = pack_linear_weight(weight)
+    linear = native_dense_linear(packed, 40, 72)
+    got = linear.forward(x, bias, float32_out)
+    assert got.dtype == (torch.float32 if float32_out else dtype)
+    assert torch.equal(got, packed_linear(x, packed, 40, bias, float32=float32_out))
 
 
 def _paged_case(

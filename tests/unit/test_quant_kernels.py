@@ -12,8 +12,7 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.kernels import native
-from tokenmill.kernels.native import ISA_LEVELS
-from tokenmill.kernels.quant import (
+from tokenmill.kernels.int_linear import (
     AMX_LEVEL,
     INT8_ACTIVATIONS_LEVEL,
     amx_min_rows,
@@ -27,9 +26,10 @@ from tokenmill.kernels.quant import (
     quant_linear_reference,
     quantize_activations_reference,
 )
-from tokenmill.layers.int4_linear import Int4LinearMethod, quantize_int4
-from tokenmill.layers.int8_linear import Int8GroupWeight, Int8LinearMethod, quantize_int8
+from tokenmill.kernels.native import ISA_LEVELS
 from tokenmill.layers.linear import Linear
+from tokenmill.quantization.int4 import Int4LinearMethod, quantize_int4
+from tokenmill.quantization.int8 import Int8GroupWeight, Int8LinearMethod, quantize_int8
 
 needs_native = pytest.mark.skipif(
     native.native_kernels() is None, reason="native kernels not buildable here"

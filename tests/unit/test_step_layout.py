@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers import attention
-from tokenmill.layers.attention import DECODE_SLICE_ROWS, TorchPagedAttention
+from tokenmill.layers.attention import torch_backend
+from tokenmill.layers.attention.base import DECODE_SLICE_ROWS
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
 
 BLOCK_SIZE = 16
@@ -72,7 +73,7 @@ def test_split_groups_attend_each_row_to_its_own_context() -> None:
 def test_a_large_decode_group_is_attended_in_slices_each_to_its_own_contexts(
     sliding_window: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attention, "DECODE_SLICE_ABOVE_BYTES", 0)  # these heads are tiny
+    monkeypatch.setattr(torch_backend, "DECODE_SLICE_ABOVE_BYTES", 0)  # these heads are tiny
     lengths = [300 + (37 * i) % 200 for i in range(2 * DECODE_SLICE_ROWS + 3)]
     groups = attend_and_check(*decode_step(lengths), sliding_window=sliding_window)
     (group,) = groups
@@ -84,7 +85,7 @@ def test_a_large_decode_group_is_attended_in_slices_each_to_its_own_contexts(
 
 
 def test_equal_decode_contexts_are_sliced_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "DECODE_SLICE_ABOVE_BYTES", 0)
+    monkeypatch.setattr(torch_backend, "DECODE_SLICE_ABOVE_BYTES", 0)
     groups = attend_and_check(*decode_step([200] * (DECODE_SLICE_ROWS + 5)))
     assert groups[0].mask is None and groups[0].row_slices is not None
 

@@ -36,7 +36,7 @@ KV_CACHE_DTYPES = {
 }
 
 
-# auto: triton on CUDA when installed, else torch (layers/attention_backends.py).
+# auto: triton on CUDA when installed, else torch (layers/attention/selector.py).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 

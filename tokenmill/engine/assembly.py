@@ -24,7 +24,7 @@ from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
-from tokenmill.layers.attention_backends import resolve_attention_backend
+from tokenmill.layers.attention.selector import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.models.llama import LlamaForCausalLM

@@ -2,7 +2,7 @@
 
 Any mix of decodes, verified drafts and prefill chunks in one call: no gather of the context
 into a padded batch, no mask tensor. The reference is `TorchPagedAttention`
-(layers/attention.py).
+(layers/attention/torch_backend.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dense linears on weights packed once at load time (the C++ `packed_linear`).
 
-The packed layout (blocks of 16 output rows, k-major inside a block; `csrc/packed_linear.h`)
+The packed layout (blocks of 16 output rows, k-major inside a block; `csrc/linear.h`)
 serves every row count: one row is a broadcast times each weight vector, streamed once at the
 memory roof; many rows go to AMX tiles (bf16, where the CPU has them) or to AVX-512/AVX2
 register tiles. The plain `[n, k]` weight is not kept.

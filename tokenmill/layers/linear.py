@@ -6,7 +6,8 @@ weight format, the device and the dtype); the model calls `layer(x)`, which is t
 `apply`, and the loader fills the weight through `load_weight`. The methods here are the
 dense ones: `DenseLinearMethod` (`F.linear`), `PackedLinearMethod` (the native kernels' packed
 layout, the CPU default where they build) and `OneDNNLinearMethod` (below, the CPU default
-where they do not); the int8 and int4 ones are in `int8_linear.py` and `int4_linear.py`.
+where they do not); the quantized ones are in `quantization/`, one module a weight format
+(`int8.py`, `int4.py`).
 
 OneDNN: `F.linear` on float32 CPU tensors goes to a BLAS whose kernels here (AMD Zen 5,
 AVX-512) reached 200 GFLOP/s at 2048 rows and far less at a few rows (5 rows of a 1536 x 256

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import AttentionMetadata, KVCache
-from tokenmill.layers.attention_backends import make_attention_backend
+from tokenmill.layers.attention.base import AttentionMetadata, KVCache
+from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.native import native_kernels
-from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.attention_native import CpuPagedAttention
+from tokenmill.layers.attention.base import AttentionMetadata
+from tokenmill.layers.attention.cpu_backend import CpuPagedAttention
 from tokenmill.layers.linear import Linear
 
 STACK_CACHE_DTYPES = (torch.float32, torch.bfloat16)

@@ -27,10 +27,9 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
-from tokenmill.quantization.embedding import use_quantized_embedding
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
-from tokenmill.quantization.selection import LinearPlan, log_plan
+from tokenmill.quantization.selection import LinearPlan, log_plan, use_quantized_embedding
 
 # Architectures (config.json `architectures`) -> model class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -197,7 +196,7 @@ class LoadSettings:
 
     dtype: torch.dtype  # the compute dtype
     linear_backend: str = "auto"  # EngineConfig.linear_backend (or "torch" for a captured step)
-    attention_backend: str = "torch"  # resolved: torch, cpu or triton (attention_backends.py)
+    attention_backend: str = "torch"  # resolved: torch, cpu or triton (attention/selector.py)
     quantization: str | None = None  # EngineConfig.quantization: int8, int4, int4-g128
     # The longest sequence served: the RoPE tables cover it (None: max_position_embeddings).
     max_model_len: int | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.quant import PackedWeight
+from tokenmill.kernels.int_linear import PackedWeight
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from tokenmill.layers.int4_linear import Int4GroupWeight
-from tokenmill.layers.int8_linear import Int8GroupWeight
+from tokenmill.quantization.int4 import Int4GroupWeight
+from tokenmill.quantization.int8 import Int8GroupWeight
 
 Q = GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_K)
 INT8_TYPES = (Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K)
-# The width of each type's codes (5- and 6-bit ones are packed at it: kernels/quant.py).
+# The width of each type's codes (5- and 6-bit ones are packed at it: kernels/int_linear.py).
 CODE_BITS = {Q.Q4_0: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 # Columns per scale of each type (its int8/int4 group size).
 GROUP_SIZE = {Q.Q4_0: 32, Q.Q4_K: 32, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q5_K: 32, Q.Q6_K: 16}

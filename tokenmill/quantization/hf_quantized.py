@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.int4_linear import INT4_GROUP_SIZES, Int4GroupWeight
-from tokenmill.layers.int8_linear import Int8GroupWeight
+from tokenmill.quantization.int4 import INT4_GROUP_SIZES, Int4GroupWeight
+from tokenmill.quantization.int8 import Int8GroupWeight
 
 # (name, reader of that tensor) as the safetensors loader yields them.
 Tensors = Iterator[tuple[str, Callable[[Any], Any]]]

@@ -1,5 +1,6 @@
 """The one place a linear layer's method is chosen: from the weight format its checkpoint
-tensors arrive in (or `--quantization`), the device, the dtype and the linear backend.
+tensors arrive in (or `--quantization`), the device, the dtype and the linear backend; and the
+one list of weight formats (`WEIGHT_FORMATS`: each a module of this package, weight_format.py).
 
 The decoder layers' linears take the checkpoint's format (or `--quantization`'s). The LM head
 and the embedding choose their own, as llama.cpp does (its output tensor stays at higher
@@ -8,7 +9,7 @@ precision than the rest: the rows are the logits): a GGUF file's own types; with
 the largest weight streamed per token of a small model: SmolLM2-135M's is 28M of its 135M
 weights); float for a pre-quantized Hugging Face checkpoint (its quantization_config leaves
 the head out). The embedding is then a lookup into the same int8 rows (one copy for a tied
-head; `quantization/embedding.py`).
+head; `layers/quantized_embedding.py`, `use_quantized_embedding` below).
 """
 
 from __future__ import annotations
@@ -22,24 +23,24 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError
-from tokenmill.kernels.native import native_kernels
-from tokenmill.layers.int4_linear import (
-    Int4LinearMethod,
-    int4_linear_available,
-    int4_shape_supported,
-)
-from tokenmill.layers.int8_linear import Int8LinearMethod, int8_linear_available
 from tokenmill.layers.linear import (
     DenseLinearMethod,
     Linear,
     LinearMethod,
     cpu_dense_method,
 )
+from tokenmill.layers.quantized_embedding import QuantizedEmbedding
+from tokenmill.quantization.int4 import INT4
+from tokenmill.quantization.int8 import INT8
+from tokenmill.quantization.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
 
+# Every weight format, each one module of this package (weight_format.py): the one place a
+# format is registered.
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = (INT8, INT4)
 # `--quantization` values -> the weight format of the decoder's linears.
-ONLINE_FORMATS = {"int8": "int8", "int4": "int4-g32", "int4-g128": "int4-g128"}
+ONLINE_FORMATS = {value: name for fmt in WEIGHT_FORMATS for value, name in fmt.online.items()}
 # The LM head's and embedding's format under `--quantization` (module docstring).
 ONLINE_HEAD_FORMAT = "int8"
 HEAD_LAYERS = ("lm_head", "embed_tokens")
@@ -58,7 +59,8 @@ class LinearPlan:
     default: str | None = None
     head: str | None = None
     formats: Mapping[str, str] = field(default_factory=dict)
-    int8_instead: list[str] = field(default_factory=list)
+    # (format, the fallback it gave) -> the layers whose shape the format's kernel cannot take
+    instead: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
     @classmethod
     def online(
@@ -89,20 +91,17 @@ class LinearPlan:
         wanted = self.format_of(name)
         if wanted is None or wanted == "float":
             return self.dense()
-        on = self._dequantize_on(wanted)
-        if wanted.startswith("int4-g"):
-            group_size = int(wanted.removeprefix("int4-g"))
-            if on is not None or int4_shape_supported(out_features, in_features, group_size):
-                return Int4LinearMethod(group_size, dequantize_on=on)
-            self.int8_instead.append(f"{name} ({out_features}x{in_features})")
-            return Int8LinearMethod()
-        if wanted == "int8":
-            return Int8LinearMethod(dequantize_on=on)
-        for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
-            if wanted.startswith(f"int{bits}-g"):
-                group_size = int(wanted.removeprefix(f"int{bits}-g"))
-                return Int8LinearMethod(group_size, code_bits=bits, dequantize_on=on)
-        raise ConfigError(f"unknown weight format {wanted!r} for {name}")
+        fmt = find_format(wanted)
+        if fmt is None:
+            raise ConfigError(f"unknown weight format {wanted!r} for {name}")
+        on = self._dequantize_on(fmt, wanted)
+        if fmt.fits(wanted, out_features, in_features, on) or fmt.fallback is None:
+            return fmt.method(wanted, on)
+        fallback = find_format(fmt.fallback)
+        assert fallback is not None, f"{fmt.family}'s fallback {fmt.fallback} is not registered"
+        layers = self.instead.setdefault((fmt.family, fmt.fallback), [])
+        layers.append(f"{name} ({out_features}x{in_features})")
+        return fallback.method(fmt.fallback, on)
 
     def embedding_format(self) -> str | None:
         """The embedding's format where it is a lookup into quantized rows: int8 anywhere,
@@ -110,7 +109,8 @@ class LinearPlan:
         wanted = self.format_of("embed_tokens")
         if wanted is None or wanted == "float" or self.device.type != "cpu":
             return None
-        if wanted.startswith("int4") and native_kernels() is None:
+        fmt = find_format(wanted)
+        if fmt is not None and not fmt.embedding_lookup():
             return None
         return wanted
 
@@ -119,16 +119,20 @@ class LinearPlan:
             return cpu_dense_method(self.dtype) or DenseLinearMethod(self.dtype)
         return DenseLinearMethod(self.dtype)
 
-    def _dequantize_on(self, wanted: str) -> torch.device | None:
+    def _dequantize_on(self, fmt: WeightFormat, wanted: str) -> torch.device | None:
         """The device whose torch ops dequantize `wanted` weights per product (off the CPU,
-        or under `--linear-backend torch`: quantized_linear.py); None: the CPU's kernels,
+        or under `--linear-backend torch`: int_codes.py); None: the CPU's kernels,
         which must exist."""
         if self.device.type != "cpu" or self.linear_backend == "torch":
             return self.device
-        int4 = wanted.startswith("int4")
-        if not (int4_linear_available() if int4 else int8_linear_available()):
+        if not fmt.kernel_available():
             raise ConfigError(f"this torch build lacks the CPU kernel for {wanted} weights")
         return None
+
+
+def find_format(name: str) -> WeightFormat | None:
+    """The registered format that owns the format name `name`, or None."""
+    return next((fmt for fmt in WEIGHT_FORMATS if fmt.owns(name)), None)
 
 
 def online_format(quantization: str | None) -> str | None:
@@ -167,9 +171,31 @@ def log_plan(plan: LinearPlan, model: nn.Module) -> None:
         weight_format_summary(model),
         embedding,
     )
-    if plan.int8_instead:
+    for (family, fallback), layers in plan.instead.items():
         logger.info(
-            "int8 instead of int4 for %d linears whose shape the int4 kernel cannot take: %s",
-            len(plan.int8_instead),
-            ", ".join(plan.int8_instead),
+            "%s instead of %s for %d linears whose shape the %s kernel cannot take: %s",
+            fallback,
+            family,
+            len(layers),
+            family,
+            ", ".join(layers),
         )
+
+
+def use_quantized_embedding(model: nn.Module, plan: LinearPlan) -> dict[str, Linear]:
+    """Replace `model.embed_tokens` by a `QuantizedEmbedding` where the plan quantizes it
+    (before the weights load); returns {"embed_tokens": the Linear that loads its rows}."""
+    fmt = plan.embedding_format()
+    if fmt is None or model.tp.size > 1:
+        return {}
+    vocab_rows, hidden = model.embed_tokens.weight.shape
+    head = model.lm_head
+    tied = model.shape.tie_word_embeddings
+    if tied and isinstance(head, Linear) and head.quant_method.weight_format == fmt:
+        table, shared = head, True
+    else:
+        method = plan.method("embed_tokens", vocab_rows, hidden)
+        table = Linear(hidden, vocab_rows, method, dtype=model.embed_tokens.weight.dtype)
+        shared = False
+    model.embed_tokens = QuantizedEmbedding(table, model.embed_tokens.weight.dtype, shared)
+    return {"embed_tokens": table}

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.int8_linear import MAX_INT8_ROWS
 from tokenmill.layers.kv_cache import KVCacheSpec, read_kv, write_kv
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.layers.rotary import apply_rotary_
@@ -38,6 +37,7 @@ from tokenmill.models.llama import (
     LlamaForCausalLM,
     ModelShape,
 )
+from tokenmill.quantization.int8 import MAX_INT8_ROWS
 from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.step.layout import block_table_array
 

@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.int8_linear import int8_linear, int8_linear_available
 from tokenmill.layers.linear import (
     DenseLinearMethod,
     OneDNNLinearMethod,
@@ -33,6 +32,7 @@ from tokenmill.layers.linear import (
     use_fast_cpu_linears,
 )
 from tokenmill.models.llama import LlamaForCausalLM, ModelShape
+from tokenmill.quantization.int8 import int8_linear, int8_linear_available
 from tokenmill.spec_decode.eagle import EagleDraft
 from tokenmill.spec_decode.medusa import MedusaHeads
 
@@ -178,7 +178,7 @@ def _int8_drafts(draft_weights: str, dtype: torch.dtype, device: torch.device) -
 
 def _quantize(draft: EagleDraft, target: LlamaForCausalLM) -> None:
     """The draft layer's linears and a copy of the target's LM head as weight-only int8: a
-    draft at batch 1 streams every weight once per token (`layers/int8_linear.py`)."""
+    draft at batch 1 streams every weight once per token (`quantization/int8.py`)."""
     fallback = OneDNNLinearMethod() if onednn_linear_available() else DenseLinearMethod()
     for parent in list(draft.modules()):
         for name, child in list(parent.named_children()):

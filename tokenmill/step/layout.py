@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tokenmill.layers.attention import (
+from tokenmill.layers.attention.base import (
     AttentionGroup,
     AttentionMetadata,
     StepAttention,

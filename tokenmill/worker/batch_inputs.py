@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.step.layout import layout_decode, to_device
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.worker.captured_step import DecodeBatch

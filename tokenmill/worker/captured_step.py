@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.layers.attention import AttentionGroup, AttentionMetadata
+from tokenmill.layers.attention.base import AttentionGroup, AttentionMetadata
 from tokenmill.worker.capture_backends import (
     compile_forward,
     cuda_graph_capture_factory,
@@ -98,7 +98,7 @@ class StaticDecodeInputs:
         self.slot_mapping = torch.zeros(key.batch, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(key.batch, key.blocks, dtype=torch.int64, device=device)
         self.mask = torch.zeros(key.batch, 1, 1, kv_len, dtype=torch.bool, device=device)
-        # What a kernel reading the block tables needs (layers/attention_backends.py): one
+        # What a kernel reading the block tables needs (layers/attention/selector.py): one
         # query per row, and each row's length.
         self.seq_lens = torch.ones(key.batch, dtype=torch.int32, device=device)
         query_start_loc = torch.arange(key.batch + 1, dtype=torch.int32, device=device)

@@ -8,9 +8,9 @@
 
 #include "cpu_common.h"
 #include "decoder_stack.h"
-#include "packed_linear.h"
+#include "int_linear.h"
+#include "linear.h"
 #include "paged_attention.h"
-#include "quant_linear.h"
 
 namespace tokenmill {
 
@@ -73,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which quantized products run on AMX tiles (ISA level 4)");
   pybind11::class_<PackedLinear>(m, "PackedLinear")
       .def_static("dense", &PackedLinear::dense, "a packed dense weight [n, k]")
-      .def_static("quantized", &PackedLinear::quantized,
+      .def_static("quantized", &int_codes_linear,
                   "packed int8/int4 codes with float16 scales (and offsets) per group")
       .def("forward", &PackedLinear::forward, "x @ weight.T + bias", no_gil);
   m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place",

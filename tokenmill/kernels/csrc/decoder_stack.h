@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "cpu_common.h"
-#include "packed_linear.h"
+#include "int_linear.h"
+#include "linear.h"
 #include "paged_attention.h"
-#include "quant_linear.h"
 
 namespace tokenmill {
 

@@ -1,4 +1,4 @@
-"""Quantized linears on the native kernels (`csrc/quant_linear.h`): the packed layout they
+"""Quantized linears on the native kernels (`csrc/int_linear.h`): the packed layout they
 stream, packing into it at load time, and a torch reference of what they compute.
 
 A weight arrives as signed integer codes with a float scale (and optionally an offset) per
@@ -33,7 +33,7 @@ BLOCK_ROWS = 16
 ACTIVATION_BLOCK = 32
 # The first ISA level (tokenmill/kernels/native.py's ISA_LEVELS) whose kernels quantize the
 # activations: avx512_bf16, which includes VNNI; and the level whose AMX tiles take products
-# of many rows (csrc/quant_linear.h).
+# of many rows (csrc/int_linear.h).
 INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
 AMX_LEVEL = ISA_LEVELS.index("amx")
 # Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).

@@ -6,13 +6,14 @@
 // horizontal sums (the GEMV), and a 16 x 32 bf16 block is exactly an AMX B tile (the GEMM).
 // One layout serves every row count; the plain [n, k] weight is not kept.
 //
-// Quantized weights (quant_linear.h) are the same idea with narrower elements: blocks of 16
+// Quantized weights (int_linear.h) are the same idea with narrower elements: blocks of 16
 // output rows, k-major, each row's 32-bit lane holding consecutive k (bf16: 2, int8: 4, int4:
 // 8 nibbles), so that one 64-byte load is 16 rows' lanes: what vpdpbusd and an AMX B tile read.
 #pragma once
 
 #include <c10/util/Half.h>
 
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -24,7 +25,7 @@ struct PackedWeight {
   int64_t n, k, n_pad, k_pad;
   bool is_bf16;
   // Quantized codes (bits 8, 6, 5 or 4; 0: a dense weight) with float16 scales, and optionally
-  // offsets, per group of `group` k: [blocks, k_pad / group, 16] (quant_linear.h).
+  // offsets, per group of `group` k: [blocks, k_pad / group, 16] (int_linear.h).
   int bits = 0;
   const c10::Half* scales = nullptr;
   const c10::Half* offsets = nullptr;
@@ -61,23 +62,31 @@ at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t n, int64_t k);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias, bool float32_out);
 
-// A linear's packed weight, dense or quantized, as Python's LinearMethod hands it to the fused
-// decoder stack (and a quantized layer calls it): the tensors it views, kept alive.
+// A linear's packed weight, dense or of any quantized format, as Python's LinearMethod hands
+// it to the fused decoder stack (and a quantized layer calls it): the tensors it views, kept
+// alive, and its format's product. Each format makes its own in its header's factory (dense:
+// `dense` here; integer codes: int_linear.h's `int_codes_linear`), so this file knows none.
 class PackedLinear {
  public:
+  // x @ W.T + bias on `weight`, in x's dtype or float32: one format's product.
+  using Product = at::Tensor (*)(const at::Tensor& x, const PackedWeight& weight,
+                                 const std::vector<at::Tensor>& tensors,
+                                 const c10::optional<at::Tensor>& bias, bool float32_out);
+
+  PackedLinear(const PackedWeight& weight, std::vector<at::Tensor> tensors, Product product)
+      : tensors_(std::move(tensors)), weight_(weight), product_(product) {}
   static PackedLinear dense(const at::Tensor& packed, int64_t n, int64_t k);
-  // quant_linear.cpp
-  static PackedLinear quantized(const at::Tensor& codes, const at::Tensor& scales,
-                                const c10::optional<at::Tensor>& offsets, int64_t bits,
-                                int64_t group, int64_t n, int64_t k);
   const PackedWeight& weight() const { return weight_; }
   // x @ W.T + bias, in x's dtype or float32.
   at::Tensor forward(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                     bool float32_out) const;
+                     bool float32_out) const {
+    return product_(x, weight_, tensors_, bias, float32_out);
+  }
 
  private:
   std::vector<at::Tensor> tensors_;
   PackedWeight weight_{};
+  Product product_ = nullptr;
 };
 
 }  // namespace tokenmill

@@ -5,7 +5,7 @@ A weight is `(q - 8) * scale + zero` with q in [0, 15]: torch's convention, whic
 llama.cpp's Q4_0 (`d * (q - 8)`: zero 0) and Q4_K (`d * sc * q - dmin * m`: scale `d * sc`,
 zero `8 * d * sc - dmin * m`) blocks of 32 exactly, up to the float16 rounding of the scales
 and zeros. Where tokenmill's native kernels are built the weight is packed into their
-interleaved layout (`kernels/quant.py`; activations quantized to int8 per token and block of
+interleaved layout (`kernels/int_linear.py`; activations quantized to int8 per token and block of
 32 on CPUs with AVX-512 VNNI); without them it goes to torch's `_weight_int4pack_mm_for_cpu`
 (the kernel behind torchao's int4 CPU layout) in bfloat16 (float32 inputs take a reference
 path about 40x slower there), whose scales and zeros are bfloat16.
@@ -14,14 +14,16 @@ path about 40x slower there), whose scales and zeros are bfloat16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
+from tokenmill.kernels.int_linear import pack
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import pack
-from tokenmill.layers.int8_linear import Int8GroupWeight
-from tokenmill.layers.linear import Linear, check_shape
-from tokenmill.layers.quantized_linear import PackedQuantMethod
+from tokenmill.layers.linear import Linear, LinearMethod, check_shape
+from tokenmill.quantization.int8 import Int8GroupWeight
+from tokenmill.quantization.int_codes import PackedQuantMethod
+from tokenmill.quantization.weight_format import WeightFormat
 
 INT4_GROUP_SIZES = (32, 64, 128)
 # Rows of an int4 weight must divide into torch's kernel's tiles (the native one pads).
@@ -102,7 +104,7 @@ class Int4LinearMethod(PackedQuantMethod):
 
     def __init__(self, group_size: int, dequantize_on: torch.device | None = None) -> None:
         self.group_size = group_size
-        self.dequantize_on = dequantize_on  # quantized_linear.py
+        self.dequantize_on = dequantize_on  # int_codes.py
         self.weight_format = f"int4-g{group_size}"
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:
@@ -156,3 +158,40 @@ def int4_shape_supported(out_features: int, in_features: int, group_size: int) -
     if in_features % group_size or in_features % 32:
         return False
     return native_kernels() is not None or out_features % _TORCH_ROW_MULTIPLE == 0
+
+
+class Int4Format(WeightFormat):
+    """int4 in asymmetric groups (`int4-g32`, `int4-g64`, `int4-g128`): `--quantization
+    int4`, GPTQ, AWQ, W4A16 and GGUF Q4 checkpoints. A layer whose shape the CPU kernel cannot
+    take gets int8 per row instead."""
+
+    family = "int4"
+    online = MappingProxyType({"int4": "int4-g32", "int4-g128": "int4-g128"})
+    fallback = "int8"
+
+    def owns(self, name: str) -> bool:
+        return name.startswith("int4-g")
+
+    def kernel_available(self) -> bool:
+        return int4_linear_available()
+
+    def method(self, name: str, dequantize_on: torch.device | None) -> LinearMethod:
+        return Int4LinearMethod(_group_size(name), dequantize_on=dequantize_on)
+
+    def fits(
+        self, name: str, out_features: int, in_features: int, dequantize_on: torch.device | None
+    ) -> bool:
+        group_size = _group_size(name)
+        return dequantize_on is not None or int4_shape_supported(
+            out_features, in_features, group_size
+        )
+
+    def embedding_lookup(self) -> bool:
+        return native_kernels() is not None  # torch's int4 layout cannot be read back
+
+
+def _group_size(name: str) -> int:
+    return int(name.removeprefix("int4-g"))
+
+
+INT4 = Int4Format()

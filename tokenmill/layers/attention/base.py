@@ -1,4 +1,5 @@
-"""Paged attention over the flat tokens of many requests (one backend: `TorchPagedAttention`).
+"""What every paged-attention backend shares: a step's attention metadata and the base class
+`PagedAttention` (the backends: torch_backend.py, cpu_backend.py, triton_backend.py).
 
 A step's tokens arrive flat (`[num_tokens, heads, head_dim]`), requests one after another,
 ordered so that single-token requests (decodes) come first. New keys and values are written
@@ -17,16 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.kv_cache import read_kv, write_kv
+from tokenmill.layers.kv_cache import write_kv
 
 # KV cache of one layer: [2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = torch.Tensor
 # Decode rows the portable backend attends at once (`decode_slices`) when a decode group's
-# gathered keys and values would exceed DECODE_SLICE_ABOVE_BYTES (half this machine's 32 MB
-# L3): 8 rows ran fastest of 1-32 at contexts of 256-1,000 (SmolLM2-135M's heads, fp32), and
-# groups that fit the cache ran 0.86x in slices (more, smaller calls).
+# gathered keys and values would exceed its DECODE_SLICE_ABOVE_BYTES (torch_backend.py): 8
+# rows ran fastest of 1-32 at contexts of 256-1,000 (SmolLM2-135M's heads, fp32).
 DECODE_SLICE_ROWS = 8
-DECODE_SLICE_ABOVE_BYTES = 16 << 20
 
 
 @dataclass
@@ -192,68 +191,3 @@ class PagedAttention(ABC):
         self, query: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, out: torch.Tensor
     ) -> None:
         """Write the attention of the group's queries (`[tokens, heads, head_dim]`) to `out`."""
-
-
-class TorchPagedAttention(PagedAttention):
-    """The portable backend: gathers each request's context from the cache and runs
-    `scaled_dot_product_attention` on a padded batch per group. Correct for any mix of chunk
-    and context lengths; the reference the Triton backend is tested against."""
-
-    def _attend_group(
-        self, query: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, out: torch.Tensor
-    ) -> None:
-        num_seqs = group.block_tables.shape[0]
-        position_bytes = 2 * self.num_kv_heads * self.head_dim * query.element_size()
-        gathered_bytes = num_seqs * group.kv_len * position_bytes
-        if group.row_slices is None or gathered_bytes <= DECODE_SLICE_ABOVE_BYTES:
-            self._attend(query, kv_cache, group.block_tables, group.kv_len, group, out)
-            return
-        for start, end, kv_len in group.row_slices:
-            self._attend(
-                query[start:end],
-                kv_cache,
-                group.block_tables[start:end],
-                kv_len,
-                group,
-                out[start:end],
-                rows=slice(start, end),
-            )
-
-    def _attend(
-        self,
-        query: torch.Tensor,
-        kv_cache: KVCache,
-        block_tables: torch.Tensor,
-        kv_len: int,
-        group: AttentionGroup,
-        out: torch.Tensor,
-        rows: slice | None = None,
-    ) -> None:
-        """Attention of `block_tables`' sequences (the group's, or the `rows` of a decode
-        group) over their first `kv_len` keys."""
-        num_seqs = block_tables.shape[0]
-        num_blocks = -(-kv_len // kv_cache.shape[2])
-        keys, values = read_kv(kv_cache, block_tables[:, :num_blocks], query.dtype)
-        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        mask = group.mask
-        if mask is not None and rows is not None:
-            mask = mask[rows, :, :, :kv_len]
-        if group.padded_index is None:  # every sequence has max_query_len queries
-            padded = query.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
-        else:
-            padded = query.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
-            padded.index_copy_(0, group.padded_index, query)
-            padded = padded.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
-        attended = F.scaled_dot_product_attention(
-            padded.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        ).transpose(1, 2)
-        if group.padded_index is None:
-            out.view(attended.shape).copy_(attended)
-            return
-        flat = attended.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
-        torch.index_select(flat, 0, group.padded_index, out=out)

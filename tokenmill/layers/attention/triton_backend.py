@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.attention import AttentionGroup, KVCache, PagedAttention
+from tokenmill.layers.attention.base import AttentionGroup, KVCache, PagedAttention
 
 PREFILL_BLOCK_M = 64  # rows (queries x heads of a KV group) per program for chunks
 TILE_N = 32  # keys per inner iteration

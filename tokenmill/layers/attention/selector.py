@@ -1,11 +1,12 @@
 """The choice of an attention backend, made once at start-up.
 
-Every backend is a `PagedAttention` (layers/attention.py): the same inputs (a step's flat
-queries, its new keys and values, one layer's paged cache and the step's `AttentionMetadata`),
-`[num_tokens, heads, head_dim]` out, and its own `_attend_group`. `torch`
-(`TorchPagedAttention`) runs anywhere and is the reference; `cpu` (`CpuPagedAttention`) runs
-short queries through the native CPU kernel (kernels/attention.py) and the rest as `torch`;
-`triton` (`TritonPagedAttention`) reads K/V through the block tables inside one kernel, for CUDA.
+Every backend is a `PagedAttention` (base.py): the same inputs (a step's flat queries, its new
+keys and values, one layer's paged cache and the step's `AttentionMetadata`), `[num_tokens,
+heads, head_dim]` out, and its own `_attend_group`. `torch` (`TorchPagedAttention`,
+torch_backend.py) runs anywhere and is the reference; `cpu` (`CpuPagedAttention`,
+cpu_backend.py) runs short queries through the native CPU kernel (kernels/attention.py) and the
+rest as `torch`; `triton` (`TritonPagedAttention`, triton_backend.py) reads K/V through the
+block tables inside one kernel, for CUDA.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import os
 import torch
 
 from tokenmill.config import ATTENTION_BACKENDS, ConfigError
-from tokenmill.layers.attention import PagedAttention, TorchPagedAttention
+from tokenmill.layers.attention.base import PagedAttention
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 
 
 def triton_available() -> bool:
@@ -46,11 +48,11 @@ def make_attention_backend(
 ) -> PagedAttention:
     """One attention layer's backend of kind `name` (resolved), made when the model is built."""
     if name == "triton":
-        from tokenmill.layers.attention_triton import TritonPagedAttention
+        from tokenmill.layers.attention.triton_backend import TritonPagedAttention
 
         return TritonPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "cpu":
-        from tokenmill.layers.attention_native import CpuPagedAttention
+        from tokenmill.layers.attention.cpu_backend import CpuPagedAttention
 
         return CpuPagedAttention(num_heads, num_kv_heads, head_dim, scale)
     if name == "torch":

@@ -8,7 +8,8 @@ import torch
 
 from tokenmill.kernels.attention import NATIVE_ATTENTION_DTYPES, native_paged_attention
 from tokenmill.kernels.native import native_kernels
-from tokenmill.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from tokenmill.layers.attention.base import AttentionMetadata, KVCache
+from tokenmill.layers.attention.torch_backend import TorchPagedAttention
 from tokenmill.layers.kv_cache import write_kv
 
 

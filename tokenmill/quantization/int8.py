@@ -5,7 +5,7 @@ fused layer whose other part is wider). Codes that need fewer bits (GGUF's 5- an
 types) are packed at their own width (`code_bits`: `int5-g32`, `int6-g16`): the same method,
 a narrower layout, so that resident bytes stay those of the file.
 
-Where tokenmill's native kernels are built (`kernels/quant.py`) the weight is packed into
+Where tokenmill's native kernels are built (`kernels/int_linear.py`) the weight is packed into
 their interleaved layout and that is all the layer holds; on a CPU with AVX-512 VNNI the
 activations are quantized to int8 per token and block of 32 at run time (W8A8 dynamic), on
 others they stay float. Without the native kernels the weight goes to torch's
@@ -19,15 +19,17 @@ copy and sends more than `MAX_INT8_ROWS` rows to a dense `fallback` method.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from tokenmill.config import ConfigError
+from tokenmill.kernels.int_linear import code_range, pack
 from tokenmill.kernels.native import native_kernels
-from tokenmill.kernels.quant import code_range, pack
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
-from tokenmill.layers.quantized_linear import PackedQuantMethod
+from tokenmill.quantization.int_codes import PackedQuantMethod
+from tokenmill.quantization.weight_format import WeightFormat
 
 # Rows up to which a draft's int8 product runs; more go to its float fallback.
 MAX_INT8_ROWS = 4
@@ -107,7 +109,7 @@ class Int8LinearMethod(PackedQuantMethod):
     codes widened, exactly). `code_bits` 5 or 6: the checkpoint's codes fit that width and the
     native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
     and products of more than `max_rows` rows are the fallback's. `dequantize_on`: the device
-    whose torch ops run the layer (quantized_linear.py); None: the CPU's kernels."""
+    whose torch ops run the layer (int_codes.py); None: the CPU's kernels."""
 
     def __init__(
         self,
@@ -256,3 +258,37 @@ def int8_linear(
         method.load_weight(layer, weight, 0)
     method.process_weights_after_loading(layer)
     return layer
+
+
+class Int8Format(WeightFormat):
+    """int8 codes with a scale per output row (`int8`: `--quantization int8`, W8A8
+    checkpoints), or per group with codes of 8, 6 or 5 bits (`int8-g32`, `int6-g16`,
+    `int5-g32`: GGUF's blocks)."""
+
+    family = "int8"
+    online = MappingProxyType({"int8": "int8"})
+
+    def owns(self, name: str) -> bool:
+        return name == "int8" or _grouped_bits(name) is not None
+
+    def kernel_available(self) -> bool:
+        return int8_linear_available()
+
+    def method(self, name: str, dequantize_on: torch.device | None) -> LinearMethod:
+        if name == "int8":
+            return Int8LinearMethod(dequantize_on=dequantize_on)
+        bits = _grouped_bits(name)
+        assert bits is not None, name
+        group_size = int(name.removeprefix(f"int{bits}-g"))
+        return Int8LinearMethod(group_size, code_bits=bits, dequantize_on=dequantize_on)
+
+
+def _grouped_bits(name: str) -> int | None:
+    """The code width of a grouped name (`int<bits>-g<group>`), or None."""
+    for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
+        if name.startswith(f"int{bits}-g"):
+            return bits
+    return None
+
+
+INT8 = Int8Format()

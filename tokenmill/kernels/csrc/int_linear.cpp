@@ -1,6 +1,6 @@
-// Quantized linears on packed int8 / int4 weights (layout and paths: quant_linear.h).
+// Quantized linears on packed int8 / int4 weights (layout and paths: int_linear.h).
 //
-// Layout, as tokenmill/kernels/quant.py packs it: output rows in blocks of 16; within a block
+// Layout, as tokenmill/kernels/int_linear.py packs it: output rows in blocks of 16; within a block
 // the codes of four consecutive input columns of each of the 16 rows lie in one 32-bit lane,
 // so that 64 bytes hold 16 rows x 4 columns (int8) or 16 rows x 8 columns (int4: byte j of a
 // lane holds column j in its low nibble and column 4 + j in its high one). A block streams
@@ -14,7 +14,7 @@
 // first 8 bytes for the chunk's low nibbles and the next 8 for its high ones, bit b of a mask
 // belonging to byte b of the chunk (`split_chunk_avx512` adds them back with two masked
 // byte adds). Codes are stored plus 16 (5-bit) or 32 (6-bit).
-#include "quant_linear.h"
+#include "int_linear.h"
 
 #include "thread_pool.h"
 
@@ -687,14 +687,16 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
   return w;
 }
 
-PackedLinear PackedLinear::quantized(const at::Tensor& codes, const at::Tensor& scales,
-                                     const c10::optional<at::Tensor>& offsets, int64_t bits,
-                                     int64_t group, int64_t n, int64_t k) {
-  PackedLinear linear;
-  linear.weight_ = quant_view(codes, scales, offsets, bits, group, n, k);
-  linear.tensors_ = {codes, scales};
-  if (offsets.has_value() && offsets->defined()) linear.tensors_.push_back(*offsets);
-  return linear;
+PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, int64_t bits,
+                              int64_t group, int64_t n, int64_t k) {
+  std::vector<at::Tensor> tensors = {codes, scales};
+  if (offsets.has_value() && offsets->defined()) tensors.push_back(*offsets);
+  const auto product = [](const at::Tensor& x, const PackedWeight& w,
+                          const std::vector<at::Tensor>&, const c10::optional<at::Tensor>& bias,
+                          bool float32_out) { return quant_linear(x, w, bias, float32_out); };
+  return PackedLinear(quant_view(codes, scales, offsets, bits, group, n, k), std::move(tensors),
+                      product);
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,

@@ -3,7 +3,8 @@ head's when they are tied (one copy of the vocabulary's rows, as llama.cpp keeps
 `token_embd` for both), or its own otherwise.
 
 The rows of a step's tokens are dequantized on the way out (a few rows per step: tokens x
-hidden values), so the table stays int8 or int4 in memory.
+hidden values), so the table stays int8 or int4 in memory. Where a model gets one:
+`use_quantized_embedding` (quantization/selection.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import torch
 from torch import nn
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quantization.selection import LinearPlan
 
 
 class QuantizedEmbedding(nn.Module):
@@ -39,22 +39,3 @@ class QuantizedEmbedding(nn.Module):
         owner = self.rows_owner()
         rows = owner.quant_method.dequantize_rows(owner, input_ids.reshape(-1))
         return rows.to(self.dtype).view(*input_ids.shape, -1)
-
-
-def use_quantized_embedding(model: nn.Module, plan: LinearPlan) -> dict[str, Linear]:
-    """Replace `model.embed_tokens` by a `QuantizedEmbedding` where the plan quantizes it
-    (before the weights load); returns {"embed_tokens": the Linear that loads its rows}."""
-    fmt = plan.embedding_format()
-    if fmt is None or model.tp.size > 1:
-        return {}
-    vocab_rows, hidden = model.embed_tokens.weight.shape
-    head = model.lm_head
-    tied = model.shape.tie_word_embeddings
-    if tied and isinstance(head, Linear) and head.quant_method.weight_format == fmt:
-        table, shared = head, True
-    else:
-        method = plan.method("embed_tokens", vocab_rows, hidden)
-        table = Linear(hidden, vocab_rows, method, dtype=model.embed_tokens.weight.dtype)
-        shared = False
-    model.embed_tokens = QuantizedEmbedding(table, model.embed_tokens.weight.dtype, shared)
-    return {"embed_tokens": table}

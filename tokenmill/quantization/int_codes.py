@@ -2,7 +2,7 @@
 multiplied. Three storages, chosen once after loading:
 
 - the native kernels (CPU): the layer holds its weight packed (`layer.packed`,
-  kernels/quant.py) and the native `PackedLinear` over it (`layer.native`), which its products
+  kernels/int_linear.py) and the native `PackedLinear` over it (`layer.native`), which its products
   call and the fused decoder stack multiplies;
 - dequantized per call with torch ops (`layer.torch_weight`, any device: CUDA, or the CPU
   under `--linear-backend torch`): the codes stay on the device, and each product widens them
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.quant import PackedWeight, native_quant_linear, packed_rows
+from tokenmill.kernels.int_linear import PackedWeight, native_quant_linear, packed_rows
 from tokenmill.layers.linear import Linear, LinearMethod
 
 

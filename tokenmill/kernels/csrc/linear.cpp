@@ -1,9 +1,8 @@
-// Dense linears on packed weights (layout in packed_linear.h), one kernel per ISA level:
+// Dense linears on packed weights (layout in linear.h), one kernel per ISA level:
 // portable C++, AVX2, AVX-512 (float32 FMA; bf16 weights widened), AVX-512 BF16 (vdpbf16ps)
 // and AMX tiles for bf16 products of `kAmxMinRows` rows or more.
-#include "packed_linear.h"
+#include "linear.h"
 
-#include "quant_linear.h"
 #include "thread_pool.h"
 
 #include <sys/syscall.h>
@@ -478,16 +477,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 PackedLinear PackedLinear::dense(const at::Tensor& packed, int64_t n, int64_t k) {
-  PackedLinear linear;
-  linear.weight_ = packed_view(packed, n, k);
-  linear.tensors_ = {packed};
-  return linear;
-}
-
-at::Tensor PackedLinear::forward(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                                 bool float32_out) const {
-  if (weight_.quantized()) return quant_linear(x, weight_, bias, float32_out);
-  return packed_linear(x, tensors_[0], weight_.n, bias, float32_out);
+  const auto product = [](const at::Tensor& x, const PackedWeight& w,
+                          const std::vector<at::Tensor>& tensors,
+                          const c10::optional<at::Tensor>& bias, bool float32_out) {
+    return packed_linear(x, tensors[0], w.n, bias, float32_out);
+  };
+  return PackedLinear(packed_view(packed, n, k), {packed}, product);
 }
 
 }  // namespace tokenmill

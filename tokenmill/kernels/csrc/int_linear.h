@@ -1,6 +1,6 @@
-// Quantized linears: int8 / int4 codes in packed_linear.h's 16-row blocks with float16 scales
+// Quantized linears: int8 / int4 codes in linear.h's 16-row blocks with float16 scales
 // (and offsets) per group of k; `out = x @ W.T + bias`, W = code * scale + offset. The codes'
-// layout is tokenmill/kernels/quant.py's (which packs them at load time).
+// layout is tokenmill/kernels/int_linear.py's (which packs them at load time).
 //
 // A product first prepares its input rows (a phase of its own: each row once, not once per
 // chunk of output blocks), then runs over blocks of 16 output rows. Which kernel runs (`path`):
@@ -12,7 +12,7 @@
 //   AMX tiles with bf16 rows; the weight is never dequantized whole.
 #pragma once
 
-#include "packed_linear.h"
+#include "linear.h"
 
 namespace tokenmill {
 
@@ -61,5 +61,11 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
 // x @ W.T + bias on the worker pool, in x's dtype or float32.
 at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
                         const c10::optional<at::Tensor>& bias, bool float32_out);
+
+// This format's PackedLinear (Python: `PackedLinear.quantized`): packed codes of `bits` (8, 6,
+// 5 or 4) with float16 scales (and offsets) per group of `group` k, viewed and kept alive.
+PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, int64_t bits,
+                              int64_t group, int64_t n, int64_t k);
 
 }  // namespace tokenmill
