@@ -21,8 +21,8 @@ from tokenmill.engine.async_engine import (
     EngineStepError,
 )
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.app import build_app
-from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.http.app import build_app
+from tokenmill.entrypoints.http.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 

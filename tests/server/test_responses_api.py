@@ -16,7 +16,7 @@ from server_utils import API_KEY, Server, start_server, stop_server
 from test_openapi import openai_schema, validate  # noqa: F401 (fixtures)
 
 from tokenmill.demo import DEMO_TARGET_NAME
-from tokenmill.entrypoints.openai.responses.store import ResponseStore, stored_size
+from tokenmill.entrypoints.http.responses.store import ResponseStore, stored_size
 
 PROMPT = "Say these words backwards: cake egg peach shell honey"
 WEATHER_SCHEMA = {

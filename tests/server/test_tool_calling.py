@@ -20,8 +20,8 @@ from test_openapi import openai_schema, sse_chunks, validate  # noqa: F401 (fixt
 from transformers import AutoTokenizer
 
 from tokenmill.demo import DEMO_TARGET_NAME, demo_model_path
-from tokenmill.entrypoints.openai.inputs import PromptBuilder
-from tokenmill.entrypoints.openai.protocol import ChatMessage
+from tokenmill.entrypoints.http.openai.inputs import PromptBuilder
+from tokenmill.entrypoints.http.openai.protocol import ChatMessage
 
 WEATHER_SCHEMA = {
     "type": "object",

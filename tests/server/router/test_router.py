@@ -23,8 +23,8 @@ from router_utils import (
 from server_utils import API_KEY, MODEL, scrape, start_server, stop_server
 from test_prometheus_metrics import COUNTERS, GAUGES
 
-from tokenmill.entrypoints.openai.responses.ids import replica_tag, tag_of
-from tokenmill.entrypoints.router.policies import POLICIES
+from tokenmill.entrypoints.http.responses.ids import replica_tag, tag_of
+from tokenmill.entrypoints.router.balancing.policies import POLICIES
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
