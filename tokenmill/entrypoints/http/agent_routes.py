@@ -24,7 +24,6 @@ from tokenmill.entrypoints.http.anthropic.serving_messages import (
     create_message,
 )
 from tokenmill.entrypoints.http.context import ServerContext
-from tokenmill.entrypoints.http.openai.protocol import ErrorResponse
 from tokenmill.entrypoints.http.responses.protocol import ResponsesRequest
 from tokenmill.entrypoints.http.responses.serving_responses import (
     create_response,
@@ -33,6 +32,7 @@ from tokenmill.entrypoints.http.responses.serving_responses import (
 )
 from tokenmill.entrypoints.http.responses.store import EVICTION_REASONS, ResponseStore
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys, request_key
+from tokenmill.entrypoints.http.transport.errors import ErrorResponse
 from tokenmill.metrics.prometheus import ResponseStoreMetrics
 
 # Either header carries the key (Anthropic's clients send x-api-key); declared so that

@@ -35,7 +35,6 @@ from tokenmill.entrypoints.http.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -52,6 +51,7 @@ from tokenmill.entrypoints.http.responses.store import DEFAULT_MAX_STORED_BYTES,
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys, remember_key
 from tokenmill.entrypoints.http.transport.body_limit import BodySizeLimit
 from tokenmill.entrypoints.http.transport.errors import (
+    ErrorResponse,
     OpenAIError,
     error_response,
     install_error_handlers,

@@ -246,17 +246,6 @@ class DetokenizeRequest(RequestBody):
 # ---- responses --------------------------------------------------------------------------------
 
 
-class ErrorInfo(ResponseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(ResponseModel):
-    error: ErrorInfo
-
-
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 

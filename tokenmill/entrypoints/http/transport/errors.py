@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineStepError
 from tokenmill.engine.intake import PromptTooLongError
-from tokenmill.entrypoints.http.openai.protocol import ErrorInfo, ErrorResponse
 from tokenmill.entrypoints.http.transport.body_checks import InvalidBodyError
 from tokenmill.sampling_params import InvalidRequestError
 
@@ -28,6 +28,24 @@ logger = logging.getLogger(__name__)
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
+
+
+# The error object of OpenAI's published schema. Every route but Anthropic's answers with it,
+# the transport's own refusals (413, 503) included, so it lives here rather than with one
+# protocol; strict as the protocols' replies are. (No docstrings: /openapi.json would show them.)
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):
