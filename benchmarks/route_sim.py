@@ -4,7 +4,7 @@
 
 A synthetic multi-tenant workload (tenants with Zipf-distributed traffic, each with its own
 1-4k-token system prompt, a unique user part, Poisson arrivals) is routed over N replicas
-by the router's own policies (tokenmill/entrypoints/router/policies.py, the same objects
+by the router's own policies (tokenmill/entrypoints/router/balancing/policies.py, the same objects
 `tokenmill router` uses). Each replica is modelled as:
 
 - a prefix cache of its KV capacity in tokens, holding whole system prompts, least recently
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.core.feedback.cost_model import chunk_context
-from tokenmill.entrypoints.router.policies import (
+from tokenmill.entrypoints.router.balancing.policies import (
     DEFAULT_BALANCE_ABS_THRESHOLD,
     ReplicaLoad,
     make_policy,

@@ -39,7 +39,7 @@ LAYERS: tuple[str, ...] = (
     "engine",  # the step loop, its assembly, the output processor, the async engine
     "demo",  # the built-in demo models: where they are, their corpus, their eval
     "bench",  # load generators and measurements (given an engine or a server)
-    "entrypoints",  # the offline LLM, the CLI, the OpenAI server, the router, the dashboard
+    "entrypoints",  # the offline LLM, the CLI, the HTTP server, the router, the dashboard
 )
 BASE_LAYER = 0  # tokenmill's own modules
 TOP_LAYER = len(LAYERS) + 1  # tokenmill/__init__.py

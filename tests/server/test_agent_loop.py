@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Iterator
 from typing import Literal
 
-import openai
 import pytest
-from server_utils import API_KEY, Server, start_server, stop_server
+from server_clients import async_openai_client
+from server_utils import Server, start_server, stop_server
 
 from tokenmill.demo import DEMO_TARGET_NAME
 
@@ -31,7 +31,7 @@ def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def _run_agent(server: Server, api: str) -> tuple[list[dict], object]:
     agents.set_tracing_disabled(True)  # nothing leaves the machine
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    client = async_openai_client(server)
     model_class = {
         "responses": agents.OpenAIResponsesModel,
         "chat": agents.OpenAIChatCompletionsModel,

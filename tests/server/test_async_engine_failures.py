@@ -17,8 +17,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from tokenmill.engine.intake import EngineRequest
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.app import build_app
-from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.http.app import build_app
+from tokenmill.entrypoints.http.context import ServerContext
 from tokenmill.metrics.prometheus import EngineMetrics
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 

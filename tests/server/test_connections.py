@@ -1,5 +1,5 @@
 """Connections that trickle their headers or body are closed after the read timeouts, and
-connections beyond the cap are refused at once (entrypoints/openai/connections.py): real
+connections beyond the cap are refused at once (entrypoints/http/transport/connections.py): real
 sockets on 127.0.0.1 against uvicorn with the server's protocol, short timeouts. Every
 socket wait is bounded (a hang guard far above the timeouts under test)."""
 
@@ -20,8 +20,8 @@ import pytest
 import uvicorn
 from server_utils import start_server, stop_server
 
-from tokenmill.entrypoints.openai import connections
-from tokenmill.entrypoints.openai.connections import (
+from tokenmill.entrypoints.http.transport import connections
+from tokenmill.entrypoints.http.transport.connections import (
     RateLimitedLog,
     guarded_protocol,
     rate_limit_accept_errors,

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import yaml
+from server_clients import openai_client
 from server_utils import API_KEY, MODEL, Server, scrape, start_server, stop_server, wait_until_idle
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "observability"
@@ -68,7 +68,7 @@ def read_events(http: httpx.Client, num_updates: int) -> tuple[dict[str, Any], l
 
 
 def drive_load(server: Server, num_requests: int = 6) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    client = openai_client(server)
     threads = [
         threading.Thread(
             target=client.completions.create,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
-from server_utils import API_KEY, Server, start_server, stop_server
+from server_clients import openai_client
+from server_utils import Server, start_server, stop_server
 
 from tokenmill.demo import DEMO_TARGET_NAME
 
@@ -20,7 +20,7 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 
 def test_newcomer_gets_right_answers_from_the_default_model(default_server: Server) -> None:
-    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key=API_KEY, max_retries=0)
+    client = openai_client(default_server)
     assert [m.id for m in client.models.list().data] == [DEMO_TARGET_NAME]
     questions = {
         "Reverse this list: apple banana cherry dog": "dog cherry banana apple",

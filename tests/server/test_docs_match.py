@@ -15,8 +15,8 @@ from server_utils import API_KEY
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.app import build_app
-from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.http.app import build_app
+from tokenmill.entrypoints.http.context import ServerContext
 
 DOCS = Path(__file__).parents[2] / "docs"
 # Families registered only with a flag (docs/metrics.md says which): absent from a default server.

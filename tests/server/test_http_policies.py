@@ -19,9 +19,9 @@ from server_utils import API_KEY
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.api_keys import ApiKeys
-from tokenmill.entrypoints.openai.app import build_app
-from tokenmill.entrypoints.openai.context import ServerContext
+from tokenmill.entrypoints.http.app import build_app
+from tokenmill.entrypoints.http.context import ServerContext
+from tokenmill.entrypoints.http.transport.api_keys import ApiKeys
 
 KEYED = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_clients import openai_client
 from server_utils import (
     API_KEY,
     MODEL,
@@ -77,7 +78,7 @@ def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
     """While a long request runs, a low-priority request arrives, then a high-priority one
     (lower value first): the later, higher-priority request runs first. Under fcfs the
     low-priority one would, having arrived first."""
-    client = openai.OpenAI(base_url=f"{priority_server.url}/v1", api_key=API_KEY, max_retries=0)
+    client = openai_client(priority_server)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     http = httpx.Client(base_url=priority_server.url, headers=headers, timeout=60)
     finished: list[str] = []
@@ -129,7 +130,7 @@ def spec_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_speculative_decoding_metrics_move(spec_server: Server, client: openai.OpenAI) -> None:
-    spec_client = openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key=API_KEY, max_retries=0)
+    spec_client = openai_client(spec_server)
     prompt = " ".join([WORDS] * 3)
     args = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
     fast = spec_client.completions.create(**args, extra_body={"ignore_eos": True})

@@ -16,19 +16,11 @@ import pytest
 from server_utils import API_KEY, Server, start_server, stop_server
 
 from tokenmill.demo import DEMO_TARGET_NAME
+from tokenmill_testing.weather_tool import MESSAGES_WEATHER_TOOL, WEATHER_SCHEMA
 
 anthropic = pytest.importorskip("anthropic")
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [{"name": "get_weather", "description": "The forecast", "input_schema": WEATHER_SCHEMA}]
+TOOLS = [MESSAGES_WEATHER_TOOL]
 MESSAGES = [{"role": "user", "content": "Say these words backwards: cake egg peach shell honey"}]
 
 

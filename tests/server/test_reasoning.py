@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from server_clients import openai_client
 from server_utils import API_KEY, Server, start_server, stop_server
 
 from tokenmill.demo import DEMO_TARGET_NAME
@@ -21,7 +22,7 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 def reasoning_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     log_path = tmp_path_factory.mktemp("reasoning") / "server.log"
     server: Server = start_server(None, log_path, "--reasoning-parser", "deepseek_r1")
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    yield openai_client(server)
     stop_server(server)
 
 

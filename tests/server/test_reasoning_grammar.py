@@ -14,10 +14,17 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from server_clients import openai_client
 from server_utils import API_KEY, MODEL, Server, start_server, stop_server
 
 from tokenmill.demo import demo_model_path
 from tokenmill_testing.scripted_checkpoint import save_scripted_checkpoint
+from tokenmill_testing.weather_tool import (
+    CHAT_WEATHER_CHOICE,
+    CHAT_WEATHER_TOOL,
+    MESSAGES_WEATHER_TOOL,
+    WEATHER_SCHEMA,
+)
 
 THINKING = "I add two."
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -27,14 +34,11 @@ ANSWER_SCHEMA = {
     "required": ["sum"],
     "additionalProperties": False,
 }
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}]
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
+TOOLS = [CHAT_WEATHER_TOOL]
+NAMED = CHAT_WEATHER_CHOICE
+# Room for the reasoning and one whole weather call in this tokenizer's tokens (60 cut the call
+# inside "days"; a cut call comes back as text, not a call).
+TOOL_CALL_TOKENS = 120
 JSON_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True},
@@ -54,7 +58,7 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(thinker: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{thinker.url}/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(thinker)
 
 
 def _chat(client: openai.OpenAI, **fields):
@@ -105,6 +109,7 @@ def test_a_schema_holds_after_the_reasoning(client, fields) -> None:
 @pytest.mark.parametrize("tool_choice", ["required", NAMED])
 def test_forced_tool_calls_follow_the_reasoning(client, tool_choice) -> None:
     fields = {"tools": TOOLS, "tool_choice": tool_choice, "parallel_tool_calls": False}
+    fields["max_tokens"] = TOOL_CALL_TOKENS
     reply = _chat(client, **fields)
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == THINKING
@@ -120,10 +125,10 @@ def test_forced_tool_calls_follow_the_reasoning(client, tool_choice) -> None:
 def test_the_messages_api_gets_a_thinking_block_then_the_forced_tool_use(thinker) -> None:
     anthropic = pytest.importorskip("anthropic")
     claude = anthropic.Anthropic(base_url=thinker.url, api_key=API_KEY, max_retries=0)
-    tools = [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}]
+    tools = [MESSAGES_WEATHER_TOOL]
     message = claude.messages.create(
         model=MODEL,
-        max_tokens=60,
+        max_tokens=TOOL_CALL_TOKENS,
         messages=MESSAGES,
         tools=tools,
         tool_choice={"type": "any", "disable_parallel_tool_use": True},

@@ -15,7 +15,7 @@ import pytest
 from server_utils import API_KEY, Server, start_server, stop_server
 
 from tokenmill.demo import DEMO_TARGET_NAME
-from tokenmill.entrypoints.openai.validation import MAX_JSON_DEPTH, MAX_TOOLS
+from tokenmill.entrypoints.http.transport.body_checks import MAX_JSON_DEPTH, MAX_TOOLS
 
 USER = [{"role": "user", "content": "what is 3 times 4"}]
 MULTIPLY = {"name": "multiply", "input_schema": {"type": "object",

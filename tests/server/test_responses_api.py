@@ -12,30 +12,23 @@ import jsonschema
 import openai
 import pytest
 from openai.types.responses import Response
+from server_clients import openai_client
 from server_utils import API_KEY, Server, start_server, stop_server
 from test_openapi import openai_schema, validate  # noqa: F401 (fixtures)
 
 from tokenmill.demo import DEMO_TARGET_NAME
-from tokenmill.entrypoints.openai.responses.store import ResponseStore, stored_size
+from tokenmill.entrypoints.http.responses.store import ResponseStore, stored_size
+from tokenmill_testing.weather_tool import RESPONSES_WEATHER_TOOL, WEATHER_SCHEMA
 
 PROMPT = "Say these words backwards: cake egg peach shell honey"
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA}]
+TOOLS = [RESPONSES_WEATHER_TOOL]
 
 
 @pytest.fixture(scope="module")
 def responses_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     log_path = tmp_path_factory.mktemp("responses") / "server.log"
     server: Server = start_server(None, log_path, "--max-model-len", "1024")
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    yield openai_client(server)
     stop_server(server)
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.params import chat_params, completion_params, resolve_max_tokens
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.http.openai.params import (
+    chat_params,
+    completion_params,
+    resolve_max_tokens,
+)
+from tokenmill.entrypoints.http.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL_DEFAULTS = {"temperature": 0.2, "top_k": 20}
 MESSAGES = [{"role": "user", "content": "Hi"}]

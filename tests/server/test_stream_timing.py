@@ -15,9 +15,9 @@ import pytest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.context import ServerContext
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenmill.entrypoints.openai.serving_chat import create_chat_completion
+from tokenmill.entrypoints.http.context import ServerContext
+from tokenmill.entrypoints.http.openai.protocol import ChatCompletionRequest
+from tokenmill.entrypoints.http.openai.serving_chat import create_chat_completion
 
 NOT_YET_SECONDS = 0.5  # how long the test waits for a chunk that must not come
 

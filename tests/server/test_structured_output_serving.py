@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.entrypoints.openai.app import build_app
-from tokenmill.entrypoints.openai.context import ServerContext
-from tokenmill.entrypoints.openai.structured_outputs import prepare
+from tokenmill.entrypoints.http.app import build_app
+from tokenmill.entrypoints.http.context import ServerContext
+from tokenmill.entrypoints.http.replies.structured_outputs import prepare
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output import backend
 from tokenmill.structured_output.manager import StructuredOutputManager

@@ -15,24 +15,16 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from server_clients import openai_client
 from server_utils import API_KEY, Server, start_server, stop_server
 from test_openapi import openai_schema, sse_chunks, validate  # noqa: F401 (fixtures)
 from transformers import AutoTokenizer
 
 from tokenmill.demo import DEMO_TARGET_NAME, demo_model_path
-from tokenmill.entrypoints.openai.inputs import PromptBuilder
-from tokenmill.entrypoints.openai.protocol import ChatMessage
+from tokenmill.entrypoints.http.openai.inputs import PromptBuilder
+from tokenmill.entrypoints.http.openai.protocol import ChatMessage
+from tokenmill_testing.weather_tool import CHAT_WEATHER_CHOICE, CHAT_WEATHER_TOOL, WEATHER_SCHEMA
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "units": {"type": "string", "maxLength": 8},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TIME_SCHEMA = {
     "type": "object",
     "properties": {"zone": {"type": "string", "enum": ["CET", "UTC"]}},
@@ -40,12 +32,12 @@ TIME_SCHEMA = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}},
+    CHAT_WEATHER_TOOL,
     {"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}},
 ]
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
+NAMED = CHAT_WEATHER_CHOICE
 _HUGE_PROPERTIES = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(15_000)}
 HUGE_TOOL = {"type": "function", "function": {"name": "big", "parameters": {
     "type": "object", "properties": _HUGE_PROPERTIES}}}  # about 1 MB  # fmt: skip
@@ -63,7 +55,7 @@ def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def tools_client(tool_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(tool_server)
 
 
 def _chat(client: openai.OpenAI, **fields):

@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenmill.entrypoints.api_keys import ApiKeys, api_keys_from_args
 from tokenmill.entrypoints.cli import build_parser
+from tokenmill.entrypoints.http.transport.api_keys import ApiKeys, api_keys_from_args
 from tokenmill.entrypoints.router.app import Proxy
-from tokenmill.entrypoints.router.policies import make_policy
-from tokenmill.entrypoints.router.replicas import ReplicaSet
+from tokenmill.entrypoints.router.balancing.policies import make_policy
+from tokenmill.entrypoints.router.balancing.replicas import ReplicaSet
 
 
 @pytest.mark.parametrize("command", [["serve"], ["router", "--backend", "http://r:1"]])

@@ -11,14 +11,14 @@ import pytest
 from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import EngineStepError
-from tokenmill.entrypoints.openai.errors import OpenAIError, log_server_error
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
-from tokenmill.entrypoints.openai.validation import (
+from tokenmill.entrypoints.http.openai.protocol import ChatCompletionRequest
+from tokenmill.entrypoints.http.transport.body_checks import (
     MAX_JSON_DEPTH,
     MAX_TOOLS,
     InvalidBodyError,
     check_unicode,
 )
+from tokenmill.entrypoints.http.transport.errors import OpenAIError, log_server_error
 from tokenmill.sampling_params import MAX_STOPS, InvalidRequestError, SamplingParams
 
 USER = [{"role": "user", "content": "x"}]
@@ -61,7 +61,7 @@ def test_nested_request_models_do_not_walk_the_body_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A walk per nested model walked 70,000 messages half a second on the event loop."""
-    import tokenmill.entrypoints.openai.protocol as protocol
+    import tokenmill.entrypoints.http.openai.protocol as protocol
 
     calls: list[Any] = []
     monkeypatch.setattr(protocol, "check_unicode", calls.append)
@@ -103,7 +103,7 @@ def test_route_bodies_are_validated_off_the_event_loop(monkeypatch: pytest.Monke
     from fastapi import APIRouter, FastAPI
     from fastapi.testclient import TestClient
 
-    from tokenmill.entrypoints.openai import offloop_body
+    from tokenmill.entrypoints.http.transport import offloop_body
 
     threads: list[str] = []
     parse = offloop_body._parse

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tokenmill.entrypoints.router import disagg_bodies as bodies
+from tokenmill.entrypoints.router.disaggregation import leg_bodies as bodies
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

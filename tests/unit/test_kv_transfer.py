@@ -444,7 +444,7 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ends() 
 
 
 def test_disaggregate_receives_on_the_prefill_cpus_unless_told_otherwise() -> None:
-    from tokenmill.entrypoints.router.disaggregate import kv_transfer_configs
+    from tokenmill.entrypoints.router.launching.serve_disaggregated import kv_transfer_configs
 
     producer, consumer = (json.loads(c) for c in kv_transfer_configs(9000, None, frozenset({0})))
     assert producer["kv_role"] == "kv_producer" and producer["kv_port"] == 9000

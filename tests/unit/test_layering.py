@@ -105,3 +105,18 @@ def test_the_graph_includes_imports_inside_functions(graph: list[Import]) -> Non
 def test_no_module_is_over_450_lines() -> None:
     """A module has one job and fits in a few screens (issue 30)."""
     assert long_modules(450) == {}
+
+
+def test_the_http_transport_imports_no_protocol_room(graph: list[Import]) -> None:
+    """entrypoints/http/transport/ is what every request passes through whatever its API (keys,
+    limits, body checks, errors, event streams): it imports nothing else of the entrypoints,
+    so each protocol room (openai/, anthropic/, responses/) and the router can sit on it."""
+    transport = "tokenmill.entrypoints.http.transport"
+    upward = [
+        f"{i.importer}:{i.line} -> {i.imported}"
+        for i in graph
+        if i.importer.startswith(transport + ".")
+        and i.imported.startswith("tokenmill.entrypoints.")
+        and not i.imported.startswith(transport + ".")
+    ]
+    assert upward == []

@@ -1,4 +1,4 @@
-"""The server's prompt checks (entrypoints/openai/inputs.py), without a server."""
+"""The server's prompt checks (entrypoints/http/openai/inputs.py), without a server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tokenmill.entrypoints.openai.inputs import PromptBuilder
+from tokenmill.entrypoints.http.openai.inputs import PromptBuilder
 
 
 class Recorder(logging.Handler):

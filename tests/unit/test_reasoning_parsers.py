@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.openai.reasoning import ReasoningStreamer, get_reasoning_parser
-from tokenmill.entrypoints.openai.reply_parsing import ReplyStream, parse_reply
-from tokenmill.entrypoints.openai.tool_calling import ToolPlan
-from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser
+from tokenmill.entrypoints.http.replies.reasoning import ReasoningStreamer, get_reasoning_parser
+from tokenmill.entrypoints.http.replies.reply_parsing import ReplyStream, parse_reply
+from tokenmill.entrypoints.http.replies.tool_calling import ToolPlan
+from tokenmill.entrypoints.http.replies.tool_parsers import get_tool_parser
 
 # (parser, reply, reasoning, content)
 RECORDED = [

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, refused_body
-from tokenmill.entrypoints.openai.inputs import Prompt
-from tokenmill.entrypoints.openai.protocol import CompletionRequest
-from tokenmill.entrypoints.openai.serving_completion import CompletionRun
+from tokenmill.entrypoints.http.openai.inputs import Prompt
+from tokenmill.entrypoints.http.openai.protocol import CompletionRequest
+from tokenmill.entrypoints.http.openai.serving_completion import CompletionRun
+from tokenmill.entrypoints.http.transport.errors import OpenAIError, bad_request, refused_body
 from tokenmill.sampling_params import InvalidRequestError
 
 PARAMS = {"do_remote_prefill": True, "remote_request_id": "r"}

@@ -11,7 +11,7 @@ import time
 
 PARENT = """
 import subprocess, sys
-from tokenmill.entrypoints.router.supervisor import _die_with_parent
+from tokenmill.entrypoints.router.launching.supervisor import _die_with_parent
 child = subprocess.Popen(["sleep", "60"], preexec_fn=_die_with_parent)
 print(child.pid, flush=True)
 child.wait()

@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from tokenmill.entrypoints.router.app import build_router_app
+from tokenmill.entrypoints.router.balancing.policies import make_policy
+from tokenmill.entrypoints.router.balancing.replicas import ReplicaSet
 from tokenmill.entrypoints.router.guard import OPEN_PATHS
 from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metrics
-from tokenmill.entrypoints.router.policies import make_policy
-from tokenmill.entrypoints.router.replicas import ReplicaSet
 
 KEY = "sk-replica"
 URL = "http://replica:8000"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tokenmill.entrypoints.openai.responses.ids import replica_tag, response_id, tag_of
-from tokenmill.entrypoints.router.response_affinity import stored_response_tag
+from tokenmill.entrypoints.http.responses.ids import replica_tag, response_id, tag_of
+from tokenmill.entrypoints.router.balancing.response_affinity import stored_response_tag
 
 TAG = replica_tag("http://127.0.0.1:8001")
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from tokenmill.entrypoints.router.policies import (
+from tokenmill.entrypoints.router.balancing.policies import (
     LEAST_LOADED,
     PREFIX_AFFINITY,
     PREFIX_SPILL,
@@ -19,7 +19,7 @@ from tokenmill.entrypoints.router.policies import (
     RoundRobin,
     make_policy,
 )
-from tokenmill.entrypoints.router.prefix_key import prefix_key
+from tokenmill.entrypoints.router.balancing.prefix_key import prefix_key
 
 REPLICAS = [ReplicaLoad(f"http://r{i}") for i in range(4)]
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.openai.tool_calling import ToolPlan
-from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser, tool_parser_names
-from tokenmill.entrypoints.openai.tool_parsers.streaming import ToolCallStreamer
+from tokenmill.entrypoints.http.replies.tool_calling import ToolPlan
+from tokenmill.entrypoints.http.replies.tool_parsers import get_tool_parser, tool_parser_names
+from tokenmill.entrypoints.http.replies.tool_parsers.streaming import ToolCallStreamer
 
 WEATHER = {"city": "Paris", "days": 3}
 TIME = {"zone": "CET"}
@@ -162,7 +162,7 @@ def test_unknown_parser_names_the_known_ones() -> None:
 def test_auto_tool_choice_without_a_parser_is_refused_at_start_up() -> None:
     import argparse
 
-    from tokenmill.entrypoints.openai.reply_parsing import reply_parsing_from_args
+    from tokenmill.entrypoints.http.replies.reply_parsing import reply_parsing_from_args
 
     args = argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser=None)
     with pytest.raises(ValueError, match="--tool-call-parser"):

@@ -10,7 +10,7 @@ import sys
 
 from tokenmill.entrypoints.cli_parser import CommandParser
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from tokenmill.entrypoints.openai.cli_args import add_server_args
+from tokenmill.entrypoints.http.cli_args import add_server_args
 from tokenmill.entrypoints.sectioned_help import add_sectioned_help
 from tokenmill.version import __version__
 
@@ -66,7 +66,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.openai.listener import bind_listener
+    from tokenmill.entrypoints.http.transport.listener import bind_listener
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -80,20 +80,20 @@ def _serve(args: argparse.Namespace) -> int:
         )
     listener = bind_listener(args.host, args.port)  # before the model and its imports load
     if args.disaggregate:
-        from tokenmill.entrypoints.router.disaggregate import run_disaggregated
+        from tokenmill.entrypoints.router.launching.serve_disaggregated import run_disaggregated
 
         return run_disaggregated(args, listener, args.argv)
     if args.data_parallel_size > 1:
-        from tokenmill.entrypoints.router.data_parallel import run_data_parallel
+        from tokenmill.entrypoints.router.launching.serve_data_parallel import run_data_parallel
 
         return run_data_parallel(args, listener, args.argv)
-    from tokenmill.entrypoints.openai.server import run_server
+    from tokenmill.entrypoints.http.server import run_server
 
     return run_server(args, listener)
 
 
 def _add_router(commands: argparse._SubParsersAction) -> None:
-    from tokenmill.entrypoints.router.cli_args import add_router_args
+    from tokenmill.entrypoints.router.launching.cli_args import add_router_args
 
     parser = commands.add_parser(
         "router", help="one OpenAI endpoint in front of several `tokenmill serve` replicas"
@@ -103,14 +103,14 @@ def _add_router(commands: argparse._SubParsersAction) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.openai.listener import bind_listener
+    from tokenmill.entrypoints.http.transport.listener import bind_listener
 
     if args.backend and (args.prefill or args.decode):
         raise ValueError("give either --backend or --prefill and --decode, not both")
     if not args.backend and not (args.prefill and args.decode):
         raise ValueError("the router needs --backend URL, or --prefill URL and --decode URL")
     listener = bind_listener(args.host, args.port)
-    from tokenmill.entrypoints.router.server import run_router
+    from tokenmill.entrypoints.router.launching.router_server import run_router
 
     run_router(args, listener, args.backend or [], args.policy)
     return 0

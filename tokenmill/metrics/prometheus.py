@@ -307,7 +307,7 @@ class _SpecDecodeMetrics:
 
 
 class ResponseStoreMetrics:
-    """The Responses API store's size and evictions (entrypoints/openai/responses/store.py)."""
+    """The Responses API store's size and evictions (entrypoints/http/responses/store.py)."""
 
     def __init__(
         self,

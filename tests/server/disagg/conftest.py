@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-from server_utils import API_KEY, Server, start_server, stop_server
+from server_clients import client_fixtures
+from server_utils import Server, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -33,20 +32,4 @@ def server(disaggregated_server: Server) -> Server:
     return disaggregated_server
 
 
-@pytest.fixture(scope="session")
-def client(disaggregated_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{disaggregated_server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def async_client(disaggregated_server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"{disaggregated_server.url}/v1", api_key=API_KEY, max_retries=0
-    )
-
-
-@pytest.fixture(scope="session")
-def http(disaggregated_server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=disaggregated_server.url, headers=headers, timeout=60) as http:
-        yield http
+client, async_client, http = client_fixtures()

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 from router_utils import NUM_REPLICAS, PREFIX_CHARS, child_pids, wait_gone
-from server_utils import API_KEY, Server, start_server, stop_server
+from server_clients import client_fixtures
+from server_utils import Server, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -36,18 +35,4 @@ def server(routed_server: Server) -> Server:
     return routed_server
 
 
-@pytest.fixture(scope="session")
-def client(routed_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{routed_server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def async_client(routed_server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{routed_server.url}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def http(routed_server: Server) -> Iterator[httpx.Client]:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=routed_server.url, headers=headers, timeout=60) as http:
-        yield http
+client, async_client, http = client_fixtures()

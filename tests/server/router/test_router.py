@@ -20,11 +20,12 @@ from router_utils import (
     routed_counts,
     start_router,
 )
+from server_clients import openai_client
 from server_utils import API_KEY, MODEL, scrape, start_server, stop_server
 from test_prometheus_metrics import COUNTERS, GAUGES
 
-from tokenmill.entrypoints.openai.responses.ids import replica_tag, tag_of
-from tokenmill.entrypoints.router.policies import POLICIES
+from tokenmill.entrypoints.http.responses.ids import replica_tag, tag_of
+from tokenmill.entrypoints.router.balancing.policies import POLICIES
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -134,7 +135,7 @@ def test_every_policy_serves_the_openai_api(
     an error as a server does, and routes by its own rule."""
     router = start_router(replica_urls(http), tmp_path / "router.log", "--policy", policy)
     try:
-        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=API_KEY, max_retries=0)
+        client = openai_client(router)
         completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
         assert completion.usage.completion_tokens == 3
         messages = [{"role": "user", "content": "Hi"}]

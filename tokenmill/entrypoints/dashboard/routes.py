@@ -19,10 +19,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tokenmill.entrypoints.api_keys import ApiKeys
 from tokenmill.entrypoints.dashboard.feed import UPDATES_PER_SECOND, DashboardFeed
-from tokenmill.entrypoints.openai.context import ServerContext
-from tokenmill.entrypoints.openai.streaming import EventStreamResponse
+from tokenmill.entrypoints.http.context import ServerContext
+from tokenmill.entrypoints.http.transport.api_keys import ApiKeys
+from tokenmill.entrypoints.http.transport.streaming import EventStreamResponse
 
 ASSETS = {
     "dashboard.html": "text/html; charset=utf-8",

@@ -29,8 +29,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenmill.entrypoints.api_keys import ApiKeys
-from tokenmill.entrypoints.openai.responses.ids import REPLICA_TAG_HEADER
+from tokenmill.entrypoints.http.responses.ids import REPLICA_TAG_HEADER
+from tokenmill.entrypoints.http.transport.api_keys import ApiKeys
+from tokenmill.entrypoints.router.balancing.policies import Policy
+from tokenmill.entrypoints.router.balancing.prefix_key import DEFAULT_PREFIX_CHARS, prefix_key
+from tokenmill.entrypoints.router.balancing.replicas import Replica, ReplicaSet
+from tokenmill.entrypoints.router.balancing.response_affinity import stored_response_tag
 from tokenmill.entrypoints.router.guard import (
     ClientGone,
     GuardError,
@@ -39,10 +43,6 @@ from tokenmill.entrypoints.router.guard import (
     unless_disconnected,
 )
 from tokenmill.entrypoints.router.metrics import RouterMetrics, aggregated_metrics
-from tokenmill.entrypoints.router.policies import Policy
-from tokenmill.entrypoints.router.prefix_key import DEFAULT_PREFIX_CHARS, prefix_key
-from tokenmill.entrypoints.router.replicas import Replica, ReplicaSet
-from tokenmill.entrypoints.router.response_affinity import stored_response_tag
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Hop-by-hop headers, and those the proxy recomputes, are not passed on.

@@ -1,8 +1,8 @@
 """What the router checks before it holds a request's body or sends it on: the API key, then
 the body's size, then (while the replica works) that the client is still there.
 
-Its own, light version of the server's checks (`openai/body_limit.py`, the `/v1` key check):
-those build their errors from `openai/errors.py`, which loads the engine (torch) that the
+Its own, light version of the server's checks (`http/transport/body_limit.py`, the `/v1` key check):
+those build their errors from `http/transport/errors.py`, which loads the engine (torch) that the
 router process does not otherwise import. Codes and messages match the server's.
 """
 
@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tokenmill.entrypoints.api_keys import ApiKeys
+from tokenmill.entrypoints.http.transport.api_keys import ApiKeys
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.entrypoints.router.replicas import ReplicaSet
+from tokenmill.entrypoints.router.balancing.replicas import ReplicaSet
 
 PREFIX = "tokenmill:router_"
 
