@@ -1,7 +1,7 @@
 """The GPU benchmark of issue #14, in one prepared run (< 5 minutes on one H200).
 
-    python benchmarks/gpu.py                       # CUDA, the Llama-3.2-1B-shaped model
-    python benchmarks/gpu.py --device cpu --tiny   # the same steps, tiny sizes: a dry run
+    python -m benchmarks.gpu                       # CUDA, the Llama-3.2-1B-shaped model
+    python -m benchmarks.gpu --device cpu --tiny   # the same steps, tiny sizes: a dry run
 
 Prints one JSON line per figure (`{"figure": ..., ...}`), in this order:
 
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from make_bench_model import cached_random_model
 
+from benchmarks.models import cached_random_model
 from tokenmill import LLM, SamplingParams
 
 LLAMA_1B_SHAPE = dict(

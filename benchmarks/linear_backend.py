@@ -1,11 +1,11 @@
 """Offline throughput with linear layers on oneDNN-reordered weights vs torch's F.linear.
 
-    python benchmarks/linear_backend.py [--model PATH] [--repeats 3]
+    python -m benchmarks.linear_backend [--model PATH] [--repeats 3]
 
 Batches of 1, 16 and 64 concurrent requests (2x as many requests as slots, at least 4;
 128-token prompts, 64 generated tokens each, greedy, ignore_eos): tokens/s of each backend,
 median of interleaved repeats, and the ratio. Default model: the demo target; the 79M model
-of benchmarks/make_bench_model.py shows a model whose matmuls dominate.
+of benchmarks/models.py shows a model whose matmuls dominate.
 """
 
 from __future__ import annotations

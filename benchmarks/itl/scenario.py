@@ -1,7 +1,7 @@
 """Inter-token latency of decoding streams while a long prompt arrives (issue 19).
 
-    python benchmarks/itl_under_prefill.py [--model PATH] [--repeats 1]          # offline
-    python benchmarks/itl_under_prefill.py --server [--llama-cpp-bin DIR]        # over HTTP
+    python -m benchmarks.itl [--model PATH] [--repeats 1]          # offline
+    python -m benchmarks.itl --server [--llama-cpp-bin DIR]        # over HTTP
 
 32 streams decode (64-token prompts); once every stream decodes and 16 steady steps are
 timed, one 4,000-token prompt arrives. Every engine step emits one token per stream, so the
@@ -20,7 +20,7 @@ in its own engine just before the long prompt arrives (`--only-targets`: 2048 ch
 targets alone), and the issue's goal checked for each target against 2048 chunked.
 
 `--server`: the same scenario streamed over HTTP (`/v1/completions`, token-id prompts) and
-timed from chunk arrivals (itl_serving.py): `tokenmill serve` with its default budget (twice
+timed from chunk arrivals (serving.py): `tokenmill serve` with its default budget (twice
 first: the lower steady ITL of the two sets the target), then with `--itl-target-ms` at 2x
 that steady ITL, then `tokenmill serve --disaggregate` (a prefill
 and a decode instance on half the cores each, issue 32; `--no-disaggregate` leaves it out);
@@ -33,7 +33,7 @@ between two tokens of a stream). Each server is started for its row and stopped 
 stops, a control run streams the same number of streams with no long prompt, and their median
 gap at the window's token positions is the streams' own step at those contexts (their
 contexts grow ~200 tokens through a window of ~25 s): issue 32's goal is checked against it,
-and against the steady gap before the arrival beside it (itl_serving.py).
+and against the steady gap before the arrival beside it (serving.py).
 
 With no model, a random-weight model shaped like SmolLM2-135M (context 8192) is built once.
 Greedy, fp32. Run several repeats on a shared machine (configurations interleaved; medians).
@@ -51,17 +51,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from itl_serving import (
+from benchmarks.itl.serving import (
     Scenario,
     llama_server,
     served_run,
     tokenmill_server,
 )
-from itl_stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
-from llamacpp import gguf_file, source_tree, whole_character_bias
-from make_bench_model import cached_random_model
-from make_smollm_shaped_model import SHAPE as SMOLLM2_SHAPE
-
+from benchmarks.itl.stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
+from benchmarks.models import SMOLLM, cached_random_model
+from benchmarks.peers.llamacpp import gguf_file, source_tree, whole_character_bias
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -85,9 +83,9 @@ def disaggregated_label(duty: float) -> str:
 
 
 def smollm2_shaped_model() -> Path:
-    """SmolLM2-135M's shape (make_smollm_shaped_model.py) with an 8192-token context, built
+    """SmolLM2-135M's shape (benchmarks/models.py, preset smollm) with an 8192-token context, built
     once into the cache directory (the benchmark feeds token ids)."""
-    return cached_random_model(MODEL_NAME, **{**SMOLLM2_SHAPE, "max_position_embeddings": 8192})
+    return cached_random_model(MODEL_NAME, **{**SMOLLM.shape, "max_position_embeddings": 8192})
 
 
 def run_once(

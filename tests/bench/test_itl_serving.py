@@ -1,4 +1,4 @@
-"""The served ITL-under-prefill benchmark (benchmarks/itl_serving.py, itl_stats.py,
+"""The served ITL-under-prefill benchmark (benchmarks/itl/serving.py, stats.py,
 llamacpp.py): its statistics from chunk arrival times, its request bodies and server command
 lines, its table row, and one small run against a real `tokenmill serve` (no timed assertion)."""
 
@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-
-from itl_serving import (
+from benchmarks.itl.serving import (
     Scenario,
     chunk_times,
     completion_request,
@@ -26,9 +23,8 @@ from itl_serving import (
     scenario_run,
     tokenmill_server,
 )
-from itl_stats import ControlSteps, Run, disaggregation_check, percentile, report
-from llamacpp import source_tree, whole_character_bias
-
+from benchmarks.itl.stats import ControlSteps, Run, disaggregation_check, percentile, report
+from benchmarks.peers.llamacpp import source_tree, whole_character_bias
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.models.loader import load_tokenizer
 
@@ -221,7 +217,7 @@ def test_the_disaggregation_goal_is_judged_against_the_control_at_the_same_token
 
 
 def test_targets_follow_the_calibration_run_with_the_lowest_steady_step() -> None:
-    from itl_under_prefill import measure
+    from benchmarks.itl.scenario import measure
 
     steadies = iter([0.088, 0.073, 0.075])  # the first calibration run was slowed by noise
 
