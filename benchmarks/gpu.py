@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.models import cached_random_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.random_model import make_random_model
 
 LLAMA_1B_SHAPE = dict(
     hidden_size=2048,
@@ -253,11 +253,11 @@ def main() -> None:
     if not args.device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel on CPU tensors
     emit("environment", device=args.device, torch=torch.__version__, python=sys.version.split()[0])
-    check_dir = cached_random_model("bench-gqa-check-fp32-v1", **CHECK_SHAPE)
+    check_dir = make_random_model("bench-gqa-check-fp32-v2", CHECK_SHAPE)
     check_against_transformers(check_dir, args.device)
     shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
-    bench_dir = cached_random_model(
-        "bench-llama-3.2-1b-shaped-bf16-v1" + ("-tiny" if args.tiny else ""), **shape
+    bench_dir = make_random_model(
+        "bench-llama-3.2-1b-shaped-bf16-v2" + ("-tiny" if args.tiny else ""), shape
     )
     check_backends_agree(bench_dir, args.device, sizes)
     model = hf_model(bench_dir, torch.bfloat16, args.device)

@@ -5,7 +5,7 @@
 Batches of 1, 16 and 64 concurrent requests (2x as many requests as slots, at least 4;
 128-token prompts, 64 generated tokens each, greedy, ignore_eos): tokens/s of each backend,
 median of interleaved repeats, and the ratio. Default model: the demo target; the 79M model
-of benchmarks/models.py shows a model whose matmuls dominate.
+of `tokenmill bench make-model` shows a model whose matmuls dominate.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from tokenmill.entrypoints.router.policies import (
 
 # Step cost coefficients (seconds): fixed, per decode token, per prefill token, per context
 # position. Fitted by tokenmill's start-up calibration (worker/calibration.py) on the
-# SmolLM2-135M-shaped random model (benchmarks/models.py) on this machine,
+# SmolLM2-135M-shaped random model (`tokenmill bench make-model --preset smollm`) on this machine,
 # 2 cores loaded by parallel work (so slow in absolute terms; the simulation's results scale
 # with them: what matters is their ratios): `route_sim.py --fit-model DIR`.
 DEFAULT_COEFFICIENTS = (0.441, 0.0593, 0.0513, 0.0000587)

@@ -122,9 +122,9 @@ def main() -> None:
     parser.add_argument("--no-bias", action="store_true", help="requests without logit_bias")
     args = parser.parse_args()
     if args.model is None:
-        from benchmarks.models import SMOLLM
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(SMOLLM.model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     from benchmarks.peers.llamacpp import whole_character_bias
 
     bias = {} if args.no_bias else whole_character_bias(Path(args.model))

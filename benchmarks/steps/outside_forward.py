@@ -12,7 +12,7 @@ applying the outputs (stop checks, detokenizing), building the `RequestOutput`s,
 (the step loop, the observer). With OMP_NUM_THREADS=1 every kernel runs on the main thread,
 so the split is the whole step's CPU time and load on the machine disturbs it least.
 Prints one line per batch (milliseconds of CPU per step) and, with `--json`, writes them.
-Default model: the SmolLM2-135M-shaped random model (benchmarks/models.py).
+Default model: the SmolLM2-135M-shaped random model (`tokenmill bench make-model --preset smollm`).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.model is None:
-        from benchmarks.models import SMOLLM
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(SMOLLM.model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     llm = LLM(model=args.model, max_model_len=512)
     clock = PhaseClock()
     for phase, owner, name in llm.engine.step_phases():

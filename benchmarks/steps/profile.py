@@ -7,7 +7,7 @@ profiles `--steps` engine steps and prints the per-step wall time, the process's
 step (with OMP_NUM_THREADS=1, the figure that a shared machine's load disturbs least), the
 time inside the model's forward, and the operators by self CPU time (per step), with the
 number of op calls.
-Default model: the SmolLM2-135M-shaped random model of benchmarks/models.py.
+Default model: the SmolLM2-135M-shaped random model of `tokenmill bench make-model --preset smollm`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def main() -> None:
     parser.add_argument("--engine-args", default="{}", help="JSON of extra LLM(...) arguments")
     args = parser.parse_args()
     if args.model is None:
-        from benchmarks.models import SMOLLM
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(SMOLLM.model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     import json
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=512, **json.loads(args.engine_args))

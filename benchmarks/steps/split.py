@@ -8,7 +8,7 @@ engine steps (wall and process CPU), the model's forward + logits inside them (t
 called on a `[batch, in_features]` input, the LM head included) and its attention calls alone
 (each layer's backend on the step's metadata, replayed). "Other" is the forward less both:
 norms, RoPE, residual adds, KV writes and per-op dispatch. Prints one line per part.
-Default model: the SmolLM2-135M-shaped random model (benchmarks/models.py).
+Default model: the SmolLM2-135M-shaped random model (`tokenmill bench make-model --preset smollm`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     if args.model is None:
-        from benchmarks.models import SMOLLM
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(SMOLLM.model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=512)
     engine = llm.engine
     rng = random.Random(0)
