@@ -125,7 +125,7 @@ def main() -> None:
         from tokenmill.bench.random_model import PRESETS
 
         args.model = str(PRESETS["smollm"].model_dir())
-    from benchmarks.peers.llamacpp import whole_character_bias
+    from tokenmill.bench.llamacpp import whole_character_bias
 
     bias = {} if args.no_bias else whole_character_bias(Path(args.model))
     trees = [Path(t) for t in (args.tree or [str(REPO_ROOT)])]

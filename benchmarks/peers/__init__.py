@@ -5,5 +5,6 @@
 
 `vs_peers` runs the comparison; `engines` names the engines and their weight files, `offline`
 and `online` run them (`worker` is one engine's offline run, in a process of its own),
-`machine` records the CPU and the weights, `llamacpp` converts to GGUF and runs llama.cpp.
+`machine` records the CPU and the weights; llama.cpp's GGUFs and processes come from
+`tokenmill.bench.llamacpp`.
 """

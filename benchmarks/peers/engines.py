@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import REPO_ROOT
-from benchmarks.peers.llamacpp import gguf_cache, gguf_file, peer_env, source_tree, working_flags
+from tokenmill.bench.llamacpp import gguf_cache, gguf_file, peer_env, source_tree, working_flags
 
 FLOAT_ENGINES = (
     "tokenmill", "tokenmill-bf16", "tokenmill-base", "vllm", "llamacpp-bf16", "llamacpp-f32",

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.engines import Engine, engine_env
-from benchmarks.peers.llamacpp import BatchedBenchRun, batched_bench
 from benchmarks.peers.worker import RESULT
+from tokenmill.bench.llamacpp import BatchedBenchRun, batched_bench
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.engines import Engine, engine_env, tokenmill_env
-from benchmarks.peers.llamacpp import LlamaServerProcess
+from tokenmill.bench.llamacpp import LlamaServerProcess
 from tokenmill.bench.server_process import HOST, ServerProcess
 
 METRICS = {  # this module's names -> bench serve's JSON keys (vLLM's)

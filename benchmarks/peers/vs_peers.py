@@ -50,7 +50,6 @@ import time
 from pathlib import Path
 
 from benchmarks.peers.engines import DEFAULT_ENGINES, Engine, resolve_engines
-from benchmarks.peers.llamacpp import QUANTIZED
 from benchmarks.peers.machine import (
     gguf_tensor_types,
     lscpu_summary,
@@ -59,6 +58,7 @@ from benchmarks.peers.machine import (
 )
 from benchmarks.peers.offline import OfflineResult, Resident, offline_run, resident_after_load
 from benchmarks.peers.online import OnlineResult, concurrencies, online_run
+from tokenmill.bench.llamacpp import QUANTIZED
 
 ANCHORS = Path.home() / ".cache" / "tokenmill-anchors"
 FAILURES = (RuntimeError, subprocess.SubprocessError)
@@ -190,7 +190,7 @@ def roofline(engines: list[Engine], runs: dict[str, list[OfflineResult]], roof: 
 
 def online(engines: list[Engine], args: argparse.Namespace) -> str:
     """Every round of every engine's server at every concurrency: the table."""
-    from benchmarks.peers.llamacpp import whole_character_bias
+    from tokenmill.bench.llamacpp import whole_character_bias
 
     bias = whole_character_bias(Path(args.model))
     runs: dict[tuple[str, int], list[OnlineResult]] = {}

@@ -11,8 +11,8 @@ import random
 import statistics
 import time
 
-from benchmarks.itl.scenario import smollm2_shaped_model
 from tokenmill import SamplingParams
+from tokenmill.bench.itl import smollm2_shaped_model
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 

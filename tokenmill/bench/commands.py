@@ -1,5 +1,5 @@
-"""The `tokenmill bench serve | sweep | compare | make-model` subcommands: parsers and error
-handling.
+"""The `tokenmill bench serve | sweep | compare | itl | make-model` subcommands: parsers and
+error handling.
 
 Kept apart from the command modules so that `tokenmill --help` stays cheap and each command's
 failure (a server that is down, a bad flag value) ends in one clear line, not a traceback.
@@ -16,7 +16,7 @@ from tokenmill.bench.server_process import ServerStartError
 
 
 def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
-    from tokenmill.bench import compare, random_model, serve, sweep
+    from tokenmill.bench import compare, itl, random_model, serve, sweep
 
     _add(
         kinds,
@@ -38,6 +38,13 @@ def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
         "the same workload against several server configurations",
         compare.add_compare_args,
         compare.run_compare_cli,
+    )
+    _add(
+        kinds,
+        "itl",
+        "inter-token latency of decoding streams while a long prompt arrives",
+        itl.add_itl_args,
+        itl.run_itl,
     )
     _add(
         kinds,

@@ -42,8 +42,6 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.itl.stats import ControlSteps, Run, percentile
-from benchmarks.peers.llamacpp import LlamaServerProcess
 from tokenmill.bench.client import (
     BenchError,
     EndpointConfig,
@@ -52,6 +50,8 @@ from tokenmill.bench.client import (
     send_request,
 )
 from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.itl_stats import ControlSteps, Run, percentile
+from tokenmill.bench.llamacpp import LlamaServerProcess
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.server_process import ServerProcess
 

@@ -1,7 +1,7 @@
-"""Inter-token latency of decoding streams while a long prompt arrives (issue 19).
+"""`tokenmill bench itl`: inter-token latency of decoding streams while a long prompt arrives.
 
-    python -m benchmarks.itl [--model PATH] [--repeats 1]          # offline
-    python -m benchmarks.itl --server [--llama-cpp-bin DIR]        # over HTTP
+    tokenmill bench itl [--model PATH] [--repeats 1]          # offline
+    tokenmill bench itl --server [--llama-cpp-bin DIR]        # over HTTP
 
 32 streams decode (64-token prompts); once every stream decodes and 16 steady steps are
 timed, one 4,000-token prompt arrives. Every engine step emits one token per stream, so the
@@ -20,7 +20,7 @@ in its own engine just before the long prompt arrives (`--only-targets`: 2048 ch
 targets alone), and the issue's goal checked for each target against 2048 chunked.
 
 `--server`: the same scenario streamed over HTTP (`/v1/completions`, token-id prompts) and
-timed from chunk arrivals (serving.py): `tokenmill serve` with its default budget (twice
+timed from chunk arrivals (itl_serving.py): `tokenmill serve` with its default budget (twice
 first: the lower steady ITL of the two sets the target), then with `--itl-target-ms` at 2x
 that steady ITL, then `tokenmill serve --disaggregate` (a prefill
 and a decode instance on half the cores each, issue 32; `--no-disaggregate` leaves it out);
@@ -33,7 +33,7 @@ between two tokens of a stream). Each server is started for its row and stopped 
 stops, a control run streams the same number of streams with no long prompt, and their median
 gap at the window's token positions is the streams' own step at those contexts (their
 contexts grow ~200 tokens through a window of ~25 s): issue 32's goal is checked against it,
-and against the steady gap before the arrival beside it (serving.py).
+and against the steady gap before the arrival beside it (itl_serving.py).
 
 With no model, a random-weight model shaped like SmolLM2-135M (context 8192) is built once.
 Greedy, fp32. Run several repeats on a shared machine (configurations interleaved; medians).
@@ -51,19 +51,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.itl.serving import (
+from tokenmill.bench.itl_serving import (
     Scenario,
     llama_server,
     served_run,
     tokenmill_server,
 )
-from benchmarks.itl.stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
-from benchmarks.peers.llamacpp import gguf_file, source_tree, whole_character_bias
-from tokenmill import SamplingParams
+from tokenmill.bench.itl_stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
+from tokenmill.bench.llamacpp import gguf_file, source_tree, whole_character_bias
 from tokenmill.bench.random_model import PRESETS, make_random_model
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.openmp import forget_openmp_wait_policy
+from tokenmill.sampling_params import SamplingParams
 
 MODEL_NAME = "bench-smollm2-135m-shaped-8k-v2"  # bump the version when changing the recipe
 FIXED_BUDGETS: dict[str, dict[str, Any]] = {
@@ -267,14 +267,22 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
     return measure(first, tokenmill(first, []), rest, args.repeats, calibration_runs=2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument("--stream-prompt", type=int, default=64)
-    parser.add_argument("--long-prompt", type=int, default=4000)
-    parser.add_argument("--steady-steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=1)
+def add_itl_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint (default: a random SmolLM2-135M-shaped one, context 8192, built once)",
+    )
+    parser.add_argument("--streams", type=int, default=32, help="decoding streams")
+    parser.add_argument(
+        "--stream-prompt", type=int, default=64, help="tokens of each stream's prompt"
+    )
+    parser.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long prompt")
+    parser.add_argument(
+        "--steady-steps", type=int, default=16, help="steps timed before it arrives"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="rounds; medians reported")
     parser.add_argument(
         "--only-targets", action="store_true", help="offline: 2048 chunked and the targets only"
     )
@@ -294,7 +302,9 @@ def main() -> None:
         default=[1.0],
         help="--server: one `serve --disaggregate` row per decode-side receiver duty cycle",
     )
-    args = parser.parse_args()
+
+
+def run_itl(args: argparse.Namespace) -> int:
     model = args.model or smollm2_shaped_model()
     runs = served_runs(model, args) if args.server else offline_runs(model, args)
     print("\n" + TABLE_HEADER)
@@ -311,7 +321,4 @@ def main() -> None:
         print(f"\nIssue 32's goal, against {chunked[0]}:")
         for label in disaggregated:
             print(disaggregation_check(label, runs[chunked[0]], runs[label]))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

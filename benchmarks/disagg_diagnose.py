@@ -2,7 +2,7 @@
 then the decode instance's own step times and KV transfers (from its dashboard stream), the
 slowest steps beside the slowest gaps the client saw.
 
-    python -m benchmarks.itl.disagg_diagnose [--long-prompt 4000] [--streams 32]
+    python -m benchmarks.disagg_diagnose [--long-prompt 4000] [--streams 32]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.itl.scenario import smollm2_shaped_model
-from benchmarks.itl.serving import Scenario, run_scenario, tokenmill_server
+from tokenmill.bench.itl import smollm2_shaped_model
+from tokenmill.bench.itl_serving import Scenario, run_scenario, tokenmill_server
 
 
 def dashboard_update(url: str) -> tuple[dict, dict]:
