@@ -18,11 +18,12 @@ import pytest
 from safetensors.torch import load_file
 
 from benchmarks.peers import machine as peers_machine
+from benchmarks.peers import vs_peers
 from benchmarks.peers import worker as peers_worker
 from benchmarks.peers.engines import Engine, engine_env, resolve_engines
 from benchmarks.peers.offline import OfflineResult
 from benchmarks.peers.online import engine_server
-from tokenmill.bench import llamacpp, vs_peers
+from tokenmill.bench import llamacpp
 
 LLAMACPP = Path.home() / ".cache" / "tokenmill-anchors" / "llama.cpp"
 NUMBER = r"\d+\.\d"

@@ -286,7 +286,9 @@ def add_itl_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only-targets", action="store_true", help="offline: 2048 chunked and the targets only"
     )
-    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument(
+        "--max-model-len", type=int, default=8192, help="context of the engines and servers"
+    )
     parser.add_argument("--server", action="store_true", help="over HTTP, against servers")
     parser.add_argument("--llama-cpp-bin", type=Path, default=None, help="with llama-server")
     parser.add_argument("--llama-small-batch", type=int, default=64, help="-ub / -b rows")
