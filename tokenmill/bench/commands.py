@@ -16,7 +16,7 @@ from tokenmill.bench.server_process import ServerStartError
 
 
 def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
-    from tokenmill.bench import compare, itl, random_model, serve, sweep
+    from tokenmill.bench import compare, itl_command, random_model, serve, sweep
 
     _add(
         kinds,
@@ -43,8 +43,8 @@ def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
         kinds,
         "itl",
         "inter-token latency of decoding streams while a long prompt arrives",
-        itl.add_itl_args,
-        itl.run_itl,
+        itl_command.add_itl_args,
+        itl_command.run_itl_command,
     )
     _add(
         kinds,

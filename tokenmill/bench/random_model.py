@@ -26,9 +26,10 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 LOGIT_STD = 4.0  # the spread weights' logits: std about this
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -37,7 +38,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 @dataclass(frozen=True)
 class Preset:
     name: str  # the cache directory's name: bump its version when changing the recipe
-    shape: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, and `dtype`
+    shape: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, `dtype` by name
 
     def model_dir(self) -> Path:
         """The model's directory in the cache, built on first use."""
@@ -79,7 +80,7 @@ PRESETS = {
             vocab_size=49152,
             tie_word_embeddings=True,
             rope_theta=500000.0,
-            dtype=torch.bfloat16,
+            dtype="bfloat16",
         ),
     ),
 }
@@ -109,6 +110,7 @@ def make_random_model(name: str, shape: dict[str, Any], out: Path | None = None)
 
 
 def _write_checkpoint(directory: Path, shape: dict[str, Any]) -> None:
+    import torch
     import transformers
 
     from tokenmill.demo import demo_model_path
@@ -118,7 +120,8 @@ def _write_checkpoint(directory: Path, shape: dict[str, Any]) -> None:
         shutil.copyfile(demo / file_name, directory / file_name)
     demo_config = json.loads((demo / "config.json").read_text())
     tokens = {k: demo_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    dtype = shape.pop("dtype", torch.float32)
+    dtype = shape.pop("dtype", "float32")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # a name, or a dtype
     shape.setdefault("vocab_size", demo_config["vocab_size"])
     shape.setdefault("max_position_embeddings", 2048)
     shape["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.pop("rope_theta", 1e4)}
@@ -141,6 +144,8 @@ def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
     keep unit scale), embeddings std 1, norms ~1 with noise, biases nonzero, and the LM head
     is scaled so the logits' std is about LOGIT_STD.
     """
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     hidden = model.config.hidden_size
     with torch.no_grad():
