@@ -2,7 +2,7 @@
 server: (a) a 60,000-prompt completion whose client leaves after 1 s, (b) three 1.8 MB
 /tokenize bodies and one 1.8 MB prompt at once.
 
-    python benchmarks/abuse_probe.py [--model DIR]
+    python -m benchmarks.abuse_probe [--model DIR]
 
 Starts `tokenmill serve` (the demo model unless --model) on a free port, prints the seconds
 each probe took and what each attack got back, and stops the server.

@@ -1,6 +1,6 @@
 """What the dashboard costs the engine at batch 64 (issue 18: it must not slow a step by 1 %).
 
-    python benchmarks/dashboard_overhead.py [--model PATH] [--batch 64] [--repeats 8]
+    python -m benchmarks.dashboard_overhead [--model PATH] [--batch 64] [--repeats 8]
 
 Two measurements, in one run:
 

@@ -2,7 +2,7 @@
 then the decode instance's own step times and KV transfers (from its dashboard stream), the
 slowest steps beside the slowest gaps the client saw.
 
-    python benchmarks/disagg_diagnose.py [--long-prompt 4000] [--streams 32]
+    python -m benchmarks.disagg_diagnose [--long-prompt 4000] [--streams 32]
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from itl_serving import Scenario, run_scenario, tokenmill_server
-from itl_under_prefill import smollm2_shaped_model
+
+from tokenmill.bench.itl import smollm2_shaped_model
+from tokenmill.bench.itl_serving import Scenario, run_scenario, tokenmill_server
 
 
 def dashboard_update(url: str) -> tuple[dict, dict]:

@@ -1,6 +1,6 @@
 """Greedy accuracy of the demo target under engine settings that must not change answers.
 
-    python benchmarks/eval_settings.py [--num-per-task 100]
+    python -m benchmarks.eval_settings [--num-per-task 100]
 
 Runs `tokenmill eval`'s held-out set through the offline engine once per setting and prints
 correct answers per task side by side. Greedy decoding is deterministic, so a setting that

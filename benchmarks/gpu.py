@@ -1,7 +1,7 @@
 """The GPU benchmark of issue #14, in one prepared run (< 5 minutes on one H200).
 
-    python benchmarks/gpu.py                       # CUDA, the Llama-3.2-1B-shaped model
-    python benchmarks/gpu.py --device cpu --tiny   # the same steps, tiny sizes: a dry run
+    python -m benchmarks.gpu                       # CUDA, the Llama-3.2-1B-shaped model
+    python -m benchmarks.gpu --device cpu --tiny   # the same steps, tiny sizes: a dry run
 
 Prints one JSON line per figure (`{"figure": ..., ...}`), in this order:
 
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from make_bench_model import cached_random_model
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.random_model import make_random_model
 
 LLAMA_1B_SHAPE = dict(
     hidden_size=2048,
@@ -253,11 +253,11 @@ def main() -> None:
     if not args.device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel on CPU tensors
     emit("environment", device=args.device, torch=torch.__version__, python=sys.version.split()[0])
-    check_dir = cached_random_model("bench-gqa-check-fp32-v1", **CHECK_SHAPE)
+    check_dir = make_random_model("bench-gqa-check-fp32-v2", CHECK_SHAPE)
     check_against_transformers(check_dir, args.device)
     shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
-    bench_dir = cached_random_model(
-        "bench-llama-3.2-1b-shaped-bf16-v1" + ("-tiny" if args.tiny else ""), **shape
+    bench_dir = make_random_model(
+        "bench-llama-3.2-1b-shaped-bf16-v2" + ("-tiny" if args.tiny else ""), shape
     )
     check_backends_agree(bench_dir, args.device, sizes)
     model = hf_model(bench_dir, torch.bfloat16, args.device)

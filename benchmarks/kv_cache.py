@@ -1,6 +1,6 @@
 """KV cache benchmarks (issue: prefix caching, FP8 KV), offline, side by side in one run.
 
-    python benchmarks/kv_cache.py [--model PATH] [--repeats 3]
+    python -m benchmarks.kv_cache [--model PATH] [--repeats 3]
 
 1. shared-prefix: a ~1,000-token system prompt shared by every request, varied user suffixes:
    throughput and p50 TTFT with prefix caching on vs off.

@@ -1,7 +1,7 @@
 """Quantized linear products against float ones and against torch's int8/int4 ops, on the
 shapes of SmolLM2-135M (hidden 576, 9 / 3 heads of 64, MLP 1536: qkv, o, gate_up, down).
 
-    python benchmarks/quantized_linear.py [--rows 1,8,16,64,128,256,1024] [--layers 30]
+    python -m benchmarks.quantized_linear [--rows 1,8,16,64,128,256,1024] [--layers 30]
         [--repeats 5] [--threads 1]
 
 One pass is each layer's four products for `--layers` copies (so that the weights stream from

@@ -2,7 +2,7 @@
 `tokenmill router` per policy in front of them, the route simulator's workload scaled down,
 and the measured prefix-hit rate next to the simulated one.
 
-    PYTHONPATH=$PWD python benchmarks/route_real.py --replicas 2
+    python -m benchmarks.route_real --replicas 2
 
 Prompts are token ids (each tenant's system prompt, then a unique user part), so the router
 hashes their first ids. The replicas' KV caches are made small (`--kv-tokens` each) so that
@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import httpx
-import repo_root  # noqa: F401 (tokenmill_testing/, demo_training/ on sys.path)
 from prometheus_client.parser import text_string_to_metric_families
-from route_sim import Workload, make_requests, simulate
 
+from benchmarks.route_sim import Workload, make_requests, simulate
 from tokenmill.bench.server_process import ServerProcess, free_port
 from tokenmill_testing.random_checkpoint import save_random_checkpoint
 

@@ -1,6 +1,6 @@
 """Routing simulator: round-robin vs least-loaded vs prefix-aware over many replicas.
 
-    PYTHONPATH=$PWD python benchmarks/route_sim.py --plot docs/images/route_sim.png
+    python -m benchmarks.route_sim --plot docs/images/route_sim.png
 
 A synthetic multi-tenant workload (tenants with Zipf-distributed traffic, each with its own
 1-4k-token system prompt, a unique user part, Poisson arrivals) is routed over N replicas
@@ -43,7 +43,7 @@ from tokenmill.entrypoints.router.balancing.policies import (
 
 # Step cost coefficients (seconds): fixed, per decode token, per prefill token, per context
 # position. Fitted by tokenmill's start-up calibration (worker/calibration.py) on the
-# SmolLM2-135M-shaped random model (benchmarks/make_smollm_shaped_model.py) on this machine,
+# SmolLM2-135M-shaped random model (`tokenmill bench make-model --preset smollm`) on this machine,
 # 2 cores loaded by parallel work (so slow in absolute terms; the simulation's results scale
 # with them: what matters is their ratios): `route_sim.py --fit-model DIR`.
 DEFAULT_COEFFICIENTS = (0.441, 0.0593, 0.0513, 0.0000587)
@@ -197,7 +197,9 @@ def fit_coefficients(model_dir: str) -> tuple[float, ...]:
     from tokenmill.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model_dir, itl_target_ms=50, max_model_len=2048))
-    return tuple(engine.scheduler.prefill_limits.cost_model.coefficients)
+    coefficients = engine.step_cost_coefficients
+    assert coefficients is not None  # an ITL target calibrates the cost model
+    return coefficients
 
 
 def plot(results: dict[str, dict[str, float]], path: str, title: str) -> None:

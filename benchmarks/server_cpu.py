@@ -1,12 +1,12 @@
 """CPU time per generated token: `tokenmill serve` under `bench serve` vs the offline engine.
 
-    python benchmarks/server_cpu.py [--model PATH] [--concurrency 1,8,32] [--tree DIR ...]
+    python -m benchmarks.server_cpu [--model PATH] [--concurrency 1,8,32] [--tree DIR ...]
 
 For each source tree (`--tree`, default this one; give two to compare them, run alternately
 `--rounds` times): one `tokenmill serve --max-model-len 512 --max-num-seqs C` per concurrency C,
 with OMP_NUM_THREADS=1, then `bench serve` with 4C requests (at least 8) of 128 random prompt
 ids + 128 tokens, C in flight, each carrying the online table's `logit_bias`
-(benchmarks/peers_online.py), after an untimed warm-up. The server's CPU time (user + system of
+(benchmarks/peers/online.py), after an untimed warm-up. The server's CPU time (user + system of
 every process in its group, from /proc) over the timed run, divided by the tokens generated,
 is compared with the same requests run offline (`LLM.generate`, same tree, same limits and
 parameters, process CPU time). Their difference is what serving costs per token: HTTP,
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from repo_root import ROOT
+from benchmarks import REPO_ROOT
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -122,13 +122,13 @@ def main() -> None:
     parser.add_argument("--no-bias", action="store_true", help="requests without logit_bias")
     args = parser.parse_args()
     if args.model is None:
-        from make_smollm_shaped_model import model_dir
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(model_dir())
-    from llamacpp import whole_character_bias
+        args.model = str(PRESETS["smollm"].model_dir())
+    from tokenmill.bench.llamacpp import whole_character_bias
 
     bias = {} if args.no_bias else whole_character_bias(Path(args.model))
-    trees = [Path(t) for t in (args.tree or [str(ROOT)])]
+    trees = [Path(t) for t in (args.tree or [str(REPO_ROOT)])]
     with tempfile.TemporaryDirectory() as work_dir:
         for round_index in range(args.rounds):
             for concurrency in (int(c) for c in args.concurrency.split(",")):

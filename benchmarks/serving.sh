@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving benchmarks behind docs/benchmarks.md, exactly as run there: the three
 # `bench compare` presets and a concurrency sweep, on the built-in default model (except
-# continuous-vs-static: a 79M random model, see make_bench_model.py), with the client and
+# continuous-vs-static: a 79M random model, see `tokenmill bench make-model`), with the client and
 # the servers on this machine's loopback. Everything runs under `nice`, one server
 # at a time; results land in $OUT (default benchmarks/results/serving).
 #
@@ -32,7 +32,7 @@ static() {  # continuous batching vs the static-batching baseline, sharegpt-like
   # A 79M-parameter random model, so that the forward pass (what batching shares) dominates
   # the cost of a token rather than the HTTP streaming around it.
   local model
-  model=$(python benchmarks/make_bench_model.py)
+  model=$(tokenmill bench make-model --preset bench)
   "${NICE[@]}" tokenmill bench compare --preset continuous-vs-static --model "$model" \
     --num-prompts 64 "${SLO_79M[@]}" "${REPEATS[@]}" --disable-tqdm \
     --output-dir "$OUT/continuous-vs-static"

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark, offline, every configuration side by side in one run.
 
-    python benchmarks/spec_decode.py [--model PATH] [--draft-model PATH] [--eagle-model PATH]
+    python -m benchmarks.spec_decode [--model PATH] [--draft-model PATH] [--eagle-model PATH]
         [--medusa-model PATH] [--methods ngram,draft,eagle,medusa] [--repeats 3]
 
 `--eagle-model` given again adds another EAGLE configuration ("eagle#2", ...), to compare
@@ -23,8 +23,6 @@ import argparse
 import statistics
 import time
 from typing import NamedTuple
-
-import repo_root  # noqa: F401 (tokenmill_testing/, demo_training/ on sys.path)
 
 from demo_training.acceptance import STORY_PROMPTS
 from tokenmill import LLM, SamplingParams

@@ -1,6 +1,6 @@
 """The most speculative decoding can give at batch 1 on the demo tasks: an oracle drafter.
 
-    OMP_NUM_THREADS=1 python benchmarks/spec_decode_bound.py [--k 2,4,8] [--tasks copy,add]
+    OMP_NUM_THREADS=1 python -m benchmarks.spec_decode_bound [--k 2,4,8] [--tasks copy,add]
         [--repeats 3] [--max-tokens 128] [--prompts 8] [--eagle-k 4]
 
 An oracle proposer drafts the target's own greedy continuation, taken from a run of the same
@@ -22,8 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from spec_decode import drafts_since, generate_greedy, task_prompts, timed
-
+from benchmarks.spec_decode import drafts_since, generate_greedy, task_prompts, timed
 from tokenmill import LLM
 from tokenmill.demo.tasks import CHECKABLE_TASKS
 from tokenmill.metrics.stats import SpecDecodeStats

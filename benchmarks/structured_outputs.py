@@ -1,6 +1,6 @@
 """Structured outputs benchmark: the cost of grammar enforcement, side by side in one run.
 
-    python benchmarks/structured_outputs.py [--model PATH] [--repeats 5] [--tokens 64]
+    python -m benchmarks.structured_outputs [--model PATH] [--repeats 5] [--tokens 64]
 
 With no model: the built-in demo model.
 1. Decode step time at batch 1, 8 and 32 with no row constrained, half of them and all of

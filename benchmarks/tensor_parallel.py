@@ -6,8 +6,8 @@ the executor sets), so the first and last use the same cores. The middle one sep
 tensor parallelism buys from what fewer OpenMP threads per process buy on a loaded machine.
 Greedy outputs are checked equal. Median tokens/s and ratios to the first are printed.
 
-    cd benchmarks && OMP_NUM_THREADS=2 python tensor_parallel.py --repeats 2
-    # model: benchmarks/make_bench_model.py's 79M Llama (12 heads, 4 KV heads: splits in 2)
+    OMP_NUM_THREADS=2 python -m benchmarks.tensor_parallel --repeats 2
+    # model: `tokenmill bench make-model`'s 79M Llama (12 heads, 4 KV heads: splits in 2)
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import statistics
 import time
 
 import torch
-from make_bench_model import NAME, SHAPE, cached_random_model
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.random_model import PRESETS
 from tokenmill.bench.throughput import make_workload
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model = args.model or str(cached_random_model(NAME, **SHAPE))
+    model = args.model or str(PRESETS["bench"].model_dir())
     workload = make_workload(
         args.num_prompts,
         (args.input_len, args.input_len),

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import os
 import random
 import shutil
 from collections.abc import Iterable, Iterator
@@ -33,6 +31,7 @@ from tokenizers import (
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from tokenmill.bench.random_model import spread_weights
 from tokenmill.demo.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -118,9 +117,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 
-
-# Target standard deviation of the next-token logits of a random model.
-_LOGIT_STD = 4.0
 
 # ---------------------------------------------------------------------------------------------
 # Corpus
@@ -369,35 +365,6 @@ def _build_config(
     return config
 
 
-def _init_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
-    """Re-initialise every parameter so the random model's logits are well spread.
-
-    HF's default init (std 0.02) gives near-uniform logits, where greedy argmax ties make
-    engine-vs-reference comparisons flaky. Linears get std 1/sqrt(fan_in) (activations keep
-    unit scale), embeddings std 1, norms ~1 with noise, biases nonzero, and the LM head is
-    scaled so the logits' std is about _LOGIT_STD.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("embed_tokens.weight"):
-                std = _LOGIT_STD / math.sqrt(hidden) if tied else 1.0
-                value = noise * std
-            elif name.endswith("lm_head.weight"):
-                value = noise * (_LOGIT_STD / math.sqrt(hidden))
-            elif param.ndim == 1 and name.endswith("norm.weight"):
-                value = 1.0 + 0.1 * noise
-            elif name.endswith(".bias"):
-                value = 0.1 * noise
-            elif param.ndim == 2:
-                value = noise / math.sqrt(param.shape[1])
-            else:
-                raise ValueError(f"no init rule for parameter {name} {tuple(param.shape)}")
-            param.copy_(value.to(param.dtype))
-
-
 @contextlib.contextmanager
 def _no_progress_bars() -> Iterator[None]:
     """Silence transformers' "Writing model shards" bars (noise in CLI output and test logs)."""
@@ -469,7 +436,7 @@ def save_random_checkpoint(
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = model_cls(config)
-    _init_weights(model, seed, tie_word_embeddings)
+    spread_weights(model, seed, tie_word_embeddings)
     model = model.to(dtype).eval()
     save_kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
@@ -478,8 +445,3 @@ def save_random_checkpoint(
         model.save_pretrained(str(save_dir), **save_kwargs)
     _write_generation_config(save_dir, tokenizer)
     return save_dir
-
-
-def cache_dir() -> Path:
-    """Where built artefacts live: $TOKENMILL_CACHE, else ~/.cache/tokenmill."""
-    return Path(os.environ.get("TOKENMILL_CACHE", "~/.cache/tokenmill")).expanduser()

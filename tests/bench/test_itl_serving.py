@@ -1,4 +1,4 @@
-"""The served ITL-under-prefill benchmark (benchmarks/itl_serving.py, itl_stats.py,
+"""The served ITL-under-prefill benchmark (tokenmill/bench/itl_serving.py, stats.py,
 llamacpp.py): its statistics from chunk arrival times, its request bodies and server command
 lines, its table row, and one small run against a real `tokenmill serve` (no timed assertion)."""
 
@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-
-from itl_serving import (
+from tokenmill.bench.itl_serving import (
     Scenario,
     chunk_times,
     completion_request,
@@ -26,9 +23,8 @@ from itl_serving import (
     scenario_run,
     tokenmill_server,
 )
-from itl_stats import ControlSteps, Run, disaggregation_check, percentile, report
-from llamacpp import source_tree, whole_character_bias
-
+from tokenmill.bench.itl_stats import ControlSteps, Run, disaggregation_check, percentile, report
+from tokenmill.bench.llamacpp import source_tree, whole_character_bias
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.models.loader import load_tokenizer
 
@@ -221,7 +217,7 @@ def test_the_disaggregation_goal_is_judged_against_the_control_at_the_same_token
 
 
 def test_targets_follow_the_calibration_run_with_the_lowest_steady_step() -> None:
-    from itl_under_prefill import measure
+    from tokenmill.bench.itl import measure
 
     steadies = iter([0.088, 0.073, 0.075])  # the first calibration run was slowed by noise
 
@@ -239,3 +235,17 @@ def test_targets_follow_the_calibration_run_with_the_lowest_steady_step() -> Non
     assert targets == [0.073]
     assert [r.steady for r in runs["baseline"]] == [0.088, 0.073, 0.075]  # 2 + the third repeat
     assert [r.target for r in runs["target"]] == [0.146] * 3
+
+
+def test_bench_itl_runs_the_offline_scenario_from_the_cli(tiny_checkpoint, capsys) -> None:
+    from tokenmill.entrypoints.cli import main
+
+    code = main(
+        ["bench", "itl", "--model", str(tiny_checkpoint("llama")), "--streams", "2",
+         "--stream-prompt", "8", "--long-prompt", "96", "--steady-steps", "2", "--only-targets",
+         "--max-model-len", "256"]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| 2048 chunked |" in out and "| itl target 2.0x its steady step |" in out
+    assert "Issue 19's goal, against 2048 chunked:" in out

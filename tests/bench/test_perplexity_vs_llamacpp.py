@@ -1,16 +1,14 @@
 """tokenmill's perplexity on a GGUF file within 1% of `llama-perplexity`'s on the same file and
 text (the demo target quantized by llama.cpp's own `llama-quantize`), where llama.cpp is built
-(benchmarks/perplexity_vs_llamacpp.py; measured +0.01% for Q8_0, -0.32% for Q4_K_M)."""
+(benchmarks/peers/perplexity.py; measured +0.01% for Q8_0, -0.32% for Q4_K_M)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from perplexity_vs_llamacpp import LLAMACPP, bin_dir, compare
+from benchmarks.peers.perplexity import LLAMACPP, bin_dir, compare
 
 NEEDED = ("llama-perplexity", "llama-quantize", "llama-server")
 missing = [name for name in NEEDED if not (bin_dir(LLAMACPP) / name).is_file()]

@@ -4,16 +4,10 @@ speculation; a request that is not the reference's gets no drafts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-
-from spec_decode import generate_greedy
-from spec_decode_bound import OracleProposer, oracle_engine, reference_run
-
+from benchmarks.spec_decode import generate_greedy
+from benchmarks.spec_decode_bound import OracleProposer, oracle_engine, reference_run
 from demo_training.acceptance import STORY_PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.step.runner_request_state import CachedRequestState

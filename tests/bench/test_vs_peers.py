@@ -1,4 +1,4 @@
-"""benchmarks/vs_peers.py at tiny sizes, so that the harness does not rot: tokenmill's offline
+"""benchmarks/peers at tiny sizes, so that the harness does not rot: tokenmill's offline
 and online runs end to end on a tiny random checkpoint, the tables' arithmetic on canned
 results, the machine probes, the peers' command lines; llama.cpp's runs where it is built
 (skipped otherwise). vLLM is checked by its command line only: it takes minutes to start."""
@@ -17,15 +17,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import llamacpp  # noqa: E402
-import peers_machine  # noqa: E402
-import vs_peers  # noqa: E402
-from peers_engines import Engine, engine_env, resolve_engines  # noqa: E402
-from peers_offline import OfflineResult  # noqa: E402
-from peers_online import engine_server  # noqa: E402
+from benchmarks.peers import machine as peers_machine
+from benchmarks.peers import vs_peers
+from benchmarks.peers import worker as peers_worker
+from benchmarks.peers.engines import Engine, engine_env, resolve_engines
+from benchmarks.peers.offline import OfflineResult
+from benchmarks.peers.online import engine_server
+from tokenmill.bench import llamacpp
 
 LLAMACPP = Path.home() / ".cache" / "tokenmill-anchors" / "llama.cpp"
 NUMBER = r"\d+\.\d"
@@ -175,11 +173,11 @@ def test_weight_bytes_count_float_tensors_at_the_engines_width(tiny_checkpoint) 
 def test_tree_rss_counts_the_children_and_the_bandwidth_probe_measures(tmp_path) -> None:
     hold = "import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
     hold += "print('ok', flush=True); time.sleep(60)"
-    before = peers_machine.tree_rss_bytes()
+    before = peers_worker.tree_rss_bytes()
     child = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ok"
-        assert peers_machine.tree_rss_bytes() - before > 60 << 20
+        assert peers_worker.tree_rss_bytes() - before > 60 << 20
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()

@@ -39,8 +39,9 @@ def test_the_layers_are_the_subpackages_each_once() -> None:
 
 
 def test_the_package_imports_nothing_it_does_not_ship() -> None:
-    """Test support and the demo training live beside the package, not in the wheel."""
-    outside = ("tokenmill_testing", "demo_training")
+    """Test support, the demo training and the benchmark scripts live beside the package,
+    not in the wheel."""
+    outside = ("tokenmill_testing", "demo_training", "benchmarks")
     found = []
     for name, path in module_paths().items():
         for node in ast.walk(ast.parse(path.read_text())):

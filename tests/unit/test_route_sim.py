@@ -3,13 +3,9 @@ says, and its policies order as they must (affinity hits more, least-loaded bala
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-
-from route_sim import Workload, make_requests, simulate
+from benchmarks.route_sim import Workload, make_requests, simulate
 
 COEFFICIENTS = (0.01, 0.001, 0.001, 1e-7)
 

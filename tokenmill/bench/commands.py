@@ -1,4 +1,5 @@
-"""The `tokenmill bench serve | sweep | compare` subcommands: parsers and error handling.
+"""The `tokenmill bench serve | sweep | compare | itl | make-model` subcommands: parsers and
+error handling.
 
 Kept apart from the command modules so that `tokenmill --help` stays cheap and each command's
 failure (a server that is down, a bad flag value) ends in one clear line, not a traceback.
@@ -15,7 +16,7 @@ from tokenmill.bench.server_process import ServerStartError
 
 
 def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
-    from tokenmill.bench import compare, serve, sweep
+    from tokenmill.bench import compare, itl_command, random_model, serve, sweep
 
     _add(
         kinds,
@@ -37,6 +38,20 @@ def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
         "the same workload against several server configurations",
         compare.add_compare_args,
         compare.run_compare_cli,
+    )
+    _add(
+        kinds,
+        "itl",
+        "inter-token latency of decoding streams while a long prompt arrives",
+        itl_command.add_itl_args,
+        itl_command.run_itl_command,
+    )
+    _add(
+        kinds,
+        "make-model",
+        "write a random-weight Llama of a benchmark's shape (prints its directory)",
+        random_model.add_make_model_args,
+        random_model.run_make_model,
     )
 
 

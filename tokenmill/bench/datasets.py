@@ -9,7 +9,7 @@ sent with `ignore_eos`, so the output lengths are the dataset's, not the model's
 - `random-ids`: the `random` lengths, each prompt a list of token ids drawn uniformly from the
   tokenizer's non-special tokens (SGLang's name), sent as `/v1/completions`' `prompt` as is:
   every server sees the same tokens whatever its own tokenizer (tokenmill, vLLM and
-  llama-server take id prompts; benchmarks/vs_peers.py). No BOS is added.
+  llama-server take id prompts; benchmarks/peers). No BOS is added.
 - `sharegpt-like`: heavy-tailed lengths matching the ShareGPT statistics published in the
   vLLM paper (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
   PagedAttention", SOSP 2023, Fig. 11a): mean input 161.31 tokens, mean output 337.99 tokens.

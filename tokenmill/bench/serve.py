@@ -46,6 +46,7 @@ from tokenmill.bench.metrics import (
     parse_percentiles,
 )
 from tokenmill.bench.report import ServeResult, format_report
+from tokenmill.bench.server_tokenizer import ServerTokenizer
 
 
 @dataclass
@@ -165,7 +166,8 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default=None,
         help="local tokenizer: a Hugging Face directory or a GGUF file (default: --model, or "
-        "the served model's root, a directory or a GGUF file)",
+        "the served model's root, if either is on this machine; else the server's own, over "
+        "its /tokenize and /detokenize)",
     )
     add_request_args(parser)
     add_measure_args(parser)
@@ -297,9 +299,9 @@ def make_target(
     dataset: DatasetConfig,
     base_url: str,
     model: str,
-    tokenizer_dir: str,
+    tokenizer_dir: str | None,
 ) -> Target:
-    from tokenmill.models.loader import load_tokenizer
+    """`tokenizer_dir` None: the server's own tokenizer, over its /tokenize."""
 
     slos = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.percentiles)
@@ -308,8 +310,8 @@ def make_target(
         raise ValueError("--extra-body must be a JSON object")
     if dataset.name == "random-ids" and args.endpoint != "/v1/completions":
         raise ValueError("--dataset-name random-ids sends token ids: --endpoint /v1/completions")
-    tokenizer = load_tokenizer(tokenizer_dir)  # a Hugging Face directory or a GGUF file
-    print(f"generating the {dataset.name} dataset with the tokenizer of {tokenizer_dir}")
+    tokenizer, tokenizer_id = _load_tokenizer(tokenizer_dir, dataset, base_url, model, args.api_key)
+    print(f"generating the {dataset.name} dataset with the tokenizer of {tokenizer_id}")
     requests = generate_dataset(dataset, tokenizer)
     print(describe(requests))
     endpoint = EndpointConfig(
@@ -325,7 +327,7 @@ def make_target(
     return Target(
         endpoint,
         tokenizer,
-        tokenizer_dir,
+        tokenizer_id,
         requests,
         dataset,
         percentiles,
@@ -334,12 +336,30 @@ def make_target(
     )
 
 
+def _load_tokenizer(
+    source: str | None, dataset: DatasetConfig, base_url: str, model: str, api_key: str | None
+) -> tuple[Any, str]:
+    """(tokenizer, how results name it): a local directory or GGUF file, else the server's."""
+    from tokenmill.models.loader import load_tokenizer
+
+    if source is not None:
+        return load_tokenizer(source), source  # a Hugging Face directory or a GGUF file
+    if dataset.name == "random-ids":
+        raise BenchError(
+            f"no local tokenizer for model {model!r}: --dataset-name random-ids draws from the "
+            "vocabulary, which /tokenize does not list; pass --tokenizer DIR or FILE.gguf"
+        )
+    tokenizer = ServerTokenizer.connect(base_url, model, api_key)
+    return tokenizer, tokenizer.source
+
+
 async def resolve_model(
     base_url: str, model: str | None, tokenizer: str | None, api_key: str | None = None
-) -> tuple[str, str]:
-    """(model name to send, local tokenizer: a directory or a GGUF file). Without --model, the
-    server's first model; without --tokenizer, --model if it is one, else the served model's
-    root (a GGUF server's root is its file).
+) -> tuple[str, str | None]:
+    """(model name to send, local tokenizer: a directory or a GGUF file, or None: the server's
+    own, over /tokenize). Without --model, the server's first model; without --tokenizer,
+    --model if it is one, else the served model's root (a GGUF server's root is its file) if
+    it is on this machine.
     `api_key`: the bearer token a keyed server wants on /v1/models too."""
     if model is not None and tokenizer is not None:
         return model, tokenizer
@@ -353,10 +373,9 @@ async def resolve_model(
     for candidate in (tokenizer, model, entry.get("root")):
         if candidate and _is_tokenizer_source(Path(candidate)):
             return model, candidate
-    raise BenchError(
-        f"no local tokenizer for model {model!r}: pass --tokenizer DIR or FILE.gguf (datasets "
-        "are sized with the model's own tokenizer)"
-    )
+    if tokenizer is not None:
+        raise BenchError(f"--tokenizer {tokenizer}: not a directory or a .gguf file")
+    return model, None
 
 
 def _is_tokenizer_source(path: Path) -> bool:

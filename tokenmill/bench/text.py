@@ -48,6 +48,8 @@ class Tokenizer(Protocol):
 
     def __call__(self, text: str, **kwargs: object) -> dict: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
     def __len__(self) -> int: ...
 
 
@@ -112,10 +114,16 @@ def _grow(rng: random.Random, body: str, deficit: int) -> str:
 
 
 def _cut(tokenizer: Tokenizer, head: str, body: str, excess: int) -> str:
-    """Drop the last `excess` tokens of `body`, cutting at a token boundary of `head + body`."""
+    """Drop the last `excess` tokens of `body`, cutting at a token boundary of `head + body`.
+
+    A tokenizer without offsets (a server's /tokenize) cuts by decoding the tokens kept."""
     encoded = tokenizer(
         head + body, add_special_tokens=False, return_offsets_mapping=True, verbose=False
     )
+    if "offset_mapping" not in encoded:
+        ids = encoded["input_ids"]
+        kept = tokenizer.decode(ids[: max(len(ids) - excess, 0)])
+        return kept[len(head) :].rstrip() if kept.startswith(head) else ""
     ends = [end for _, end in encoded["offset_mapping"] if end > len(head)]
     keep = len(ends) - excess
     if keep <= 0:

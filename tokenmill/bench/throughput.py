@@ -1,5 +1,16 @@
 """Offline throughput: tokenmill's continuous batching against Hugging Face `generate` in
-static padded batches, on the same checkpoint and the same requests, in one run."""
+static padded batches, on the same checkpoint and the same requests, in one run; or, with
+`--compare`, tokenmill against itself under other engine flags (an A/B of one setting).
+
+    tokenmill bench throughput --skip-hf
+    tokenmill bench throughput --compare auto="" torch="--linear-backend torch"
+
+Each `--compare NAME="FLAGS"` is an engine of its own: the command's engine flags with FLAGS
+on top. Every engine stays loaded; each repeat runs the same workload on each in turn (an
+empty prefix cache each time), so they share the machine's noise; medians, the ratio to the
+first, and whether each one's greedy tokens equal the first's (a setting that should not
+change the computation, and does, shows there).
+"""
 
 from __future__ import annotations
 
@@ -60,6 +71,13 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         "--workload-seed", type=int, default=0, help="seed of the prompts and their lengths"
     )
     parser.add_argument("--skip-hf", action="store_true", help="tokenmill only")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar='NAME="FLAGS"',
+        help="tokenmill under each set of engine flags instead of HF (the first is the baseline)",
+    )
     parser.add_argument("--save-result", default=None, help="write the results as JSON here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
 
@@ -79,6 +97,14 @@ def make_workload(
 def run_tokenmill(llm, workload: Workload, progress: bool = False) -> tuple[float, float]:
     """Seconds for the whole workload and the fraction of step time outside the forward.
     The progress bar moves when requests finish, so it costs next to nothing."""
+    seconds, overhead, _ = _timed_generate(llm, workload, progress)
+    return seconds, overhead
+
+
+def _timed_generate(
+    llm, workload: Workload, progress: bool = False
+) -> tuple[float, float, list[list[int]]]:
+    """(seconds, fraction of step time outside the forward, each request's token ids)."""
     from tokenmill.sampling_params import SamplingParams
 
     params = [
@@ -88,12 +114,13 @@ def run_tokenmill(llm, workload: Workload, progress: bool = False) -> tuple[floa
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    generated = sum(len(t) for t in tokens)
     assert generated == workload.num_output_tokens, (generated, workload.num_output_tokens)
     after = llm.get_stats()
     forward = after.forward_seconds - before.forward_seconds
     step = after.step_seconds - before.step_seconds
-    return seconds, 1.0 - forward / step
+    return seconds, 1.0 - forward / step, tokens
 
 
 def run_hf_static(
@@ -163,10 +190,61 @@ def run_throughput(args: argparse.Namespace, llm: Any) -> list[ThroughputResult]
     if hf_runs:
         results.append(_result(f"hf-static-b{args.batch_size}", hf_runs, workload, total_tokens))
     _print(results, workload, args)
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+    if len(results) == 2:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"tokenmill / {results[1].name} output throughput: {ratio:.2f}x")
+    _save(results, args.save_result)
     return results
+
+
+def parse_compare(entries: list[str]) -> dict[str, str]:
+    """`NAME="FLAGS"` entries -> {name: flags}, in order; ValueError names a bad one."""
+    configs: dict[str, str] = {}
+    for entry in entries:
+        name, sep, flags = entry.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f'--compare {entry!r}: expected NAME="ENGINE FLAGS"')
+        if name.strip() in configs:
+            raise ValueError(f"--compare: the name {name.strip()!r} is given twice")
+        configs[name.strip()] = flags
+    return configs
+
+
+def run_compare(args: argparse.Namespace, llms: dict[str, Any]) -> list[ThroughputResult]:
+    """The same workload on each of `llms` (name -> offline `LLM`, the first the baseline),
+    interleaved over `args.repeats` rounds."""
+    vocab = min(llm.engine.vocab_size for llm in llms.values())
+    workload = make_workload(
+        args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.workload_seed
+    )
+    total_tokens = workload.num_output_tokens + sum(len(p) for p in workload.prompts)
+    warm_up = make_workload(4, (8, 16), (4, 8), vocab, 1)
+    runs: dict[str, list[float]] = {name: [] for name in llms}
+    overheads: dict[str, list[float]] = {name: [] for name in llms}
+    tokens: dict[str, list[list[int]]] = {}
+    for llm in llms.values():
+        _timed_generate(llm, warm_up)
+    for _ in range(args.repeats):
+        for name, llm in llms.items():
+            llm.reset_prefix_cache()  # every run computes every prompt
+            seconds, overhead, tokens[name] = _timed_generate(llm, workload)
+            runs[name].append(seconds)
+            overheads[name].append(overhead)
+    results = [_result(n, runs[n], workload, total_tokens, overheads[n]) for n in llms]
+    _print(results, workload, args)
+    baseline = results[0]
+    for result in results[1:]:
+        ratio = result.output_tokens_per_s / baseline.output_tokens_per_s
+        same = "the same" if tokens[result.name] == tokens[baseline.name] else "different"
+        print(f"{result.name} / {baseline.name}: {ratio:.2f}x output throughput, {same} tokens")
+    _save(results, args.save_result)
+    return results
+
+
+def _save(results: list[ThroughputResult], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
 
 
 def _result(
@@ -199,6 +277,3 @@ def _print(results: list[ThroughputResult], workload: Workload, args: argparse.N
             f"{r.name:<20}{r.seconds:>10.2f}{r.output_tokens_per_s:>12.1f}"
             f"{r.total_tokens_per_s:>13.1f}{overhead:>10}"
         )
-    if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        print(f"tokenmill / {results[1].name} output throughput: {ratio:.2f}x")

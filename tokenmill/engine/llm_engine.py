@@ -5,7 +5,7 @@ Its parts are built by `assembly.py`; requests come in through the intake (`inta
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,6 +25,9 @@ from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.step.request import Request, RequestStatus
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LLMEngine:
@@ -243,6 +246,33 @@ class LLMEngine:
             num_computed_prompt_tokens=self.observer.num_prompt_tokens_scheduled,
             kv_transfer=kv_transfer_stats(self.parts.kv_connectors),
         )
+
+    # ---- for measurement (benchmarks/steps, benchmarks/peers, benchmarks/route_sim.py) -------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model (rank 0's shard): for measuring its weights and layers."""
+        return self.runner.model
+
+    @property
+    def step_cost_coefficients(self) -> tuple[float, ...] | None:
+        """The start-up calibration of the step cost model (with an ITL target), else None."""
+        cost_model = self.scheduler.prefill_limits.cost_model
+        return None if cost_model is None else tuple(cost_model.coefficients)
+
+    def step_phases(self) -> list[tuple[str, object, str]]:
+        """(phase, owner, method name) for each callable one step runs through, in order:
+        a profiler wraps them to time a step by phase. Kept here, beside the parts, so that
+        a renamed method changes this list and not the profilers."""
+        return [
+            ("schedule", self.scheduler, "schedule"),
+            ("prepare", self.runner, "_prepare_inputs"),
+            ("forward", self.runner, "_forward"),
+            ("forward", self.runner.model, "compute_logits"),
+            ("sample", self.runner, "_sample"),
+            ("apply", self.output_applier, "update_from_output"),
+            ("outputs", self.output_processor, "process_outputs"),
+        ]
 
     def running_request_ids(self) -> set[str]:
         """The requests (as added, not their samples) the scheduler is running."""

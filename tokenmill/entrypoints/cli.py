@@ -185,9 +185,36 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     from tokenmill.bench.throughput import run_throughput
     from tokenmill.entrypoints.llm import LLM
 
+    if args.compare:
+        return _bench_throughput_compare(args)
     config = engine_config_from_args(args)
     config.max_num_seqs = args.batch_size
     run_throughput(args, LLM(**vars(config)))
+    return 0
+
+
+def _bench_throughput_compare(args: argparse.Namespace) -> int:
+    """`--compare NAME="FLAGS" ...`: one engine per entry, the command's engine flags with
+    FLAGS on top."""
+    import copy
+    import shlex
+
+    from tokenmill.bench.throughput import parse_compare, run_compare
+    from tokenmill.entrypoints.llm import LLM
+
+    configs = {}
+    for name, flags in parse_compare(args.compare).items():
+        parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        add_engine_args(parser)
+        try:  # flags not given keep the command's values (already in the namespace)
+            config_args, unknown = parser.parse_known_args(shlex.split(flags), copy.copy(args))
+        except argparse.ArgumentError as e:
+            raise ValueError(f"--compare {name}: {e}") from None
+        if unknown:
+            raise ValueError(f"--compare {name}: not an engine flag: {' '.join(unknown)}")
+        configs[name] = engine_config_from_args(config_args)
+        configs[name].max_num_seqs = args.batch_size
+    run_compare(args, {name: LLM(**vars(config)) for name, config in configs.items()})
     return 0
 
 

@@ -21,9 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llamacpp import LlamaServerProcess
-from peers_engines import Engine, engine_env, tokenmill_env
-
+from benchmarks.peers.engines import Engine, engine_env, tokenmill_env
+from tokenmill.bench.llamacpp import LlamaServerProcess
 from tokenmill.bench.server_process import HOST, ServerProcess
 
 METRICS = {  # this module's names -> bench serve's JSON keys (vLLM's)

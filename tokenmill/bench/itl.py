@@ -1,43 +1,5 @@
-"""Inter-token latency of decoding streams while a long prompt arrives (issue 19).
-
-    python benchmarks/itl_under_prefill.py [--model PATH] [--repeats 1]          # offline
-    python benchmarks/itl_under_prefill.py --server [--llama-cpp-bin DIR]        # over HTTP
-
-32 streams decode (64-token prompts); once every stream decodes and 16 steady steps are
-timed, one 4,000-token prompt arrives. Every engine step emits one token per stream, so the
-step time is the inter-token latency every stream sees. Per configuration:
-
-- steady: the median step before the long prompt arrives;
-- p99 / worst step while it is admitted (from its arrival to its first token), and p99 over
-  steady;
-- TTFT of the long prompt;
-- throughput: tokens computed (prompt + generated) from its arrival to its first token, over
-  that time (a target stretches the window, and the streams decode through it).
-
-Offline (`LLMEngine`, steps timed in-process): the issue's fixed budgets (2048, 512, 256
-chunked; 8192 unchunked), then `--itl-target-ms` at 1.5x and 2x the steady step, each measured
-in its own engine just before the long prompt arrives (`--only-targets`: 2048 chunked and the
-targets alone), and the issue's goal checked for each target against 2048 chunked.
-
-`--server`: the same scenario streamed over HTTP (`/v1/completions`, token-id prompts) and
-timed from chunk arrivals (itl_serving.py): `tokenmill serve` with its default budget (twice
-first: the lower steady ITL of the two sets the target), then with `--itl-target-ms` at 2x
-that steady ITL, then `tokenmill serve --disaggregate` (a prefill
-and a decode instance on half the cores each, issue 32; `--no-disaggregate` leaves it out);
-with `--llama-cpp-bin DIR` (a llama.cpp build's
-binaries, e.g. llama.cpp/build/bin, inside its source tree), `llama-server` on the same weights
-as f32 GGUF (converted once), one slot per request, as many threads as tokenmill uses:
-its defaults, `--ubatch-size` small, and `--batch-size` small too (llama-server samples once
-per `--batch-size` tokens, so a small ubatch alone still computes a whole 2048-token batch
-between two tokens of a stream). Each server is started for its row and stopped after; before it
-stops, a control run streams the same number of streams with no long prompt, and their median
-gap at the window's token positions is the streams' own step at those contexts (their
-contexts grow ~200 tokens through a window of ~25 s): issue 32's goal is checked against it,
-and against the steady gap before the arrival beside it (itl_serving.py).
-
-With no model, a random-weight model shaped like SmolLM2-135M (context 8192) is built once.
-Greedy, fp32. Run several repeats on a shared machine (configurations interleaved; medians).
-"""
+"""The ITL-under-prefill scenario, offline (`LLMEngine` steps timed in-process) and over HTTP
+(itl_serving.py), and its report: `tokenmill bench itl` (itl_command.py says what it measures)."""
 
 from __future__ import annotations
 
@@ -51,23 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from itl_serving import (
+from tokenmill.bench.itl_serving import (
     Scenario,
     llama_server,
     served_run,
     tokenmill_server,
 )
-from itl_stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
-from llamacpp import gguf_file, source_tree, whole_character_bias
-from make_bench_model import cached_random_model
-from make_smollm_shaped_model import SHAPE as SMOLLM2_SHAPE
-
-from tokenmill import SamplingParams
+from tokenmill.bench.itl_stats import TABLE_HEADER, Run, disaggregation_check, goal_check, report
+from tokenmill.bench.llamacpp import gguf_file, source_tree, whole_character_bias
+from tokenmill.bench.random_model import PRESETS, make_random_model
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.openmp import forget_openmp_wait_policy
+from tokenmill.sampling_params import SamplingParams
 
-MODEL_NAME = "bench-smollm2-135m-shaped-8k-v1"  # bump the version when changing the recipe
+MODEL_NAME = "bench-smollm2-135m-shaped-8k-v2"  # bump the version when changing the recipe
 FIXED_BUDGETS: dict[str, dict[str, Any]] = {
     "2048 chunked": {"max_num_batched_tokens": 2048},
     "512 chunked": {"max_num_batched_tokens": 512},
@@ -85,9 +45,11 @@ def disaggregated_label(duty: float) -> str:
 
 
 def smollm2_shaped_model() -> Path:
-    """SmolLM2-135M's shape (make_smollm_shaped_model.py) with an 8192-token context, built
-    once into the cache directory (the benchmark feeds token ids)."""
-    return cached_random_model(MODEL_NAME, **{**SMOLLM2_SHAPE, "max_position_embeddings": 8192})
+    """SmolLM2-135M's shape (`tokenmill bench make-model --preset smollm`) with an 8192-token
+    context, built once into the cache directory (the benchmark feeds token ids)."""
+    return make_random_model(
+        MODEL_NAME, {**PRESETS["smollm"].shape, "max_position_embeddings": 8192}
+    )
 
 
 def run_once(
@@ -267,34 +229,7 @@ def served_runs(model: Path, args: argparse.Namespace) -> dict[str, list[Run]]:
     return measure(first, tokenmill(first, []), rest, args.repeats, calibration_runs=2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument("--stream-prompt", type=int, default=64)
-    parser.add_argument("--long-prompt", type=int, default=4000)
-    parser.add_argument("--steady-steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument(
-        "--only-targets", action="store_true", help="offline: 2048 chunked and the targets only"
-    )
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--server", action="store_true", help="over HTTP, against servers")
-    parser.add_argument("--llama-cpp-bin", type=Path, default=None, help="with llama-server")
-    parser.add_argument("--llama-small-batch", type=int, default=64, help="-ub / -b rows")
-    parser.add_argument("--llama-only", action="store_true", help="--server: no tokenmill rows")
-    parser.add_argument("--stream-max-tokens", type=int, default=2048, help="--server streams")
-    parser.add_argument(
-        "--no-disaggregate", action="store_true", help="--server: no `serve --disaggregate` row"
-    )
-    parser.add_argument(
-        "--recv-duty-cycles",
-        type=float,
-        nargs="+",
-        default=[1.0],
-        help="--server: one `serve --disaggregate` row per decode-side receiver duty cycle",
-    )
-    args = parser.parse_args()
+def run_itl(args: argparse.Namespace) -> int:
     model = args.model or smollm2_shaped_model()
     runs = served_runs(model, args) if args.server else offline_runs(model, args)
     print("\n" + TABLE_HEADER)
@@ -311,7 +246,4 @@ def main() -> None:
         print(f"\nIssue 32's goal, against {chunked[0]}:")
         for label in disaggregated:
             print(disaggregation_check(label, runs[chunked[0]], runs[label]))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,13 +1,13 @@
 """Where a decode step's time goes: torch.profiler over steady-state decode steps.
 
-    python benchmarks/profile_decode.py [--model PATH] [--dtype float32] [--batch 1] [--steps 20]
+    python -m benchmarks.steps profile [--model PATH] [--dtype float32] [--batch 1] [--steps 20]
 
 Starts `--batch` requests of 128 random prompt tokens, runs them into steady decoding, then
 profiles `--steps` engine steps and prints the per-step wall time, the process's CPU time per
 step (with OMP_NUM_THREADS=1, the figure that a shared machine's load disturbs least), the
 time inside the model's forward, and the operators by self CPU time (per step), with the
 number of op calls.
-Default model: the SmolLM2-135M-shaped random model of benchmarks/make_smollm_shaped_model.py.
+Default model: the SmolLM2-135M-shaped random model of `tokenmill bench make-model --preset smollm`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def main() -> None:
     parser.add_argument("--engine-args", default="{}", help="JSON of extra LLM(...) arguments")
     args = parser.parse_args()
     if args.model is None:
-        from make_smollm_shaped_model import model_dir
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     import json
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=512, **json.loads(args.engine_args))
@@ -45,14 +45,13 @@ def main() -> None:
         engine.add_request(str(i), prompt, params)
     for _ in range(10):  # prefill and warm up
         engine.step()
-    runner = engine.runner
-    forward_before = runner.forward_seconds
+    forward_before = engine.get_stats().forward_seconds
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - start) / args.steps
     cpu = (time.process_time() - cpu_start) / args.steps
-    forward = (runner.forward_seconds - forward_before) / args.steps
+    forward = (engine.get_stats().forward_seconds - forward_before) / args.steps
     print(
         f"step {wall * 1e3:.2f} ms (CPU {cpu * 1e3:.2f} ms), forward+logits "
         f"{forward * 1e3:.2f} ms (batch {args.batch})"

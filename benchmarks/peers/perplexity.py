@@ -1,9 +1,9 @@
 """Perplexity of tokenmill and of `llama-perplexity` on the same GGUF file and the same text.
 
-    python benchmarks/perplexity_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--ctx 128] [--chunks 16]
+    python -m benchmarks.peers.perplexity [--types Q8_0,Q4_K_M] [--ctx 128] [--chunks 16]
 
 The model is the demo target (a trained 3.5M Llama: tokenmill/demo/weights/target), converted
-to GGUF once by llama.cpp's converter (benchmarks/llamacpp.py) and quantized by its
+to GGUF once by llama.cpp's converter (tokenmill/bench/llamacpp.py) and quantized by its
 `llama-quantize`; the text is demo stories from a seed the training corpus did not use. Both
 score the same tokens the way llama-perplexity does: the text tokenized by llama.cpp (its
 server's /tokenize, with the BOS), cut into chunks of `--ctx` tokens whose first token is the
@@ -19,14 +19,11 @@ import math
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from llamacpp import LlamaServerProcess, gguf_file  # noqa: E402
+from tokenmill.bench.llamacpp import LlamaServerProcess, gguf_file
 
 LLAMACPP = Path.home() / ".cache" / "tokenmill-anchors" / "llama.cpp"
 TEXT_SEED = 2_000_003  # not one of the training corpus's seeds

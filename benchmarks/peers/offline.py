@@ -1,6 +1,6 @@
 """vs_peers.py's offline runs: B requests at once, each engine in fresh processes per round.
 
-tokenmill and vLLM run in peers_worker.py (under their own Pythons); llama.cpp as
+tokenmill and vLLM run in worker.py (under their own Pythons); llama.cpp as
 `llama-batched-bench` (llamacpp.py), which times prefill and decode apart itself.
 """
 
@@ -16,11 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llamacpp import BatchedBenchRun, batched_bench
-from peers_engines import Engine, engine_env
-from peers_worker import RESULT
+from benchmarks.peers.engines import Engine, engine_env
+from benchmarks.peers.worker import RESULT
+from tokenmill.bench.llamacpp import BatchedBenchRun, batched_bench
 
-WORKER = Path(__file__).resolve().parent / "peers_worker.py"
+WORKER = Path(__file__).resolve().parent / "worker.py"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The engines benchmarks/vs_peers.py compares, by the names `--engines` takes, and the weight
+"""The engines benchmarks/peers compares, by the names `--engines` takes, and the weight
 files each runs (converted or quantized once, then cached).
 
 Float weights (no `--quantization`), the checkpoint as it is or as GGUF:
@@ -25,10 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import repo_root  # noqa: F401 (tokenmill_testing/ on sys.path)
-from llamacpp import gguf_cache, gguf_file, peer_env, source_tree, working_flags
-
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import REPO_ROOT
+from tokenmill.bench.llamacpp import gguf_cache, gguf_file, peer_env, source_tree, working_flags
 
 FLOAT_ENGINES = (
     "tokenmill", "tokenmill-bf16", "tokenmill-base", "vllm", "llamacpp-bf16", "llamacpp-f32",
@@ -97,7 +95,7 @@ def engine_env(engine: Engine) -> dict[str, str]:
     OMP_WAIT_POLICY (each engine keeps its own OpenMP default); tokenmill with its tree on
     PYTHONPATH, vLLM with a 4 GiB KV space unless VLLM_CPU_KVCACHE_SPACE says otherwise."""
     if engine.runner == "tokenmill":
-        return tokenmill_env(engine.tree or REPO)
+        return tokenmill_env(engine.tree or REPO_ROOT)
     env = peer_env()
     env.pop("PYTHONPATH", None)
     if engine.runner == "vllm":
@@ -105,7 +103,7 @@ def engine_env(engine: Engine) -> dict[str, str]:
     return env
 
 
-def tokenmill_env(tree: Path = REPO) -> dict[str, str]:
+def tokenmill_env(tree: Path = REPO_ROOT) -> dict[str, str]:
     """For a tokenmill process (an engine, or bench serve) of the source tree `tree`."""
     return {**peer_env(), "PYTHONPATH": str(tree)}
 

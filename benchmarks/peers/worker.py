@@ -1,7 +1,7 @@
 """One engine's offline run for vs_peers.py, in a process of its own: tokenmill or vLLM, each
 under its own Python (vLLM's venv has no tokenmill: the standard library only at the top).
 
-    python peers_worker.py --runner tokenmill|vllm --weights W [--dtype D] [--tokenizer T]
+    python worker.py --runner tokenmill|vllm --weights W [--dtype D] [--tokenizer T]
         --batches 1,16,64 --prompt-len P --gen-len G --seed S [--memory]
 
 prints one `RESULT {json}` line. At each batch size an untimed warm-up (8 tokens), then the
@@ -16,16 +16,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
-
-from peers_machine import tree_rss_bytes
+from pathlib import Path
 
 RESULT = "RESULT "
 # The --memory probe: a KV cache of a few MB (one 64-token sequence), so that what grows is
 # the weights and the engine's buffers.
 KV_PROBE_BYTES, KV_PROBE_TOKENS = 4 << 20, 64
+
+
+def tree_rss_bytes(pid: int | None = None) -> int:
+    """Resident bytes of a process and all its descendants (vLLM runs its model in a child)."""
+    pid = os.getpid() if pid is None else pid
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it ended meanwhile
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def random_prompts(batch: int, prompt_len: int, seed: int, vocab: int) -> list[list[int]]:
@@ -83,7 +101,7 @@ def worker(args: argparse.Namespace) -> dict:
         engine.load(1, KV_PROBE_TOKENS, KV_PROBE_BYTES)
         from tokenmill.models.weight_bytes import weight_bytes
 
-        model = engine.llm.engine.runner.model
+        model = engine.llm.engine.model
         return {"rss_load_bytes": tree_rss_bytes() - before, "weight_bytes": weight_bytes(model)}
     engine.load(max(batches), args.max_model_len)
     vocab = min(2000, len(engine.llm.get_tokenizer()))

@@ -1,14 +1,14 @@
 """Where a decode step's time goes: outside the forward, linears, attention, everything else.
 
-    python benchmarks/step_split.py [--model PATH] [--dtype float32] [--batch 1] [--steps 30]
+    python -m benchmarks.steps split [--model PATH] [--dtype float32] [--batch 1] [--steps 30]
 
 Runs `--batch` requests of 128 random prompt ids into steady decoding, then times `--steps`
-engine steps (wall and process CPU), the model's forward + logits inside them (the runner's
+engine steps (wall and process CPU), the model's forward + logits inside them (the engine's
 `forward_seconds`), and, with the same shapes, the step's linears alone (every linear module
 called on a `[batch, in_features]` input, the LM head included) and its attention calls alone
 (each layer's backend on the step's metadata, replayed). "Other" is the forward less both:
 norms, RoPE, residual adds, KV writes and per-op dispatch. Prints one line per part.
-Default model: the SmolLM2-135M-shaped random model (benchmarks/make_smollm_shaped_model.py).
+Default model: the SmolLM2-135M-shaped random model (`tokenmill bench make-model --preset smollm`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     if args.model is None:
-        from make_smollm_shaped_model import model_dir
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=512)
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i in range(args.batch):
@@ -64,14 +64,14 @@ def main() -> None:
     PagedAttention.forward = capture
     engine.step()
     PagedAttention.forward = original
-    forward_before = runner.forward_seconds
+    forward_before = engine.get_stats().forward_seconds
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - wall) / args.steps
     cpu = (time.process_time() - cpu) / args.steps
-    forward = (runner.forward_seconds - forward_before) / args.steps
-    model = runner.model
+    forward = (engine.get_stats().forward_seconds - forward_before) / args.steps
+    model = engine.model
     dtype = next(model.parameters()).dtype
     linears = [
         m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")

@@ -1,6 +1,6 @@
 """The ITL-under-prefill scenario over HTTP: streams against a server, timed chunk by chunk.
 
-The same scenario as itl_under_prefill.py's offline engine, against any server that streams
+The same scenario as scenario.py's offline engine, against any server that streams
 OpenAI `/v1/completions` with token-id prompts and `ignore_eos` (tokenmill serve,
 llama-server): `streams` greedy requests with random `stream_prompt`-token prompts stream;
 once each has streamed its first token and then `steady_steps` more, one `long_prompt`-token
@@ -40,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from itl_stats import ControlSteps, Run, percentile
-from llamacpp import LlamaServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.bench.client import (
@@ -52,6 +50,8 @@ from tokenmill.bench.client import (
     send_request,
 )
 from tokenmill.bench.datasets import SampleRequest
+from tokenmill.bench.itl_stats import ControlSteps, Run, percentile
+from tokenmill.bench.llamacpp import LlamaServerProcess
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.server_process import ServerProcess
 

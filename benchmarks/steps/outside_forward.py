@@ -1,6 +1,6 @@
 """CPU time of a decode step outside the model's forward, by phase, at several batch sizes.
 
-    OMP_NUM_THREADS=1 python benchmarks/outside_forward.py [--model PATH] [--batches 1,16,64]
+    OMP_NUM_THREADS=1 python -m benchmarks.steps outside-forward [--model PATH] [--batches 1,16,64]
         [--steps 40] [--json OUT]
 
 One engine (`LLM(model, max_model_len=512)`, the default dtype), then for each batch size B:
@@ -12,7 +12,7 @@ applying the outputs (stop checks, detokenizing), building the `RequestOutput`s,
 (the step loop, the observer). With OMP_NUM_THREADS=1 every kernel runs on the main thread,
 so the split is the whole step's CPU time and load on the machine disturbs it least.
 Prints one line per batch (milliseconds of CPU per step) and, with `--json`, writes them.
-Default model: the SmolLM2-135M-shaped random model (benchmarks/make_smollm_shaped_model.py).
+Default model: the SmolLM2-135M-shaped random model (`tokenmill bench make-model --preset smollm`).
 """
 
 from __future__ import annotations
@@ -87,19 +87,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.model is None:
-        from make_smollm_shaped_model import model_dir
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     llm = LLM(model=args.model, max_model_len=512)
-    engine, runner = llm.engine, llm.engine.runner
     clock = PhaseClock()
-    clock.wrap(engine.scheduler, "schedule", "schedule")
-    clock.wrap(runner, "_prepare_inputs", "prepare")
-    clock.wrap(runner, "_forward", "forward")
-    clock.wrap(runner.model, "compute_logits", "forward")
-    clock.wrap(runner, "_sample", "sample")
-    clock.wrap(engine.output_applier, "update_from_output", "apply")
-    clock.wrap(engine.output_processor, "process_outputs", "outputs")
+    for phase, owner, name in llm.engine.step_phases():
+        clock.wrap(owner, name, phase)
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         row = measure(llm, clock, batch, args.steps, args.rounds)

@@ -1,5 +1,5 @@
 """One configuration's result in the ITL-under-prefill benchmark, and its table row
-(itl_under_prefill.py offline, itl_serving.py over HTTP)."""
+(scenario.py offline, serving.py over HTTP)."""
 
 from __future__ import annotations
 

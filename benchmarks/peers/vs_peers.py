@@ -1,13 +1,13 @@
 """tokenmill against vLLM's CPU build and llama.cpp on the same weights, side by side.
 
-    python benchmarks/vs_peers.py [--engines tokenmill,tokenmill-bf16,vllm,llamacpp-bf16]
+    python -m benchmarks.peers [--engines tokenmill,tokenmill-bf16,vllm,llamacpp-bf16]
         [--batches 1,16,64] [--rounds 2] [--output table.md]            # offline, float
-    python benchmarks/vs_peers.py --quantization q8_0|q4_k_m
+    python -m benchmarks.peers --quantization q8_0|q4_k_m
         [--engines tokenmill,llamacpp,tokenmill-w8a8,vllm-w8a8]          # offline, quantized
-    python benchmarks/vs_peers.py --online [--concurrency 1,8,32]
+    python -m benchmarks.peers --online [--concurrency 1,8,32]
         [--engines tokenmill,vllm,llamacpp-bf16]                         # servers
 
-Offline (peers_offline.py): B requests of `--prompt-len` random prompt ids and `--gen-len`
+Offline (offline.py): B requests of `--prompt-len` random prompt ids and `--gen-len`
 generated tokens each (greedy, ignore_eos), all submitted at once; end-to-end output tok/s
 (prefill included). tokenmill = `LLM(model, max_model_len=512)` with its defaults, vLLM =
 `LLM(model, max_model_len=512, dtype="bfloat16")` (`VLLM_CPU_KVCACHE_SPACE=4` unless set),
@@ -19,11 +19,11 @@ of the roof.
 
 `--quantization q8_0|q4_k_m` (issue 29): tokenmill loading one GGUF file of that type
 (`LLM(model="x.gguf")`) against llama.cpp on the same file, and `tokenmill-w8a8` against
-`vllm-w8a8` on one compressed-tensors W8A8 checkpoint (peers_engines.py); with each
+`vllm-w8a8` on one compressed-tensors W8A8 checkpoint (engines.py); with each
 engine's resident memory after load, and tokenmill's weights within it, beside the file's
-size (peers_offline.py says how).
+size (offline.py says how).
 
-`--online` (peers_online.py): each engine's OpenAI server (`tokenmill serve`, `vllm serve`,
+`--online` (online.py): each engine's OpenAI server (`tokenmill serve`, `vllm serve`,
 `llama-server -np C -cb`) under `tokenmill bench serve` at each concurrency C: output tok/s,
 TTFT, ITL and TPOT (p50, p99), and tokens per streamed chunk. With `--quantization` the
 servers load the GGUF / W8A8 weights.
@@ -32,9 +32,9 @@ Every engine runs in processes of its own, one at a time; rounds interleave the 
 that load from other jobs spreads over all of them; medians over rounds. An engine that fails
 shows as such, with its error below the table, and the others still run. The output starts
 with `lscpu`'s model and flags, the date and the command. The weights: the random
-SmolLM2-135M-shaped checkpoint (make_smollm_shaped_model.py) unless `--model`; GGUF
+SmolLM2-135M-shaped checkpoint (`tokenmill bench make-model --preset smollm`) unless `--model`; GGUF
 conversions and the W8A8 checkpoint are made once and cached (llamacpp.py,
-peers_engines.py). The peers come from ../shared/anchors/ (vllm-cpu venv, llama.cpp build).
+engines.py). The peers come from ../shared/anchors/ (vllm-cpu venv, llama.cpp build).
 """
 
 from __future__ import annotations
@@ -49,11 +49,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from llamacpp import QUANTIZED
-from peers_engines import DEFAULT_ENGINES, Engine, resolve_engines
-from peers_machine import gguf_tensor_types, lscpu_summary, read_bandwidth_gbs, weight_bytes
-from peers_offline import OfflineResult, Resident, offline_run, resident_after_load
-from peers_online import OnlineResult, concurrencies, online_run
+from benchmarks.peers.engines import DEFAULT_ENGINES, Engine, resolve_engines
+from benchmarks.peers.machine import (
+    gguf_tensor_types,
+    lscpu_summary,
+    read_bandwidth_gbs,
+    weight_bytes,
+)
+from benchmarks.peers.offline import OfflineResult, Resident, offline_run, resident_after_load
+from benchmarks.peers.online import OnlineResult, concurrencies, online_run
+from tokenmill.bench.llamacpp import QUANTIZED
 
 ANCHORS = Path.home() / ".cache" / "tokenmill-anchors"
 FAILURES = (RuntimeError, subprocess.SubprocessError)
@@ -185,7 +190,7 @@ def roofline(engines: list[Engine], runs: dict[str, list[OfflineResult]], roof: 
 
 def online(engines: list[Engine], args: argparse.Namespace) -> str:
     """Every round of every engine's server at every concurrency: the table."""
-    from llamacpp import whole_character_bias
+    from tokenmill.bench.llamacpp import whole_character_bias
 
     bias = whole_character_bias(Path(args.model))
     runs: dict[tuple[str, int], list[OnlineResult]] = {}
@@ -252,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--engines", default=None, help="comma-separated (peers_engines.py)")
+    parser.add_argument("--engines", default=None, help="comma-separated (engines.py)")
     parser.add_argument("--online", action="store_true", help="servers under bench serve")
     parser.add_argument("--quantization", choices=tuple(QUANTIZED), default=None)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-shaped")
@@ -272,9 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.engines = args.engines or DEFAULT_ENGINES[bool(args.quantization)]
     if args.model is None:
-        from make_smollm_shaped_model import model_dir
+        from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(model_dir())
+        args.model = str(PRESETS["smollm"].model_dir())
     return args
 
 
@@ -286,7 +291,7 @@ def main(argv: list[str] | None = None) -> str:
         raise SystemExit(f"vs_peers.py: could not prepare the engines' weights: {e}") from None
     model, flags = lscpu_summary()
     table = online(engines, args) if args.online else offline(engines, args)
-    command = shlex.join(["python", "benchmarks/vs_peers.py", *(argv or sys.argv[1:])])
+    command = shlex.join(["python", "-m", "benchmarks.peers", *(argv or sys.argv[1:])])
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = f"{model}; flags: {flags}; {date}\n`{command}`\n\n{table}\n"
     print(text)

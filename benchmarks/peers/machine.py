@@ -1,8 +1,8 @@
-"""What benchmarks/vs_peers.py records about the machine and the weights: `lscpu`'s model and
+"""What benchmarks/peers records about the machine and the weights: `lscpu`'s model and
 flags, the read bandwidth (the roof), a process tree's resident memory, and the weight bytes a
 decode step reads.
 
-Standard library only at the top: the vLLM worker imports this module from vLLM's own venv.
+Standard library only at the top (gguf is imported where needed).
 """
 
 from __future__ import annotations
@@ -52,24 +52,6 @@ def read_bandwidth_gbs(python: str = sys.executable) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"bandwidth probe failed:\n{result.stderr[-2000:]}")
     return float(result.stdout.split()[-1])
-
-
-def tree_rss_bytes(pid: int | None = None) -> int:
-    """Resident bytes of a process and all its descendants (vLLM runs its model in a child)."""
-    pid = os.getpid() if pid is None else pid
-    total, pending = 0, [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # it ended meanwhile
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def safetensors_weight_bytes(checkpoint: Path, float_bytes: int) -> int:

@@ -2,7 +2,7 @@
 64-2,048 tokens alone, for issue 19's SmolLM2-135M-shaped model (fp32, greedy, default
 settings). Where the time per row stops falling, steps have turned compute-bound.
 
-    python benchmarks/step_cost_by_rows.py
+    python -m benchmarks.steps cost-by-rows
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import random
 import statistics
 import time
 
-from itl_under_prefill import smollm2_shaped_model
-
 from tokenmill import SamplingParams
+from tokenmill.bench.itl import smollm2_shaped_model
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 

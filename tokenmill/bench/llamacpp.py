@@ -1,5 +1,5 @@
 """llama.cpp for the benchmarks that compare against it: the same weights as GGUF, a
-`llama-batched-bench` run, and a `llama-server` process (vs_peers.py, itl_under_prefill.py).
+`llama-batched-bench` run, and a `llama-server` process (benchmarks/peers, tokenmill bench itl).
 
 A llama.cpp build is a source tree (with `convert_hf_to_gguf.py` and `gguf-py`) whose binaries
 lie somewhere below it, e.g. `build/bin` (../shared/anchors/build_llamacpp.sh makes one).

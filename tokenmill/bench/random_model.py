@@ -1,0 +1,197 @@
+"""Random-weight Llama checkpoints in the shapes benchmarks run (`tokenmill bench make-model`).
+
+A benchmark of the engine's speed needs a model of a real model's shape, not its weights: no
+download, the same files every time. Presets:
+- `bench`: a 79M Llama (hidden 768, 12 layers, 12 / 4 heads): big enough that the forward
+  pass, not HTTP streaming, dominates serving on a CPU; small enough to serve on two cores.
+- `smollm`: HuggingFaceTB/SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads, MLP 1536,
+  vocabulary 49152, tied embeddings, RoPE theta 100000).
+- `1b`: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocabulary 49152,
+  tied), saved in bfloat16 (2.5 GB); its widths are multiples of 256, so `llama-quantize`
+  writes real K-quant blocks.
+
+The tokenizer is the demo model's (2048 tokens); token ids above it are valid inputs for the
+larger vocabularies (benchmarks feed token ids). Weights are spread so that logits are not
+near-uniform (greedy outputs without argmax ties: engines can be compared token for token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+LOGIT_STD = 4.0  # the spread weights' logits: std about this
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str  # the cache directory's name: bump its version when changing the recipe
+    shape: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, `dtype` by name
+
+    def model_dir(self) -> Path:
+        """The model's directory in the cache, built on first use."""
+        return make_random_model(self.name, self.shape)
+
+
+PRESETS = {
+    "bench": Preset(
+        "bench-random-llama-79m-v2",
+        dict(
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            intermediate_size=2048,
+        ),
+    ),
+    "smollm": Preset(
+        "bench-smollm2-135m-shaped-v2",
+        dict(
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        ),
+    ),
+    "1b": Preset(
+        "bench-llama-1b-shaped-v2",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            dtype="bfloat16",
+        ),
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where built models live: $TOKENMILL_CACHE, else ~/.cache/tokenmill."""
+    return Path(os.environ.get("TOKENMILL_CACHE", "~/.cache/tokenmill")).expanduser()
+
+
+def make_random_model(name: str, shape: dict[str, Any], out: Path | None = None) -> Path:
+    """A random Llama of `shape` at `out` (default: the cache directory under `name`), built
+    once: an existing checkpoint there is returned as it is."""
+    final = Path(out) if out is not None else cache_dir() / name
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        _write_checkpoint(tmp, dict(shape))
+        if final.exists():
+            final.rmdir()  # an empty directory given as `out`
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(directory: Path, shape: dict[str, Any]) -> None:
+    import torch
+    import transformers
+
+    from tokenmill.demo import demo_model_path
+
+    demo = demo_model_path("target")
+    for file_name in _TOKENIZER_FILES:
+        shutil.copyfile(demo / file_name, directory / file_name)
+    demo_config = json.loads((demo / "config.json").read_text())
+    tokens = {k: demo_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    dtype = shape.pop("dtype", "float32")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # a name, or a dtype
+    shape.setdefault("vocab_size", demo_config["vocab_size"])
+    shape.setdefault("max_position_embeddings", 2048)
+    shape["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.pop("rope_theta", 1e4)}
+    config = transformers.LlamaConfig(**tokens, **shape)
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+    spread_weights(model, 0, config.tie_word_embeddings)
+    with _no_progress_bars():
+        model.to(dtype).eval().save_pretrained(str(directory))
+        transformers.GenerationConfig(**tokens).save_pretrained(str(directory))
+
+
+def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
+    """Re-initialise every parameter so the random model's logits are well spread.
+
+    Hugging Face's default init (std 0.02) gives near-uniform logits, where greedy argmax ties
+    make engine-vs-reference comparisons flaky. Linears get std 1/sqrt(fan_in) (activations
+    keep unit scale), embeddings std 1, norms ~1 with noise, biases nonzero, and the LM head
+    is scaled so the logits' std is about LOGIT_STD.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("embed_tokens.weight"):
+                std = LOGIT_STD / math.sqrt(hidden) if tied else 1.0
+                value = noise * std
+            elif name.endswith("lm_head.weight"):
+                value = noise * (LOGIT_STD / math.sqrt(hidden))
+            elif param.ndim == 1 and name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * noise
+            elif name.endswith(".bias"):
+                value = 0.1 * noise
+            elif param.ndim == 2:
+                value = noise / math.sqrt(param.shape[1])
+            else:
+                raise ValueError(f"no init rule for parameter {name} {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' "Writing model shards" bars."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def add_make_model_args(parser: Any) -> None:
+    parser.add_argument("--preset", choices=PRESETS, default="bench", help="the model's shape")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"directory to write (default: {cache_dir()}/<the preset's name>)",
+    )
+
+
+def run_make_model(args: Any) -> int:
+    preset = PRESETS[args.preset]
+    print(make_random_model(preset.name, preset.shape, args.output))
+    return 0
