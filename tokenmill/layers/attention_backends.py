@@ -2,10 +2,10 @@
 
 Every backend is a `PagedAttention` (layers/attention.py): the same inputs (a step's flat
 queries, its new keys and values, one layer's paged cache and the step's `AttentionMetadata`),
-`[num_tokens, heads, head_dim]` out, and its own `_attend_group`. `torch`
-(`TorchPagedAttention`) runs anywhere and is the reference; `cpu` (`CpuPagedAttention`) runs
-short queries through the native CPU kernel (kernels/attention.py) and the rest as `torch`;
-`triton` (`TritonPagedAttention`) reads K/V through the block tables inside one kernel, for CUDA.
+`[num_tokens, heads, head_dim]` out. `torch` (`TorchPagedAttention`) runs anywhere and is the
+reference; `cpu` (`CpuPagedAttention`) runs a whole step (decodes, drafts and prefill chunks)
+in one call of the native CPU kernel (kernels/attention.py), FP8 caches as `torch`; `triton`
+(`TritonPagedAttention`) reads K/V through the block tables inside one kernel, for CUDA.
 """
 
 from __future__ import annotations
