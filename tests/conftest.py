@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,82 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokenmill_testing.random_checkpoint import save_random_checkpoint, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Two tiers: `pytest -m "not slow"` (the fast tier, a few minutes on 2 cores: what a developer
+# runs after each edit) and plain `pytest` (everything: what CI runs). A test is slow when it
+# or a fixture it uses starts a process (calls one of PROCESS_STARTERS: servers, routers, the
+# hosts of a disaggregated pair, CLI subprocesses), when its module is listed below, when it
+# runs a native kernel at an ISA level below this CPU's best (the fast tier runs the level the
+# CPU runs; the full tier every level), or when it is marked `@pytest.mark.slow` itself.
+PROCESS_STARTERS = (
+    "start_server(",
+    "start_router(",
+    "ServerProcess(",
+    "two_hosts(",
+    "subprocess.run(",
+    "subprocess.Popen(",
+)
+SLOW_MODULES = {
+    "tests/model/test_captured_decode.py": "traces and compiles decode steps (torch.compile)",
+    "tests/model/test_tensor_parallel.py": "starts tensor-parallel worker processes",
+    "tests/model/test_tensor_parallel_failures.py": "starts and kills tensor-parallel workers",
+    "tests/model/test_quantization_checkpoints.py": "each pre-quantized format through a whole "
+    "engine, against its float model",
+    "tests/bench/test_vs_peers.py": "the peer harness: servers, llama.cpp, offline batches",
+    "tests/bench/test_itl_serving.py": "benchmark runs against a started `tokenmill serve`",
+    "tests/bench/test_perplexity_vs_llamacpp.py": "perplexity through the engine and llama.cpp",
+}
+
+
+def slow_reason(item: pytest.Item) -> str | None:
+    """Why `item` belongs to the full tier only, or None for the fast tier."""
+    for name, function in functions_run(item):
+        starter = process_starter(function)
+        if starter is not None:
+            return f"starts a process (`{name}` calls `{starter}`)"
+    module = item.path.relative_to(ROOT).as_posix()
+    if module in SLOW_MODULES:
+        return SLOW_MODULES[module]
+    if below_best_isa(item):
+        return "a native kernel at an ISA level below this CPU's best"
+    return None
+
+
+def functions_run(item: pytest.Item) -> list[tuple[str, Callable[..., Any]]]:
+    """The test function and every fixture function it uses (directly or through others)."""
+    functions = [(item.name, item.function)] if isinstance(item, pytest.Function) else []
+    definitions = getattr(item, "_fixtureinfo", None)
+    for name, fixturedefs in definitions.name2fixturedefs.items() if definitions else ():
+        functions.append((name, fixturedefs[-1].func))
+    return functions
+
+
+@functools.cache
+def process_starter(function: Callable[..., Any]) -> str | None:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None
+    return next((starter for starter in PROCESS_STARTERS if starter in source), None)
+
+
+def below_best_isa(item: pytest.Item) -> bool:
+    """A kernel test parametrized by the `isa` fixture, at a level under the highest it runs."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "isa" not in callspec.params:
+        return False
+    levels = item._fixtureinfo.name2fixturedefs["isa"][-1].params  # type: ignore[attr-defined]
+    return callspec.params["isa"] < max(levels)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            reason = slow_reason(item)
+            if reason is not None:
+                item.add_marker(pytest.mark.slow(reason=reason))
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ def _greedy_alone(target, sequence: list[int], num_tokens: int) -> list[int]:
     return ids[len(sequence) :]
 
 
+@pytest.mark.slow(reason="Hugging Face greedy decoding token by token")
 def test_continuations_are_the_targets_greedy_tokens_past_the_end(target, monkeypatch) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(demo_model_path("target"))
     chats = [

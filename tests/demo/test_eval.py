@@ -54,10 +54,12 @@ def test_every_task_has_a_documented_bar() -> None:
     assert set(ACCURACY_BARS) == set(CHECKABLE_TASKS)
 
 
+@pytest.mark.slow(reason="evaluates the demo target on the whole held-out set")
 def test_target_reaches_the_documented_accuracy(baseline: EvalReport) -> None:
     assert baseline.below_bars(ACCURACY_BARS) == [], "\n" + baseline.table(ACCURACY_BARS)
 
 
+@pytest.mark.slow(reason="the held-out set again, chunked and preempted")
 def test_chunked_prefill_and_preemption_keep_every_greedy_reply(examples, baseline_replies):
     """A 64-token step budget splits every prompt into chunks, and a KV cache of 96 blocks
     (1536 tokens) holds about one long lookup at a time, so requests are preempted and

@@ -64,6 +64,7 @@ def generate_token_ids(llm: LLM, prompts: list[list[int]], **kwargs) -> list[lis
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow(reason="Hugging Face generate per architecture")
 def test_greedy_batch_equals_transformers(checkpoint: Path, reference) -> None:
     prompts, expected, _ = reference
     llm = LLM(model=str(checkpoint), dtype="float32")
@@ -99,6 +100,7 @@ PREFILL_LIMITS = {
 
 
 @pytest.mark.parametrize("limits", sorted(PREFILL_LIMITS))
+@pytest.mark.slow(reason="Hugging Face generate per architecture and limit")
 def test_greedy_under_prefill_limits_equals_transformers(
     checkpoint: Path, reference, limits: str
 ) -> None:
@@ -147,6 +149,7 @@ def test_seeded_sampling_is_independent_of_batch_composition(checkpoint: Path, r
     assert llm.generate([prompts[2]], reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
+@pytest.mark.slow(reason="Hugging Face generate per architecture")
 def test_repetition_penalty_matches_transformers(checkpoint: Path, reference) -> None:
     prompts, _, _ = reference
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

@@ -20,8 +20,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=256)
+def llm(random_llm: LLM) -> LLM:
+    return random_llm
 
 
 def greedy(**kwargs) -> SamplingParams:

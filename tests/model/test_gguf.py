@@ -69,6 +69,7 @@ def gguf_round_trip(qtype: Q, num_heads: int, num_kv_heads: int):
 
 
 @pytest.mark.parametrize("qtype", list(EXPECTED_METHOD), ids=lambda q: q.name)
+@pytest.mark.slow(reason="every GGUF type through a whole engine")
 def test_gguf_matches_the_dequantized_float_model(
     checkpoint, tmp_path: Path, qtype, activation_tolerance: float
 ) -> None:

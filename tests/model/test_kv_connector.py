@@ -13,6 +13,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv_transfer.storage import SharedStorageConnector
 from tokenmill.step.request import Request
+from tokenmill_testing.engines import make_llm
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 8
@@ -49,8 +50,7 @@ def storage_config(directory: Path, role: str = "kv_both") -> dict:
 def engine(checkpoint: str, directory: Path | None = None, role: str = "kv_both", **kwargs):
     if directory is not None:
         kwargs["kv_transfer_config"] = storage_config(directory, role)
-    kwargs.setdefault("max_model_len", 96)
-    return LLM(model=checkpoint, dtype="float32", block_size=BLOCK_SIZE, **kwargs)
+    return make_llm(checkpoint, block_size=BLOCK_SIZE, **kwargs)
 
 
 def generate(

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 from tokenmill.config import ConfigError
 from tokenmill.core.sched.remote_kv import KV_TRANSFER_FAILED
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kv_transfer.p2p import sender as sender_module
 from tokenmill.kv_transfer.p2p.connector import P2pConnector
 from tokenmill.outputs import RequestOutput
+from tokenmill_testing.engines import make_llm
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 6
@@ -41,8 +42,7 @@ def make_engine(checkpoint, role: str | None = None, **kwargs) -> LLMEngine:
     if role is not None:
         kwargs["kv_transfer_config"] = p2p_config(role, **extra)
     kwargs.setdefault("num_kv_blocks", 64)
-    kwargs.setdefault("max_model_len", 96)
-    return LLM(model=str(checkpoint), dtype="float32", block_size=BLOCK_SIZE, **kwargs).engine
+    return make_llm(checkpoint, block_size=BLOCK_SIZE, **kwargs).engine
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **extra_args) -> SamplingParams:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill_testing.engines import make_llm
 
 MAX_TOKENS = 10
 
@@ -44,8 +45,7 @@ def run_in_waves(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def engine(checkpoint: str, **kwargs) -> LLM:
-    kwargs.setdefault("block_size", 8)
-    return LLM(model=checkpoint, dtype="float32", max_model_len=96, **kwargs)
+    return make_llm(checkpoint, block_size=8, **kwargs)
 
 
 @pytest.fixture(scope="module")

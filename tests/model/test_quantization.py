@@ -47,6 +47,7 @@ CHECKPOINTS = {
 
 @pytest.mark.parametrize("scheme", sorted(ROUND_TRIPS))
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+@pytest.mark.slow(reason="every checkpoint x scheme through a whole engine")
 def test_quantized_engine_matches_the_dequantized_float_model(
     tiny_checkpoint, tmp_path: Path, name: str, scheme: str, activation_tolerance: float
 ) -> None:
@@ -64,6 +65,7 @@ def test_quantized_engine_matches_the_dequantized_float_model(
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["llama-tied", "qwen2"])
+@pytest.mark.slow(reason="the torch path of every scheme through a whole engine")
 def test_the_torch_path_matches_the_dequantized_float_model(
     tiny_checkpoint, tmp_path: Path, name: str, scheme: str
 ) -> None:

@@ -185,6 +185,7 @@ def small_vocab_model(tiny_checkpoint) -> str:
     ("method", "temperature", "top_p"),
     [("draft_model", 1.5, 1.0), ("ngram", 2.0, 0.9), ("draft_model", 3.0, 0.8)],
 )
+@pytest.mark.slow(reason="a statistical test: thousands of samples")
 def test_sampled_tokens_follow_the_target_distribution(
     small_vocab_model, method, temperature, top_p
 ) -> None:

@@ -74,6 +74,7 @@ def reference(demo_prompts) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 @pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
+@pytest.mark.slow(reason="every engine variant with each head")
 def test_greedy_output_is_identical_with_heads(demo_prompts, reference, method, variant) -> None:
     spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
     llm = demo_llm(spec, **ENGINE_VARIANTS[variant])
@@ -202,6 +203,7 @@ def _eagle_reference(target, weights: dict, token_ids: list[int], k: int) -> lis
     return drafts
 
 
+@pytest.mark.slow(reason="the EAGLE layer re-run step by step")
 def test_eagle_drafts_are_the_layers_greedy_chain(demo_prompts, monkeypatch) -> None:
     """The proposer's k drafts (catch-up through the paged cache, then the chain on its own
     keys) equal the layer's greedy chain recomputed from scratch, for requests of different
@@ -241,6 +243,7 @@ def small_vocab_model(tiny_checkpoint) -> str:
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.slow(reason="a statistical test: thousands of samples")
 def test_sampled_tokens_follow_the_target_distribution(small_vocab_model, tmp_path, method) -> None:
     n = 3000
     make_heads = random_eagle if method == "eagle" else random_medusa

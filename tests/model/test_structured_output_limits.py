@@ -39,20 +39,11 @@ README_SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def random_llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def demo_llm() -> LLM:
-    return LLM()
-
-
 # ---- whitespace ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("which", ["random", "demo"])
+@pytest.mark.slow(reason="many sampled completions")
 def test_json_at_temperature_1_is_valid_with_the_default_whitespace(which, request) -> None:
     """No disable_any_whitespace: before, the grammar let the model pad with spaces and
     newlines until max_tokens."""

@@ -58,17 +58,8 @@ def constrained(seed: int = 0, n: int = 1, max_tokens: int = 96, **kind) -> Samp
     )
 
 
-@pytest.fixture(scope="module")
-def random_llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def demo_llm() -> LLM:
-    return LLM()
-
-
 @pytest.mark.parametrize("which", ["demo", "random"])
+@pytest.mark.slow(reason="fifty sampled completions per schema")
 def test_fifty_sampled_completions_validate_against_each_schema(which, request) -> None:
     llm: LLM = request.getfixturevalue(f"{which}_llm")
     params = [constrained(seed=1, n=50, json=PET), constrained(seed=2, n=50, json=SCORES)]
@@ -275,6 +266,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.slow(reason="an engine per feature")
 def test_constrained_output_is_identical_across_engine_features(tiny_checkpoint, config) -> None:
     """Seeded sampling is a function of (seed, position), so any engine gives the same tokens;
     a matcher that lost or repeated a token under these features would change them."""
@@ -310,6 +302,7 @@ def test_constrained_output_is_identical_across_engine_features(tiny_checkpoint,
         assert llm.engine.runner.decode_step.num_runs > 0
 
 
+@pytest.mark.slow(reason="starts tensor-parallel worker processes")
 def test_tensor_parallel_ranks_sample_what_one_rank_does(tiny_checkpoint) -> None:
     """Every rank receives the step's bitmask inside the broadcast SchedulerOutput and masks
     the same all-gathered logits, so two ranks sample the tokens one does (the vocabulary
@@ -331,6 +324,7 @@ def test_tensor_parallel_ranks_sample_what_one_rank_does(tiny_checkpoint) -> Non
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.slow(reason="the demo model with each head")
 def test_heads_drafts_are_cut_at_the_grammar_and_verified(method, monkeypatch) -> None:
     """EAGLE and Medusa draft from the target's hidden states, blind to the grammar: a
     request's drafts are cut at the first token its grammar rejects and the rest verified

@@ -139,6 +139,7 @@ def test_usage_has_no_prompt_tokens_details_unless_enabled(
         assert "prompt_tokens_details" not in chunk["usage"], chunk
 
 
+@pytest.mark.slow(reason="starts `tokenmill serve` processes (through `any_http`)")
 def test_completions_match_openais_schema(any_http: httpx.Client, validate) -> None:
     http = any_http
     bodies = [
@@ -162,6 +163,7 @@ def test_completions_match_openais_schema(any_http: httpx.Client, validate) -> N
                 validate("CreateCompletionResponse", chunk)
 
 
+@pytest.mark.slow(reason="starts `tokenmill serve` processes (through `any_http`)")
 def test_chat_completions_match_openais_schema(any_http: httpx.Client, validate) -> None:
     http = any_http
     messages = [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]

@@ -2,11 +2,11 @@
 
 Every backend is a `PagedAttention` (base.py): the same inputs (a step's flat queries, its new
 keys and values, one layer's paged cache and the step's `AttentionMetadata`), `[num_tokens,
-heads, head_dim]` out, and its own `_attend_group`. `torch` (`TorchPagedAttention`,
-torch_backend.py) runs anywhere and is the reference; `cpu` (`CpuPagedAttention`,
-cpu_backend.py) runs short queries through the native CPU kernel (kernels/attention.py) and the
-rest as `torch`; `triton` (`TritonPagedAttention`, triton_backend.py) reads K/V through the
-block tables inside one kernel, for CUDA.
+heads, head_dim]` out. `torch` (`TorchPagedAttention`, torch_backend.py) runs anywhere and is
+the reference; `cpu` (`CpuPagedAttention`, cpu_backend.py) runs a whole step (decodes, drafts
+and prefill chunks) in one call of the native CPU kernel (kernels/attention.py), FP8 caches as
+`torch`; `triton` (`TritonPagedAttention`, triton_backend.py) reads K/V through the block tables
+inside one kernel, for CUDA.
 """
 
 from __future__ import annotations
