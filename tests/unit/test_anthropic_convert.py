@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.entrypoints.openai.anthropic.convert import chat_request
-from tokenmill.entrypoints.openai.anthropic.protocol import MessagesRequest
-from tokenmill.entrypoints.openai.errors import OpenAIError
+from tokenmill.entrypoints.http.anthropic.convert import chat_request
+from tokenmill.entrypoints.http.anthropic.protocol import MessagesRequest
+from tokenmill.entrypoints.http.transport.errors import OpenAIError
 
 TOOL = {
     "name": "multiply",
