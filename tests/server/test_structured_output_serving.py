@@ -133,7 +133,9 @@ def test_a_request_gone_while_its_grammar_queues_cancels_the_compile(
         return real(self, params)
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", blocking_compile)
-    manager = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=128)).structured_output
+    manager = LLMEngine(
+        EngineConfig(model=str(model_dir), max_model_len=128)
+    ).parts.structured_output
 
     async def main() -> list[Future]:
         running, let_go = manager.hold(StructuredOutputsParams(regex="slow"))
