@@ -8,11 +8,10 @@ that next-token logits are well spread (greedy decoding has no near-ties).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,8 @@ from tokenizers import (
     trainers,
 )
 from transformers import PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
-from tokenmill.bench.random_model import spread_weights
+from tokenmill.bench.random_model import no_progress_bars, spread_weights
 from tokenmill.demo.special_tokens import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -365,18 +363,6 @@ def _build_config(
     return config
 
 
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """Silence transformers' "Writing model shards" bars (noise in CLI output and test logs)."""
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
-
-
 def _write_generation_config(save_dir: Path, tokenizer: PreTrainedTokenizerFast) -> None:
     """generation_config.json naming BOS/EOS/PAD, like real checkpoints ship."""
     generation_config = transformers.GenerationConfig(
@@ -441,7 +427,7 @@ def save_random_checkpoint(
     save_kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
-    with _no_progress_bars():
+    with no_progress_bars():
         model.save_pretrained(str(save_dir), **save_kwargs)
     _write_generation_config(save_dir, tokenizer)
     return save_dir

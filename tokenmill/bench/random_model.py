@@ -131,7 +131,7 @@ def _write_checkpoint(directory: Path, shape: dict[str, Any]) -> None:
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
     spread_weights(model, 0, config.tie_word_embeddings)
-    with _no_progress_bars():
+    with no_progress_bars():
         model.to(dtype).eval().save_pretrained(str(directory))
         transformers.GenerationConfig(**tokens).save_pretrained(str(directory))
 
@@ -168,8 +168,8 @@ def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """Silence transformers' "Writing model shards" bars."""
+def no_progress_bars() -> Iterator[None]:
+    """Silence transformers' "Writing model shards" bars (noise in CLI output and test logs)."""
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
