@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from tokenmill.bench.random_model import no_progress_bars
 from tokenmill.demo.special_tokens import EOS_TOKEN, IM_END_TOKEN
-from tokenmill_testing.random_checkpoint import _no_progress_bars
 
 _HIDDEN = 64
 _SCRIPT_LOGIT = 12.0  # a scripted successor's logit; other tokens' are ~N(0, 1)
@@ -83,7 +83,7 @@ def save_scripted_checkpoint(
         for current, following in itertools.pairwise(script):
             direction = embeddings[current] / embeddings[current].norm()
             head[following] = direction * (_SCRIPT_LOGIT / math.sqrt(_HIDDEN))
-    with _no_progress_bars():
+    with no_progress_bars():
         model.save_pretrained(str(save_dir))
     tokenizer.save_pretrained(str(save_dir), save_jinja_files=False)
     transformers.GenerationConfig(
