@@ -103,6 +103,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 # Files that make up a saved tokenizer (copied when a tokenizer_dir is reused).
@@ -351,6 +353,9 @@ def _build_config(
     rope_parameters["rope_theta"] = float(rope_theta)
     if architecture == "mistral":
         kwargs.setdefault("sliding_window", None)
+    if architecture == "gemma3":  # RoPE per layer type: the local layers' base is their own
+        local = {"rope_type": "default", "rope_theta": kwargs.pop("rope_local_base_freq", 1e4)}
+        rope_parameters = {"full_attention": rope_parameters, "sliding_attention": local}
     kwargs.setdefault("rope_parameters", rope_parameters)  # an explicit override wins
     kwargs.setdefault("vocab_size", len(tokenizer))  # a smaller one: a small-vocabulary model
     config = config_cls(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -24,7 +24,12 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, params: dict[str, Any], max_position: int | None = None
+) -> torch.Tensor:
+    """`max_position`: the context served, which picks LongRoPE's short or long factors for
+    every position (as llama.cpp does; transformers switches a sequence to the long ones,
+    recomputing its cache, once it outgrows the original context; vLLM per step)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -36,7 +41,34 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
+    if rope_type == "longrope":
+        original = int(params["original_max_position_embeddings"])
+        long = max_position is not None and max_position > original
+        return _longrope_scaled(head_dim, base, params["long_factor" if long else "short_factor"])
     return inv_freq
+
+
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """The leading dimensions of each head that RoPE rotates (`partial_rotary_factor`: Phi)."""
+    return int(head_dim * float(params.get("partial_rotary_factor") or 1.0))
+
+
+def _longrope_scaled(dim: int, base: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE (Phi-3): each frequency divided by its own factor."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+
+
+def _longrope_attention_factor(params: dict[str, Any]) -> float:
+    """LongRoPE's scaling of cos and sin: sqrt(1 + ln(factor) / ln(original context)), with
+    factor the context's growth, as transformers computes it where the config gives none."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = float(params["original_max_position_embeddings"])
+    factor = params.get("factor") or float(params["max_position_embeddings"]) / original
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -70,20 +102,25 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.inv_freq = inverse_frequencies(head_dim, params)
+        self.rotary_dim = rotary_dim(head_dim, params)
         self.max_position = max_position
+        self.inv_freq = inverse_frequencies(self.rotary_dim, params, max_position)
+        longrope = params["rope_type"] == "longrope"
+        self.attention_factor = _longrope_attention_factor(params) if longrope else 1.0
         cos, signed_sin = self.tables(torch.float32)
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos, signed_sin)` of every position, `[max_position, head_dim]`, computed in
+        """`(cos, signed_sin)` of every position, `[max_position, rotary_dim]`, computed in
         float32 and returned in `dtype` (the fused decoder stack keeps float32 ones)."""
         positions = torch.arange(self.max_position, dtype=torch.float, device=self.inv_freq.device)
         freqs = torch.outer(positions, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = torch.cat((freqs, freqs), dim=-1).cos()
         signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-        return emb.cos().to(dtype), signed_sin.to(dtype)
+        if self.attention_factor != 1.0:  # LongRoPE's
+            cos, signed_sin = cos * self.attention_factor, signed_sin * self.attention_factor
+        return cos.to(dtype), signed_sin.to(dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(cos, signed_sin)` of each position, `[num_tokens, 1, head_dim]`."""
@@ -92,7 +129,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     """Rotate `[num_tokens, heads, head_dim]` (a view is fine: queries and keys of a fused
-    projection's output can be rotated together, in place) by `cos_sin`'s tables."""
+    projection's output can be rotated together, in place) by `cos_sin`'s tables; where they
+    are narrower than a head (partial rotary), only its leading dimensions."""
+    if cos.shape[-1] != x.shape[-1]:
+        x = x[..., : cos.shape[-1]]
     num_tokens, num_heads, head_dim = x.shape
     halves = x.view(num_tokens, num_heads, 2, head_dim // 2)
     swapped = halves.flip(2).view(num_tokens, num_heads, head_dim)  # a copy: read before x changes

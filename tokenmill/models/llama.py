@@ -1,4 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over flat tokens and a paged KV cache.
+"""The shared decoder over flat tokens and a paged KV cache: the Llama layer, with the switches
+other families need (`ArchitectureTraits`, models/traits.py; each family's module in
+models/families/ sets them from its config).
 
 The model never sees requests or padding: it takes `[num_tokens]` token ids with their
 positions and the step's attention metadata, and returns hidden states; logits are computed
@@ -7,7 +9,7 @@ only for the rows the runner will sample from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +21,9 @@ from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
+from tokenmill.models.family import MlpBuilder
+from tokenmill.models.registry import family_of
+from tokenmill.models.traits import ArchitectureTraits
 
 if TYPE_CHECKING:
     from tokenmill.models.llama_stack import LlamaDecoderStack
@@ -27,29 +32,9 @@ if TYPE_CHECKING:
 RopeCache = tuple[torch.Tensor, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class ArchitectureTraits:
-    """How the family's members differ."""
-
-    qkv_bias: bool = False
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-
-
 def architecture_traits(architecture: str, hf_config: Any) -> ArchitectureTraits:
-    attention_bias = bool(getattr(hf_config, "attention_bias", False))
-    if architecture == "Qwen2ForCausalLM":
-        return ArchitectureTraits(qkv_bias=True)
-    if architecture == "Qwen3ForCausalLM":
-        return ArchitectureTraits(qkv_bias=attention_bias, o_proj_bias=attention_bias, qk_norm=True)
-    if architecture == "MistralForCausalLM":
-        return ArchitectureTraits()
-    return ArchitectureTraits(
-        qkv_bias=attention_bias,
-        o_proj_bias=attention_bias,
-        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-    )
+    """The traits its family (models/families/) reads from the config."""
+    return family_of(architecture).traits(architecture, hf_config)
 
 
 @dataclass(frozen=True)
@@ -97,14 +82,21 @@ def _sliding_window(hf_config: Any) -> int | None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """Scales by `offset + weight` (Gemma stores its weights around 0: offset 1)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size) if offset == 0.0 else torch.zeros(size))
         self.eps = eps
+        self.offset = offset
+
+    def scale(self) -> torch.Tensor:
+        """What the normed rows are multiplied by."""
+        return self.weight if self.offset == 0.0 else self.weight + self.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One call instead of six ops; bit-identical to transformers' LlamaRMSNorm in float32.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.scale(), self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -117,7 +109,9 @@ class LlamaAttention(nn.Module):
         traits: ArchitectureTraits,
         tp: TensorParallel,
         attention_backend: str = "torch",
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: this layer's own, where layers differ (Gemma 3)."""
         super().__init__()
         self.tp = tp
         self.num_heads = tp.split(shape.num_heads, "number of attention heads")
@@ -130,15 +124,17 @@ class LlamaAttention(nn.Module):
         )
         o_bias = traits.o_proj_bias and tp.rank == 0
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
-        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if traits.qk_norm else None
+        eps, offset = shape.rms_norm_eps, traits.norm_offset
+        self.q_norm = RMSNorm(shape.head_dim, eps, offset) if traits.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, eps, offset) if traits.qk_norm else None
         self.attn = make_attention_backend(
             attention_backend,
             self.num_heads,
             self.num_kv_heads,
             shape.head_dim,
-            scale=shape.head_dim**-0.5,
+            scale=traits.attention_scale or shape.head_dim**-0.5,
         )
+        self.attn.sliding_window = sliding_window
 
     def forward(
         self,
@@ -177,25 +173,44 @@ class LlamaMLP(nn.Module):
         )
         down_bias = traits.mlp_bias and tp.rank == 0
         self.down_proj = nn.Linear(self.intermediate_size, shape.hidden_size, bias=down_bias)
+        self.activation = traits.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Llama's pre-norm layer; with `traits.sandwich_norms` Gemma's, whose attention and MLP
+    outputs are normed too (post_attention_layernorm is then the attention's output norm and
+    pre_feedforward_layernorm the MLP's input norm, as the checkpoints name them)."""
+
     def __init__(
         self,
         shape: ModelShape,
         traits: ArchitectureTraits,
         tp: TensorParallel,
         attention_backend: str = "torch",
+        layer_index: int = 0,
+        mlp: MlpBuilder | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, traits, tp, attention_backend)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = LlamaMLP(shape, traits, tp)
+        hidden, eps, offset = shape.hidden_size, shape.rms_norm_eps, traits.norm_offset
+        windows = traits.layer_windows
+        window = windows[layer_index] if windows is not None else None
+        self.uses_local_rope = window is not None and traits.local_rope is not None
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.self_attn = LlamaAttention(shape, traits, tp, attention_backend, window)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        sandwich = traits.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset) if sandwich else None
+        if mlp is None:
+            self.mlp: nn.Module = LlamaMLP(shape, traits, tp)
+        else:
+            self.mlp = mlp(shape, traits, tp, layer_index)
 
     def forward(
         self,
@@ -204,8 +219,13 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden = hidden + attended
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp_out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -226,16 +246,26 @@ class LlamaForCausalLM(nn.Module):
         `max_model_len`: the longest sequence served, which the RoPE tables cover (None: the
         config's max_position_embeddings; a config may claim far more than is served)."""
         super().__init__()
-        self.shape = shape = ModelShape.from_hf_config(hf_config)
+        self.architecture = architecture
+        family = family_of(architecture)
+        self.traits = traits = family.traits(architecture, hf_config)
+        shape = ModelShape.from_hf_config(hf_config)
+        if traits.layer_windows is not None:  # each layer has its own (attention.sliding_window)
+            shape = replace(shape, sliding_window=None)
+        self.shape = shape
         self.tp = tp
-        traits = architecture_traits(architecture, hf_config)
         positions = min(shape.max_position, max_model_len or shape.max_position)
-        self.rotary = RotaryEmbedding(shape.head_dim, positions, rope_parameters(hf_config), dtype)
+        rope = traits.rope or rope_parameters(hf_config)
+        self.rotary = RotaryEmbedding(shape.head_dim, positions, rope, dtype)
+        self.local_rotary = None
+        if traits.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(shape.head_dim, positions, traits.local_rope, dtype)
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits, tp, attention_backend) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape, traits, tp, attention_backend, i, family.mlp)
+            for i in range(shape.num_layers)
         )
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, traits.norm_offset)
         vocab_rows = self.embed_tokens.weight.shape[0]
         self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
@@ -251,11 +281,16 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.traits.embedding_scale is not None:
+            # As transformers: the scale rounded to the weights' dtype first.
+            hidden = hidden * torch.tensor(self.traits.embedding_scale, dtype=hidden.dtype)
         if self.decoder_stack is not None and self.decoder_stack.applies(metadata, kv_caches):
             return self.decoder_stack(hidden, positions, kv_caches, metadata)
         rope = self.rotary.cos_sin(positions)
+        local_rope = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata)
+            layer_rope = local_rope if layer.uses_local_rope else rope
+            hidden = layer(layer_rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
     @property
@@ -268,4 +303,6 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         logits = head.forward_float32(hidden) if isinstance(head, Linear) else head(hidden).float()
         logits = self.tp.all_gather(logits)
-        return logits[:, : self.shape.vocab_size] if self.tp.size > 1 else logits
+        logits = logits[:, : self.shape.vocab_size] if self.tp.size > 1 else logits
+        cap = self.traits.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

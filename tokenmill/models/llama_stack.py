@@ -1,4 +1,5 @@
-"""The Llama family's decoder layers as one native call per step (the C++ `DecoderStack`).
+"""The shared decoder's layers as one native call per step (the C++ `DecoderStack`), for every
+family built on them (models/families/: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3).
 
 Where it applies (the CPU, one rank, the `cpu` attention backend, every decoder linear one the
 native kernels multiply: dense packed, int8 or int4, as each layer's `LinearMethod` says
@@ -59,16 +60,18 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     module = native_kernels()
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
-    layers = [_layer_tensors(layer) for layer in model.layers]
     linears = [_layer_linears(layer) for layer in model.layers]
-    if any(tensors is None for tensors in layers) or any(part is None for part in linears):
+    if any(part is None for part in linears):
+        return None
+    layers = [_layer_tensors(layer) for layer in model.layers]
+    if any(tensors is None for tensors in layers):
         return None
     attention = model.layers[0].self_attn
     cos, signed_sin = model.rotary.tables(torch.float32)
     native = module.DecoderStack(
         layers,
         linears,
-        model.norm.weight.detach(),
+        model.norm.scale().detach(),
         cos,
         signed_sin,
         attention.num_heads,
@@ -78,6 +81,19 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         model.shape.rms_norm_eps,
         model.shape.sliding_window or 0,
     )
+    traits = model.traits
+    uses_local = [layer.uses_local_rope for layer in model.layers]
+    local_cos, local_sin = cos, signed_sin
+    if model.local_rotary is not None:
+        local_cos, local_sin = model.local_rotary.tables(torch.float32)
+    native.set_family_options(
+        local_cos,
+        local_sin,
+        uses_local,
+        [layer.self_attn.attn.sliding_window or 0 for layer in model.layers],
+        attention.attn.scale,
+        traits.activation == "gelu_tanh",
+    )
     return LlamaDecoderStack(native)
 
 
@@ -85,7 +101,9 @@ def _layer_linears(layer: nn.Module) -> list[Any] | None:
     """A `LlamaDecoderLayer`'s qkv, o, gate_up and down as native `PackedLinear`s; None if
     one's method has none."""
     attention, mlp = layer.self_attn, layer.mlp
-    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    # A family's own MLP (an MoE's experts) has no gate_up/down: its layers run as modules.
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    linears = (attention.qkv_proj, attention.o_proj, gate_up, down)
     if not all(isinstance(linear, Linear) for linear in linears):
         return None
     native = [linear.quant_method.native_linear(linear) for linear in linears]
@@ -100,16 +118,25 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
         return None
     qkv, o, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
 
-    def weight_of(norm: nn.Module | None) -> torch.Tensor | None:
-        return None if norm is None else norm.weight.detach()
+    def scale_of(norm: nn.Module | None) -> torch.Tensor | None:
+        return None if norm is None else norm.scale().detach()
 
-    return [
-        layer.input_layernorm.weight.detach(),
+    tensors = [
+        scale_of(layer.input_layernorm),
         qkv.bias,
-        weight_of(attention.q_norm),
-        weight_of(attention.k_norm),
+        scale_of(attention.q_norm),
+        scale_of(attention.k_norm),
         o.bias,
-        layer.post_attention_layernorm.weight.detach(),
+        scale_of(layer.post_attention_layernorm),
         gate_up.bias,
         down.bias,
+    ]
+    if layer.pre_feedforward_layernorm is None:
+        return tensors
+    # Gemma's sandwich: the MLP's input norm in the post-attention slot, then the output norms.
+    tensors[5] = scale_of(layer.pre_feedforward_layernorm)
+    return [
+        *tensors,
+        scale_of(layer.post_attention_layernorm),
+        scale_of(layer.post_feedforward_layernorm),
     ]

@@ -25,18 +25,19 @@ from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
+from tokenmill.models.registry import families, family_of
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
 from tokenmill.quantization.selection import LinearPlan, log_plan, use_quantized_embedding
 
-# Architectures (config.json `architectures`) -> model class.
+# Architectures (config.json `architectures`) -> model class, from the families' modules
+# (models/families/).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+    architecture: family.model_class or LlamaForCausalLM
+    for family in families()
+    for architecture in family.architectures
 }
 
 # Files that hold a tokenizer's vocabulary, in the formats transformers reads without extra
@@ -259,7 +260,7 @@ def _checkpoint_tensors(
     also its linears' formats, into `plan`."""
     scheme = None if is_gguf(path) else detect_quantized(hf_config)
     if scheme is None and not is_gguf(path):
-        return _iter_checkpoint_tensors(path)
+        return _family_tensors(_iter_checkpoint_tensors(path), model, hf_config)
     kind = "a GGUF file" if scheme is None else f"a {scheme.method} checkpoint"
     if quantization is not None:
         raise ConfigError(
@@ -270,10 +271,21 @@ def _checkpoint_tensors(
         raise ConfigError(f"{kind} loads on one rank for now: use tensor_parallel_size 1")
     if scheme is not None:
         plan.default = scheme.weight_format
-        return scheme.gather(_iter_checkpoint_tensors(path))
+        return scheme.gather(_family_tensors(_iter_checkpoint_tensors(path), model, hf_config))
     gguf = GGUFCheckpoint(path)
     plan.formats = gguf.linear_formats()
     return gguf.iter_tensors(plan.formats, model.shape.num_heads, model.shape.num_kv_heads)
+
+
+def _family_tensors(
+    tensors: Iterator[tuple[str, TensorReader]], model: LlamaForCausalLM, hf_config: Any
+) -> Iterator[tuple[str, TensorReader]]:
+    """The checkpoint's tensors as the shared loader reads them: a family that stores some
+    differently (Phi-3's fused q/k/v) splits them here."""
+    split = family_of(model.architecture).split_tensor
+    if split is None:
+        return tensors
+    return (part for name, read in tensors for part in split(name, read, hf_config))
 
 
 def load_weights(

@@ -84,5 +84,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const std::vector<std::vector<PackedLinear>>&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                           int64_t, double, int64_t>())
+      .def("set_family_options", &DecoderStack::set_family_options)
       .def("forward", &DecoderStack::forward, no_gil);
 }

@@ -1,4 +1,5 @@
-// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) run layer after layer in one call:
+// The shared decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) run layer after layer in
+// one call:
 // the whole stack of a step is one phased job on the worker pool (thread_pool.h), its phases
 // the norms, the packed linears, RoPE with the cache write, attention and SiLU-mul. What it
 // replaces is ~100 torch ops and ~10 thread wake-ups per layer from Python.
@@ -10,6 +11,7 @@
 
 #include "thread_pool.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <utility>
@@ -33,16 +35,19 @@ __attribute__((always_inline)) inline void rms_norm_row(const float* x, const fl
   }
 }
 
-// residual (+)= delta; out = rms_norm(residual) * weight, for rows [r0, r1).
+// residual (+)= delta (first normed by delta_norm, if given: Gemma's sandwich);
+// out = rms_norm(residual) * weight, for rows [r0, r1).
 template <typename Act>
-__attribute__((always_inline)) inline void add_norm_rows(float* residual, const float* delta,
+__attribute__((always_inline)) inline void add_norm_rows(float* residual, float* delta,
+                                                         const float* delta_norm,
                                                          const float* weight, int64_t hidden,
                                                          float eps, Act* out, int64_t ld_out,
                                                          int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     float* x = residual + r * hidden;
     if (delta != nullptr) {
-      const float* dx = delta + r * hidden;
+      float* dx = delta + r * hidden;
+      if (delta_norm != nullptr) rms_norm_row(dx, delta_norm, hidden, eps, dx);
 #pragma omp simd
       for (int64_t j = 0; j < hidden; ++j) x[j] += dx[j];
     }
@@ -50,15 +55,25 @@ __attribute__((always_inline)) inline void add_norm_rows(float* residual, const 
   }
 }
 
-// silu(gate) * up of a [rows, 2 * size] gate/up row pair -> out.
+// silu(gate) * up, or gelu_tanh(gate) * up, of a [rows, 2 * size] gate/up row pair -> out.
 template <typename Act>
-__attribute__((always_inline)) inline void silu_mul_rows(const float* gate_up, int64_t ld,
-                                                         int64_t size, Act* out, int64_t ld_out,
-                                                         int64_t r0, int64_t r1) {
+__attribute__((always_inline)) inline void act_mul_rows(const float* gate_up, int64_t ld,
+                                                        int64_t size, bool gelu_tanh, Act* out,
+                                                        int64_t ld_out, int64_t r0, int64_t r1) {
+  // torch's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
   for (int64_t r = r0; r < r1; ++r) {
     const float* gate = gate_up + r * ld;
     const float* up = gate + size;
     Act* o = out + r * ld_out;
+    if (gelu_tanh) {
+      for (int64_t j = 0; j < size; ++j) {
+        const float x = gate[j];
+        const float inner = kBeta * (x + kKappa * x * x * x);
+        store_float(o + j, 0.5f * x * (1.0f + std::tanh(inner)) * up[j]);
+      }
+      continue;
+    }
 #pragma omp simd
     for (int64_t j = 0; j < size; ++j)
       store_float(o + j, gate[j] / (1.0f + exp_approx(-gate[j])) * up[j]);
@@ -71,8 +86,8 @@ template <typename C>
 __attribute__((always_inline)) inline void rope_head(const StackShape& s, float* head,
                                                      const float* norm_weight, const float* cos,
                                                      const float* sin, float* rotated) {
-  const int64_t d = s.head_dim, half = d / 2;
-  if (norm_weight != nullptr) rms_norm_row(head, norm_weight, d, s.eps, head);
+  const int64_t d = s.rotary_dim, half = d / 2;  // the rest of the head passes unrotated
+  if (norm_weight != nullptr) rms_norm_row(head, norm_weight, s.head_dim, s.eps, head);
   for (int64_t j = 0; j < d; ++j)
     rotated[j] = head[j] * cos[j] + head[j < half ? j + half : j - half] * sin[j];
   std::memcpy(head, rotated, d * sizeof(float));
@@ -92,8 +107,8 @@ __attribute__((always_inline)) inline void rope_and_cache(const StackShape& s, c
     const int64_t token = u / heads_per_token, h = u % heads_per_token;
     float* row = qkv + token * ld_qkv;
     const int64_t pos = step.positions[token];
-    const float* cos = s.cos + pos * d;
-    const float* sin = s.sin + pos * d;
+    const float* cos = layer.cos + pos * s.rotary_dim;
+    const float* sin = layer.sin + pos * s.rotary_dim;
     const bool is_key = h >= s.num_heads;
     rope_head<C>(s, row + h * d, is_key ? layer.k_norm : layer.q_norm, cos, sin, rotated);
     if (!is_key) continue;
@@ -115,15 +130,15 @@ __attribute__((always_inline)) inline void rope_and_cache(const StackShape& s, c
 // The elementwise phases, each compiled for three ISA levels.
 #define TM_ELEMENTWISE_VARIANTS(NAME, ATTR)                                                      \
   template <typename Act>                                                                        \
-  ATTR void add_norm_##NAME(float* residual, const float* delta, const float* weight,            \
-                            int64_t hidden, float eps, Act* out, int64_t ld, int64_t r0,         \
-                            int64_t r1) {                                                        \
-    add_norm_rows(residual, delta, weight, hidden, eps, out, ld, r0, r1);                        \
+  ATTR void add_norm_##NAME(float* residual, float* delta, const float* delta_norm,              \
+                            const float* weight, int64_t hidden, float eps, Act* out, int64_t ld, \
+                            int64_t r0, int64_t r1) {                                            \
+    add_norm_rows(residual, delta, delta_norm, weight, hidden, eps, out, ld, r0, r1);            \
   }                                                                                              \
   template <typename Act>                                                                        \
-  ATTR void silu_mul_##NAME(const float* gate_up, int64_t ld, int64_t size, Act* out,            \
-                            int64_t ld_out, int64_t r0, int64_t r1) {                            \
-    silu_mul_rows(gate_up, ld, size, out, ld_out, r0, r1);                                       \
+  ATTR void act_mul_##NAME(const float* gate_up, int64_t ld, int64_t size, bool gelu_tanh,       \
+                           Act* out, int64_t ld_out, int64_t r0, int64_t r1) {                   \
+    act_mul_rows(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);                             \
   }                                                                                              \
   template <typename C>                                                                          \
   ATTR void rope_cache_##NAME(const StackShape& s, const StepArgs& step, const LayerWeights& l,  \
@@ -137,19 +152,21 @@ TM_ELEMENTWISE_VARIANTS(avx2, TM_AVX2)
 TM_ELEMENTWISE_VARIANTS(avx512, TM_AVX512)
 
 template <typename Act>
-void add_norm(int isa, float* residual, const float* delta, const float* weight, int64_t hidden,
-              float eps, Act* out, int64_t ld, int64_t r0, int64_t r1) {
-  if (isa >= kAvx512) add_norm_avx512(residual, delta, weight, hidden, eps, out, ld, r0, r1);
-  else if (isa >= kAvx2) add_norm_avx2(residual, delta, weight, hidden, eps, out, ld, r0, r1);
-  else add_norm_portable(residual, delta, weight, hidden, eps, out, ld, r0, r1);
+void add_norm(int isa, float* residual, float* delta, const float* delta_norm, const float* weight,
+              int64_t hidden, float eps, Act* out, int64_t ld, int64_t r0, int64_t r1) {
+  if (isa >= kAvx512)
+    add_norm_avx512(residual, delta, delta_norm, weight, hidden, eps, out, ld, r0, r1);
+  else if (isa >= kAvx2)
+    add_norm_avx2(residual, delta, delta_norm, weight, hidden, eps, out, ld, r0, r1);
+  else add_norm_portable(residual, delta, delta_norm, weight, hidden, eps, out, ld, r0, r1);
 }
 
 template <typename Act>
-void silu_mul(int isa, const float* gate_up, int64_t ld, int64_t size, Act* out, int64_t ld_out,
-              int64_t r0, int64_t r1) {
-  if (isa >= kAvx512) silu_mul_avx512(gate_up, ld, size, out, ld_out, r0, r1);
-  else if (isa >= kAvx2) silu_mul_avx2(gate_up, ld, size, out, ld_out, r0, r1);
-  else silu_mul_portable(gate_up, ld, size, out, ld_out, r0, r1);
+void act_mul(int isa, const float* gate_up, int64_t ld, int64_t size, bool gelu_tanh, Act* out,
+             int64_t ld_out, int64_t r0, int64_t r1) {
+  if (isa >= kAvx512) act_mul_avx512(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);
+  else if (isa >= kAvx2) act_mul_avx2(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);
+  else act_mul_portable(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);
 }
 
 template <typename C>
@@ -189,11 +206,14 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
   final_norm_ = final_norm.detach().to(at::kFloat).contiguous();
   cos_ = cos.detach().to(at::kFloat).contiguous();
   sin_ = sin.detach().to(at::kFloat).contiguous();
-  TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == head_dim && sin_.sizes() == cos_.sizes(),
-              "DecoderStack: cos/sin [positions, head_dim]");
+  TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) <= head_dim && cos_.size(1) % 2 == 0 &&
+                  sin_.sizes() == cos_.sizes(),
+              "DecoderStack: cos/sin [positions, rotary_dim <= head_dim]");
   shape_.cos = cos_.data_ptr<float>();
   shape_.sin = sin_.data_ptr<float>();
   shape_.max_position = cos_.size(0);
+  shape_.rotary_dim = cos_.size(1);
+  shape_.attention_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t hidden = shape_.hidden;
   // The activations' dtype: the model's (its norms'); dense weights must be in it.
@@ -201,8 +221,8 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
   // Per layer: input_norm, qkv_bias, q_norm, k_norm, o_bias, post_norm, gate_up_bias,
   // down_bias; and the linears qkv, o, gate_up, down.
   for (size_t li = 0; li < layers.size(); ++li) {
-    TORCH_CHECK(layers[li].size() == 8 && linears[li].size() == 4,
-                "DecoderStack: 8 tensors and 4 linears per layer");
+    TORCH_CHECK((layers[li].size() == 8 || layers[li].size() == 10) && linears[li].size() == 4,
+                "DecoderStack: 8 (or 10) tensors and 4 linears per layer");
     Layer layer;
     for (const auto& tensor : layers[li]) layer.tensors.push_back(float_copy(tensor));
     layer.linears = linears[li];
@@ -211,9 +231,20 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
     layer.o = layer.linears[1].weight();
     layer.gate_up = layer.linears[2].weight();
     layer.down = layer.linears[3].weight();
-    layer.weights = LayerWeights{optional_data(t[0]), optional_data(t[1]), optional_data(t[2]),
-                                 optional_data(t[3]), optional_data(t[4]), optional_data(t[5]),
-                                 optional_data(t[6]), optional_data(t[7])};
+    const bool sandwich = t.size() == 10;
+    layer.weights = LayerWeights{optional_data(t[0]),
+                                 optional_data(t[1]),
+                                 optional_data(t[2]),
+                                 optional_data(t[3]),
+                                 optional_data(t[4]),
+                                 optional_data(t[5]),
+                                 optional_data(t[6]),
+                                 optional_data(t[7]),
+                                 sandwich ? optional_data(t[8]) : nullptr,
+                                 sandwich ? optional_data(t[9]) : nullptr,
+                                 shape_.cos,
+                                 shape_.sin,
+                                 sliding_window};
     TORCH_CHECK(layer.weights.input_norm && layer.weights.post_norm, "DecoderStack: norms");
     const std::pair<const PackedWeight*, std::array<int64_t, 2>> shapes[] = {
         {&layer.qkv, {q_size + 2 * kv_size, hidden}},
@@ -227,6 +258,31 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
     }
     layers_.push_back(std::move(layer));
   }
+}
+
+void DecoderStack::set_family_options(const at::Tensor& local_cos, const at::Tensor& local_sin,
+                                      const std::vector<bool>& layer_is_local,
+                                      const std::vector<int64_t>& layer_windows,
+                                      double attention_scale, bool gelu_tanh) {
+  TORCH_CHECK(layer_is_local.size() == layers_.size() && layer_windows.size() == layers_.size(),
+              "DecoderStack: one option per layer");
+  const bool any_local =
+      std::any_of(layer_is_local.begin(), layer_is_local.end(), [](bool b) { return b; });
+  if (any_local) {
+    local_cos_ = local_cos.detach().to(at::kFloat).contiguous();
+    local_sin_ = local_sin.detach().to(at::kFloat).contiguous();
+    TORCH_CHECK(local_cos_.sizes() == cos_.sizes() && local_sin_.sizes() == cos_.sizes(),
+                "DecoderStack: local cos/sin as the model's");
+  }
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    LayerWeights& w = layers_[li].weights;
+    w.cos = layer_is_local[li] ? local_cos_.data_ptr<float>() : shape_.cos;
+    w.sin = layer_is_local[li] ? local_sin_.data_ptr<float>() : shape_.sin;
+    TORCH_CHECK(layer_windows[li] >= 0, "DecoderStack: a window");
+    w.window = layer_windows[li] > 0 ? layer_windows[li] : shape_.window;
+  }
+  shape_.attention_scale = static_cast<float>(attention_scale);
+  shape_.gelu_tanh = gelu_tanh;
 }
 
 at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& positions,
@@ -284,7 +340,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                           shape.block_size, s.num_kv_heads, s.head_dim, s.num_heads,
                           block_tables.data_ptr<int64_t>(), block_tables.size(1),
                           query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                          s.window, 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                          s.window, s.attention_scale,
                           b.attn.data_ptr(), is_bf16_, ld_attn};
   const int64_t scratch_floats = attention_scratch_floats(attention);
   const int isa = current_isa();
@@ -312,15 +368,17 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     r0 = chunk * rows_per_chunk;
     r1 = std::min(tokens, r0 + rows_per_chunk);
   };
-  auto add_norm_phase = [&](const float* add, const float* weight, void* dst, int64_t ld,
-                            bool to_bf16) {
+  auto add_norm_phase = [&](float* add, const float* add_norm_weight, const float* weight,
+                            void* dst, int64_t ld, bool to_bf16) {
     job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
       int64_t r0, r1;
       rows_of(chunk, r0, r1);
       if (to_bf16) {
-        add_norm(isa, residual, add, weight, s.hidden, s.eps, static_cast<bf16*>(dst), ld, r0, r1);
+        add_norm(isa, residual, add, add_norm_weight, weight, s.hidden, s.eps,
+                 static_cast<bf16*>(dst), ld, r0, r1);
       } else {
-        add_norm(isa, residual, add, weight, s.hidden, s.eps, static_cast<float*>(dst), ld, r0, r1);
+        add_norm(isa, residual, add, add_norm_weight, weight, s.hidden, s.eps,
+                 static_cast<float*>(dst), ld, r0, r1);
       }
     });
   };
@@ -349,7 +407,8 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     const Layer& layer = layers_[li];
     const LayerWeights& lw = layer.weights;
     void* cache = kv_caches[li].data_ptr();
-    add_norm_phase(li == 0 ? nullptr : delta, lw.input_norm, x, ld_x, bf16_act);
+    const float* previous_out_norm = li == 0 ? nullptr : layers_[li - 1].weights.mlp_out_norm;
+    add_norm_phase(li == 0 ? nullptr : delta, previous_out_norm, lw.input_norm, x, ld_x, bf16_act);
     gemm_phase(layer.qkv, x, ld_x, qkv, ld_qkv, lw.qkv_bias);
     job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &step, &lw](int64_t chunk, int) {
       const int64_t u0 = chunk * units_per_chunk, u1 = std::min(units, u0 + units_per_chunk);
@@ -362,29 +421,31 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
       }
     });
     job.add_phase(static_cast<int64_t>(tasks.size()),
-                  [=, &attention, &tasks, &scratch](int64_t i, int participant) {
+                  [=, &attention, &tasks, &scratch, &lw](int64_t i, int participant) {
                     AttentionArgs a = attention;
                     a.cache = cache;
+                    a.window = lw.window;
                     attend(a, tasks[i], scratch.data() + participant * scratch_floats, isa);
                   });
     gemm_phase(layer.o, attn, ld_attn, delta, hidden, lw.o_bias);
-    add_norm_phase(delta, lw.post_norm, x, ld_x, bf16_act);
+    add_norm_phase(delta, lw.attn_out_norm, lw.post_norm, x, ld_x, bf16_act);
     gemm_phase(layer.gate_up, x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias);
     job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
       int64_t r0, r1;
       rows_of(chunk, r0, r1);
       if (bf16_act) {
-        silu_mul(isa, gate_up, ld_gate_up, s.intermediate, static_cast<bf16*>(act), ld_act, r0, r1);
+        act_mul(isa, gate_up, ld_gate_up, s.intermediate, s.gelu_tanh, static_cast<bf16*>(act),
+                ld_act, r0, r1);
       } else {
-        silu_mul(isa, gate_up, ld_gate_up, s.intermediate, static_cast<float*>(act), ld_act, r0,
-                 r1);
+        act_mul(isa, gate_up, ld_gate_up, s.intermediate, s.gelu_tanh, static_cast<float*>(act),
+                ld_act, r0, r1);
       }
     });
     gemm_phase(layer.down, act, ld_act, delta, hidden, lw.down_bias);
   }
   // The final norm, into the output's dtype.
-  add_norm_phase(delta, final_norm_.data_ptr<float>(), out.data_ptr(), hidden,
-                 out.scalar_type() == at::kBFloat16);
+  add_norm_phase(delta, layers_.back().weights.mlp_out_norm, final_norm_.data_ptr<float>(),
+                 out.data_ptr(), hidden, out.scalar_type() == at::kBFloat16);
   WorkerPool::instance().run(job, threads);
   return out;
 }

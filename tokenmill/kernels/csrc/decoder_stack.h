@@ -1,4 +1,4 @@
-// The fused decoder stack of a Llama-family model (decoder_stack.cpp).
+// The fused decoder stack of a model of the shared decoder's families (decoder_stack.cpp).
 #pragma once
 
 #include <vector>
@@ -14,9 +14,12 @@ struct StackShape {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, hidden = 0, intermediate = 0;
   float eps = 1e-6f;
   int64_t window = 0;  // sliding window, 0: none
-  const float* cos = nullptr;  // [max_position, head_dim]
+  const float* cos = nullptr;  // [max_position, rotary_dim]
   const float* sin = nullptr;  // the same, first half negated (x * cos + swap_halves(x) * sin)
   int64_t max_position = 0;
+  int64_t rotary_dim = 0;  // the leading dimensions of a head RoPE rotates (<= head_dim)
+  float attention_scale = 0.0f;
+  bool gelu_tanh = false;  // the MLP's activation: gelu_tanh(gate) * up, else silu(gate) * up
   int64_t block_size = 0;  // of the KV cache, per call
 };
 
@@ -35,18 +38,33 @@ struct LayerWeights {
   const float* post_norm;
   const float* gate_up_bias;
   const float* down_bias;
+  // Gemma's sandwich norms of the attention's and the MLP's outputs (null: none).
+  const float* attn_out_norm;
+  const float* mlp_out_norm;
+  // The layer's RoPE tables (the model's, or the local ones) and its window (0: the model's).
+  const float* cos;
+  const float* sin;
+  int64_t window;
 };
 
 class DecoderStack {
  public:
   // `layers[i]`: input_norm, qkv_bias, q_norm, k_norm, o_bias, post_norm, gate_up_bias,
-  // down_bias; None where absent. `linears[i]`: qkv, o, gate_up, down, each dense or quantized
+  // down_bias, and optionally attn_out_norm, mlp_out_norm (Gemma); None where absent. `linears[i]`: qkv, o, gate_up, down, each dense or quantized
   // (the layer's LinearMethod chose, at load time).
   DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
                const std::vector<std::vector<PackedLinear>>& linears,
                const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                int64_t intermediate_size, double eps, int64_t sliding_window);
+
+  // What other families need, set once after construction: the local layers' RoPE tables
+  // (`layer_is_local[i]`: layer i uses them; may be undefined when none does), each layer's
+  // sliding window (0: the model's), the attention's scale and the MLP's activation.
+  void set_family_options(const at::Tensor& local_cos, const at::Tensor& local_sin,
+                          const std::vector<bool>& layer_is_local,
+                          const std::vector<int64_t>& layer_windows, double attention_scale,
+                          bool gelu_tanh);
 
   // The final-normed hidden states of `hidden_in` (the embeddings, [T, H]) after every layer;
   // each layer's keys and values go to its cache at `slot_mapping`. Sequence i's queries are
@@ -74,7 +92,7 @@ class DecoderStack {
 
   StackShape shape_;
   std::vector<Layer> layers_;
-  at::Tensor final_norm_, cos_, sin_;
+  at::Tensor final_norm_, cos_, sin_, local_cos_, local_sin_;
   bool is_bf16_ = false;
   Buffers buffers_;
 };

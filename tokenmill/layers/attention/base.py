@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,19 @@ class AttentionGroup:
     # For decode groups on the portable backend: (first row, end row, keys attended) of each
     # slice of rows attended together (`decode_slices`); None: the group at once.
     row_slices: list[tuple[int, int, int]] | None = None
+    # Masks of the layers with a window of their own (`windowed_mask`), by window.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def windowed_mask(self, window: int) -> torch.Tensor:
+        """The group's mask for a layer attending within `window` positions (built once per
+        step, shared by every layer with that window)."""
+        if window not in self.window_masks:
+            assert self.query_start_loc is not None and self.seq_lens is not None
+            query_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
+            mask = _attention_mask(query_lens, self.seq_lens.long(), self.kv_len, window)
+            assert mask is not None
+            self.window_masks[window] = mask
+        return self.window_masks[window]
 
 
 @dataclass
@@ -171,6 +184,9 @@ class PagedAttention(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # This layer's own window where a model's layers differ (Gemma 3's local layers); None:
+        # the step's (the model's, if any).
+        self.sliding_window: int | None = None
 
     def forward(
         self,

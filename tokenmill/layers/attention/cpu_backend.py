@@ -37,7 +37,7 @@ class CpuPagedAttention(TorchPagedAttention):
             step.block_tables,
             step.query_start_loc,
             step.seq_lens,
-            step.sliding_window,
+            step.sliding_window if self.sliding_window is None else self.sliding_window,
             self.scale,
             output,
         )

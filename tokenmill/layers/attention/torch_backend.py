@@ -57,7 +57,8 @@ class TorchPagedAttention(PagedAttention):
         num_blocks = -(-kv_len // kv_cache.shape[2])
         keys, values = read_kv(kv_cache, block_tables[:, :num_blocks], query.dtype)
         keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        mask = group.mask
+        window = self.sliding_window
+        mask = group.mask if window is None else group.windowed_mask(window)
         if mask is not None and rows is not None:
             mask = mask[rows, :, :, :kv_len]
         if group.padded_index is None:  # every sequence has max_query_len queries

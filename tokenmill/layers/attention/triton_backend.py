@@ -233,7 +233,7 @@ class TritonPagedAttention(PagedAttention):
             BLOCK_Q=block_q,
             BLOCK_M=block_m,
             TILE_N=TILE_N,
-            SLIDING_WINDOW=group.sliding_window or 0,
+            SLIDING_WINDOW=self.sliding_window or group.sliding_window or 0,
             FP32_DOT=query.dtype == torch.float32
             or (_interpreting() and query.dtype.itemsize == 2),
         )

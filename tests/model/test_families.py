@@ -1,0 +1,166 @@
+"""Families beyond the Llama line (Phi-3, Gemma 3; models/families/) against transformers:
+greedy tokens equal in float32 with chunked prefill, prefix hits and preemption in the batches,
+through the native kernels (the fused stack) and through the layer modules."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import native
+from tokenmill.models.config_checks import ModelLoadError
+from tokenmill.models.loader import MODEL_REGISTRY, load_hf_config
+from tokenmill_testing.transformers_reference import greedy_reference
+
+MAX_TOKENS = 8
+MAX_MODEL_LEN = 40
+
+PHI3 = {
+    "architecture": "phi3",
+    "head_dim": 16,
+    "partial_rotary_factor": 0.5,  # 8 of each head's 16 dimensions rotate
+}
+# LongRoPE's factors per rotated pair (rotary_dim / 2 of them).
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.5, 2.0, 3.0],
+    "long_factor": [2.0, 4.0, 7.0, 11.0],
+}
+CHECKPOINTS: dict[str, dict[str, Any]] = {
+    # The served context (64) within the original one: the short factors, with the attention
+    # factor of `factor` 4.
+    "phi3-longrope-short": {
+        **PHI3,
+        "original_max_position_embeddings": 2048,
+        "rope_scaling": {**LONGROPE, "factor": 4.0, "original_max_position_embeddings": 2048},
+    },
+    # The served context past the original 4 positions: the long factors for every position,
+    # as transformers uses for sequences longer than the original context (every prompt is).
+    "phi3-longrope-long": {
+        **PHI3,
+        "original_max_position_embeddings": 4,
+        "rope_scaling": {**LONGROPE, "original_max_position_embeddings": 4},
+    },
+    "gemma3": {
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 6,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 5.0,
+    },
+    "gemma3-tied-linear-rope": {
+        "architecture": "gemma3",
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+        "layer_types": ["full_attention", "sliding_attention"],
+        "sliding_window": 5,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "query_pre_attn_scalar": 16,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tiny_checkpoint) -> Path:
+    kwargs = dict(CHECKPOINTS[request.param])
+    architecture = kwargs.pop("architecture", request.param)
+    return tiny_checkpoint(architecture, **kwargs)
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    rng = random.Random(2)
+    phrase = [rng.randrange(3, vocab) for _ in range(7)]
+    return [
+        phrase * 3,
+        [rng.randrange(3, vocab) for _ in range(30)],
+        [*phrase * 2, 5, 6],  # shares its start with the first: a prefix hit
+        phrase[:5],
+        [rng.randrange(3, vocab) for _ in range(13)],
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = prompts_for(model.config.vocab_size)
+    expected, _ = greedy_reference(model, prompts, MAX_TOKENS)
+    return prompts, expected
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+# The fused native stack (the CPU default) and the layer modules with torch's kernels.
+PATHS = {"native": {}, "modules": {"attention_backend": "torch", "linear_backend": "torch"}}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_greedy_equals_transformers_chunked_preempted_with_prefix_hits(
+    checkpoint: Path, reference, path: str
+) -> None:
+    prompts, expected = reference
+    # Chunks of 7 tokens in blocks of 4; 10 blocks hold the longest request but not the batch.
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=10,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=7,
+        enable_prefix_caching=True,
+        **PATHS[path],
+    )
+    stack = llm.engine.runner.model.decoder_stack
+    assert (stack is not None) == (path == "native")
+    first = llm.generate(prompts[:1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    rest = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], greedy(), use_tqdm=False)]
+    assert [first, *rest] == expected
+    stats = llm.get_stats().scheduler
+    assert stats.prefix_cache.hits > 0
+    assert stats.num_preemptions > 0
+
+
+NATIVE = native.native_kernels()
+LEVELS = list(range(NATIVE.detect_isa() + 1)) if NATIVE is not None else []
+
+
+@pytest.mark.skipif(NATIVE is None, reason="native kernels not buildable here")
+@pytest.mark.parametrize("level", LEVELS, ids=lambda level: native.ISA_LEVELS[level])
+def test_native_stack_greedy_equals_transformers_at_every_isa_level(
+    checkpoint: Path, reference, level: int
+) -> None:
+    assert NATIVE is not None
+    prompts, expected = reference
+    best = NATIVE.get_isa()
+    try:
+        assert NATIVE.set_isa(level) == level
+        llm = LLM(model=str(checkpoint), dtype="float32", max_model_len=MAX_MODEL_LEN)
+        assert llm.engine.runner.model.decoder_stack is not None
+        outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    finally:
+        NATIVE.set_isa(best)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_unsupported_architecture_names_the_registry(tiny_checkpoint, tmp_path: Path) -> None:
+    source = tiny_checkpoint("llama")
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["Gemma2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as error:
+        load_hf_config(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and "Gemma2ForCausalLM" in message
+    for architecture in ("Gemma3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
+        assert architecture in MODEL_REGISTRY and architecture in message
