@@ -146,7 +146,7 @@ def save_gguf(
     architecture: str = "llama",
     config_overrides: dict | None = None,
 ) -> Path:
-    """`checkpoint` (a llama-architecture directory) as a GGUF file: 2-D decoder weights in
+    """`checkpoint` (a llama or gemma3 directory) as a GGUF file: 2-D decoder weights in
     `qtype` (or `overrides[gguf name]`), everything else in F32. `config_overrides` change
     the metadata only (a file that disagrees with its tensors)."""
     original = json.loads((checkpoint / "config.json").read_text())
@@ -158,12 +158,17 @@ def save_gguf(
     _write_metadata(writer, config)
     _write_tokenizer(writer, checkpoint)
     heads, kv_heads = original["num_attention_heads"], original["num_key_value_heads"]
+    gemma = architecture == "gemma3"
     for hf_name, tensor in tensors.items():
-        name = gguf_name(hf_name)
+        name = gemma3_gguf_name(hf_name, config) if gemma else gguf_name(hf_name)
         array = tensor.to(torch.float32).numpy()
-        if name.endswith("attn_q.weight"):
+        # Gemma: norms stored as 1 + w (its RMSNorm's); its halves rotate as in transformers,
+        # so q and k keep their rows (llama.cpp permutes llama's only).
+        if gemma and hf_name.endswith("norm.weight"):
+            array = array + 1.0
+        elif not gemma and name.endswith("attn_q.weight"):
             array = llama_cpp_permute(array, heads)
-        elif name.endswith("attn_k.weight"):
+        elif not gemma and name.endswith("attn_k.weight"):
             array = llama_cpp_permute(array, kv_heads)
         wanted = (overrides or {}).get(name, qtype if name.startswith("blk.") else Q.F32)
         if array.ndim == 1 or wanted == Q.F32:
@@ -177,6 +182,14 @@ def save_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def gemma3_gguf_name(hf_name: str, config: dict) -> str:
+    """A Gemma 3 tensor's GGUF name, from the gguf package's own map (llama.cpp's)."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config["num_hidden_layers"])
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    assert name is not None, hf_name
+    return name
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -201,6 +214,11 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
     if config.get("num_local_experts"):
         writer.add_expert_count(config["num_local_experts"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if writer.arch == "gemma3":  # as the converter writes them; the global layers' RoPE
+        rope = rope["full_attention"]
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
 
 

@@ -164,3 +164,35 @@ def test_unsupported_architecture_names_the_registry(tiny_checkpoint, tmp_path: 
     assert "\n" not in message and "Gemma2ForCausalLM" in message
     for architecture in ("Gemma3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
         assert architecture in MODEL_REGISTRY and architecture in message
+
+
+# Gemma 3 as llama.cpp's GGUF files describe it: every sixth layer global, query scale
+# 1/sqrt(head_dim), local RoPE base 10000 (quantization/gguf_gemma3.py).
+GEMMA3_AS_LLAMA_CPP = {
+    "head_dim": 16,
+    "num_hidden_layers": 6,
+    "sliding_window": 6,
+    "rope_theta": 1e6,
+    "query_pre_attn_scalar": 16,
+    "final_logit_softcapping": 5.0,
+}
+
+
+def test_gemma3_gguf_greedy_equals_transformers(tiny_checkpoint, tmp_path: Path) -> None:
+    """The F32 file, as llama.cpp's converter lays it out (its names, norms stored as 1 + w),
+    against transformers on the checkpoint it was written from."""
+    from gguf import GGMLQuantizationType
+
+    from tokenmill_testing.gguf_checkpoint import save_gguf
+
+    checkpoint = tiny_checkpoint("gemma3", **GEMMA3_AS_LLAMA_CPP)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = prompts_for(model.config.vocab_size)
+    expected, _ = greedy_reference(model, prompts, MAX_TOKENS)
+    path = save_gguf(
+        checkpoint, tmp_path / "gemma3.gguf", GGMLQuantizationType.F32, architecture="gemma3"
+    )
+    llm = LLM(model=str(path), tokenizer=str(checkpoint), dtype="float32", max_model_len=40)
+    assert llm.engine.runner.model.architecture == "Gemma3ForCausalLM"
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

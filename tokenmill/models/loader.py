@@ -25,7 +25,7 @@ from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
-from tokenmill.models.registry import families, family_of
+from tokenmill.models.registry import families, family_of, gguf_family
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
@@ -66,7 +66,9 @@ def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
     if is_gguf(path):
         gguf = GGUFCheckpoint(path)
         sizes = check_sizes(gguf.sizing_metadata(), gguf.tensor_shapes(), f"{path}'s metadata")
-        return gguf.hf_config(sizes), "LlamaForCausalLM"
+        family = gguf_family(gguf.architecture)  # the reader refused what no family reads
+        assert family is not None, gguf.architecture
+        return gguf.hf_config(sizes), family[1]
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenmill.config import ConfigError
+from tokenmill.quantization import gguf_gemma3
 from tokenmill.quantization.gguf_blocks import (
     CODE_BITS,
     INT4_TYPES,
@@ -32,7 +33,7 @@ from tokenmill.quantization.gguf_open import open_gguf
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", gguf_gemma3.ARCHITECTURE)
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -45,6 +46,8 @@ _GGUF_TO_HF = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# general.architecture -> its block tensors' Hugging Face names, where not llama's.
+_NAMES = {gguf_gemma3.ARCHITECTURE: gguf_gemma3.NAMES}
 # The values that size the model: role (models/config_checks.py) -> metadata key after
 # `<architecture>.`.
 _SIZING_KEYS = {
@@ -122,8 +125,11 @@ class GGUFCheckpoint:
         return {
             hf_name.removeprefix("model."): tuple(int(n) for n in reversed(tensor.shape))
             for name, tensor in self.tensors.items()
-            if (hf_name := _hf_name(name)) is not None
+            if (hf_name := self._hf_name(name)) is not None
         }
+
+    def _hf_name(self, name: str) -> str | None:
+        return _hf_name(name, _NAMES.get(self.architecture, _GGUF_TO_HF))
 
     def hf_config(self, sizes: Mapping[str, int]) -> Any:
         """A transformers LlamaConfig from the metadata, with the sizes `sizing_metadata`
@@ -142,6 +148,14 @@ class GGUFCheckpoint:
             "rope_freqs.weight" in self.tensors
         ):
             raise ConfigError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
+        token_ids = {
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
+        }
+        tied = "output.weight" not in self.tensors
+        if arch == gguf_gemma3.ARCHITECTURE:
+            return gguf_gemma3.hf_config(sizes, meta, tied, token_ids)
         config = LlamaConfig(
             vocab_size=sizes["vocab_size"],
             hidden_size=sizes["hidden_size"],
@@ -153,10 +167,8 @@ class GGUFCheckpoint:
             rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
             max_position_embeddings=sizes["max_position"],
             rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 1e4)},
-            tie_word_embeddings="output.weight" not in self.tensors,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
-            pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+            tie_word_embeddings=tied,
+            **token_ids,
         )
         config.architectures = ["LlamaForCausalLM"]
         return config
@@ -189,13 +201,16 @@ class GGUFCheckpoint:
     ) -> Iterator[tuple[str, Callable[[Any], object]]]:
         """(Hugging Face name, reader) per tensor; a reader takes the tensor-parallel slice,
         which must be None (GGUF files load on one rank)."""
+        permuted = self.architecture == "llama"  # llama.cpp's converter permutes llama's only
+        gemma = self.architecture == gguf_gemma3.ARCHITECTURE
         for name, tensor in self.tensors.items():
-            hf_name = _hf_name(name)
+            hf_name = self._hf_name(name)
             if hf_name is None:
                 raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
             heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else 0
             quantized = formats.get(_layer_of(hf_name), "float") != "float"
-            yield hf_name, _reader(tensor, quantized, heads)
+            shift = gguf_gemma3.norm_shift(hf_name) if gemma else 0.0
+            yield hf_name, _reader(tensor, quantized, heads if permuted else 0, shift)
 
     def _num_blocks(self) -> int:
         return int(self.field(f"{self.architecture}.block_count", 0))
@@ -220,7 +235,7 @@ def _format_of(types: set[GGMLQuantizationType]) -> str:
     return "float"
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, names: Mapping[str, str]) -> str | None:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -228,10 +243,10 @@ def _hf_name(name: str) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     match = _BLOCK_NAME.match(name)
-    if match is None or match.group(2) not in _GGUF_TO_HF:
+    if match is None or match.group(2) not in names:
         return None
     layer, module, suffix = match.groups()
-    return f"model.layers.{layer}.{_GGUF_TO_HF[module]}.{suffix}"
+    return f"model.layers.{layer}.{names[module]}.{suffix}"
 
 
 def _layer_of(hf_name: str) -> str:
@@ -248,7 +263,11 @@ def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).flatten()
 
 
-def _reader(tensor: Any, quantized: bool, num_heads: int) -> Callable[[Any], object]:
+def _reader(
+    tensor: Any, quantized: bool, num_heads: int, shift: float = 0.0
+) -> Callable[[Any], object]:
+    """`shift`: what the converter added to a float tensor (Gemma's norms), taken off."""
+
     def read(part: Any) -> object:
         if part is not None:
             raise ConfigError("GGUF files load on one rank: use tensor_parallel_size 1")
@@ -259,7 +278,7 @@ def _reader(tensor: Any, quantized: bool, num_heads: int) -> Callable[[Any], obj
         if grouped:
             weight: Any = groups(data.reshape(shape[0], -1), qtype)
         elif len(shape) == 1:
-            weight = dequantize(data, qtype).reshape(shape)
+            weight = dequantize(data, qtype).reshape(shape) - shift
         else:
             weight = dequantize(data.reshape(shape[0], -1), qtype)
         if num_heads and shape[0] % (2 * num_heads) == 0:  # else the loader names the shape
