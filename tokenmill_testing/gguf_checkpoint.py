@@ -7,6 +7,7 @@ read back by the gguf package's own decoders in the tests)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -146,7 +147,7 @@ def save_gguf(
     architecture: str = "llama",
     config_overrides: dict | None = None,
 ) -> Path:
-    """`checkpoint` (a llama or gemma3 directory) as a GGUF file: 2-D decoder weights in
+    """`checkpoint` (a llama, gemma3 or phi3 directory) as a GGUF file: 2-D decoder weights in
     `qtype` (or `overrides[gguf name]`), everything else in F32. `config_overrides` change
     the metadata only (a file that disagrees with its tensors)."""
     original = json.loads((checkpoint / "config.json").read_text())
@@ -159,16 +160,19 @@ def save_gguf(
     _write_tokenizer(writer, checkpoint)
     heads, kv_heads = original["num_attention_heads"], original["num_key_value_heads"]
     gemma = architecture == "gemma3"
+    mapped = architecture in _MAPPED_ARCHITECTURES
+    if architecture == "phi3":
+        tensors.update(_phi3_rope_factors(writer, config))
     for hf_name, tensor in tensors.items():
-        name = gemma3_gguf_name(hf_name, config) if gemma else gguf_name(hf_name)
+        name = mapped_gguf_name(hf_name, config, architecture) if mapped else gguf_name(hf_name)
         array = tensor.to(torch.float32).numpy()
         # Gemma: norms stored as 1 + w (its RMSNorm's); its halves rotate as in transformers,
         # so q and k keep their rows (llama.cpp permutes llama's only).
         if gemma and hf_name.endswith("norm.weight"):
             array = array + 1.0
-        elif not gemma and name.endswith("attn_q.weight"):
+        elif not mapped and name.endswith("attn_q.weight"):
             array = llama_cpp_permute(array, heads)
-        elif not gemma and name.endswith("attn_k.weight"):
+        elif not mapped and name.endswith("attn_k.weight"):
             array = llama_cpp_permute(array, kv_heads)
         wanted = (overrides or {}).get(name, qtype if name.startswith("blk.") else Q.F32)
         if array.ndim == 1 or wanted == Q.F32:
@@ -184,12 +188,41 @@ def save_gguf(
     return path
 
 
-def gemma3_gguf_name(hf_name: str, config: dict) -> str:
-    """A Gemma 3 tensor's GGUF name, from the gguf package's own map (llama.cpp's)."""
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config["num_hidden_layers"])
+# Architectures whose tensors the gguf package's own map (llama.cpp's) names, whose q/k rows
+# llama.cpp's converter leaves as they are.
+_MAPPED_ARCHITECTURES = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+
+
+def mapped_gguf_name(hf_name: str, config: dict, architecture: str) -> str:
+    if hf_name.startswith("rope_factors_"):
+        return hf_name
+    arch = _MAPPED_ARCHITECTURES[architecture]
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     assert name is not None, hf_name
     return name
+
+
+def _phi3_rope_factors(writer: gguf.GGUFWriter, config: dict) -> dict[str, torch.Tensor]:
+    """Phi-3's rotary share, original context and LongRoPE factors as the converter writes
+    them (the factors as tensors)."""
+    rope = config.get("rope_parameters") or {}
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    writer.add_uint32(gguf.Keys.Rope.DIMENSION_COUNT.format(arch="phi3"), rotary)
+    original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") != "longrope":
+        return {}
+    scale = config["max_position_embeddings"] / original
+    writer.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    )
+    return {
+        "rope_factors_long.weight": torch.tensor(rope["long_factor"]),
+        "rope_factors_short.weight": torch.tensor(rope["short_factor"]),
+    }
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -206,7 +239,7 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
         gguf.Keys.Attention.HEAD_COUNT_KV: config["num_key_value_heads"],
         gguf.Keys.Attention.KEY_LENGTH: head_dim,
         gguf.Keys.Attention.VALUE_LENGTH: head_dim,
-        gguf.Keys.Rope.DIMENSION_COUNT: head_dim,
+        **({} if writer.arch == "phi3" else {gguf.Keys.Rope.DIMENSION_COUNT: head_dim}),
         gguf.Keys.LLM.VOCAB_SIZE: config["vocab_size"],
     }
     for key, value in counts.items():

@@ -178,21 +178,34 @@ GEMMA3_AS_LLAMA_CPP = {
 }
 
 
-def test_gemma3_gguf_greedy_equals_transformers(tiny_checkpoint, tmp_path: Path) -> None:
-    """The F32 file, as llama.cpp's converter lays it out (its names, norms stored as 1 + w),
-    against transformers on the checkpoint it was written from."""
+# GGUF files as llama.cpp's converter lays them out (its names; Gemma's norms stored as 1 + w;
+# Phi-3's q/k/v and gate/up fused, LongRoPE's factors as tensors).
+GGUF_CHECKPOINTS = {
+    "gemma3": GEMMA3_AS_LLAMA_CPP,
+    "phi3": {
+        key: value
+        for key, value in CHECKPOINTS["phi3-longrope-long"].items()
+        if key != "architecture"
+    },
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_CHECKPOINTS))
+def test_gguf_greedy_equals_transformers(family: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """The F32 file against transformers on the checkpoint it was written from."""
     from gguf import GGMLQuantizationType
 
     from tokenmill_testing.gguf_checkpoint import save_gguf
 
-    checkpoint = tiny_checkpoint("gemma3", **GEMMA3_AS_LLAMA_CPP)
+    checkpoint = tiny_checkpoint(family, **GGUF_CHECKPOINTS[family])
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     prompts = prompts_for(model.config.vocab_size)
     expected, _ = greedy_reference(model, prompts, MAX_TOKENS)
     path = save_gguf(
-        checkpoint, tmp_path / "gemma3.gguf", GGMLQuantizationType.F32, architecture="gemma3"
+        checkpoint, tmp_path / f"{family}.gguf", GGMLQuantizationType.F32, architecture=family
     )
-    llm = LLM(model=str(path), tokenizer=str(checkpoint), dtype="float32", max_model_len=40)
-    assert llm.engine.runner.model.architecture == "Gemma3ForCausalLM"
+    llm = LLM(model=str(path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    assert llm.engine.runner.model.architecture == model.config.architectures[0]
+    assert llm.engine.runner.model.decoder_stack is not None
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

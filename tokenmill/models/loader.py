@@ -318,7 +318,12 @@ def load_weights(
             raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint at {model_dir}")
         loaded.add((target, shard))
     expected = _expected_parts([*params, *quantized])
-    missing = {target for target, shard in expected if (target, shard) not in loaded}
+    # A fused tensor a file stores whole (a Phi-3 GGUF's attn_qkv) loads every part at once.
+    missing = {
+        target
+        for target, shard in expected
+        if (target, shard) not in loaded and (target, None) not in loaded
+    }
     if model.shape.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenmill.config import ConfigError
-from tokenmill.quantization import gguf_gemma3
+from tokenmill.quantization import gguf_gemma3, gguf_phi3
 from tokenmill.quantization.gguf_blocks import (
     CODE_BITS,
     INT4_TYPES,
@@ -33,7 +33,7 @@ from tokenmill.quantization.gguf_open import open_gguf
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", gguf_gemma3.ARCHITECTURE)
+SUPPORTED_ARCHITECTURES = ("llama", gguf_gemma3.ARCHITECTURE, gguf_phi3.ARCHITECTURE)
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -47,7 +47,7 @@ _GGUF_TO_HF = {
     "ffn_norm": "post_attention_layernorm",
 }
 # general.architecture -> its block tensors' Hugging Face names, where not llama's.
-_NAMES = {gguf_gemma3.ARCHITECTURE: gguf_gemma3.NAMES}
+_NAMES = {gguf_gemma3.ARCHITECTURE: gguf_gemma3.NAMES, gguf_phi3.ARCHITECTURE: gguf_phi3.NAMES}
 # The values that size the model: role (models/config_checks.py) -> metadata key after
 # `<architecture>.`.
 _SIZING_KEYS = {
@@ -156,6 +156,8 @@ class GGUFCheckpoint:
         tied = "output.weight" not in self.tensors
         if arch == gguf_gemma3.ARCHITECTURE:
             return gguf_gemma3.hf_config(sizes, meta, tied, token_ids)
+        if arch == gguf_phi3.ARCHITECTURE:
+            return gguf_phi3.hf_config(sizes, meta, tied, token_ids, self._float_list)
         config = LlamaConfig(
             vocab_size=sizes["vocab_size"],
             hidden_size=sizes["hidden_size"],
@@ -183,7 +185,8 @@ class GGUFCheckpoint:
         formats["embed_tokens"] = _format_of({embedding})
         formats["lm_head"] = _format_of({embedding if output is None else output.tensor_type})
         for layer in range(self._num_blocks()):
-            for linear, parts in _LINEAR_PARTS.items():
+            phi3 = self.architecture == gguf_phi3.ARCHITECTURE
+            for linear, parts in (gguf_phi3.LINEAR_PARTS if phi3 else _LINEAR_PARTS).items():
                 types = {self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts}
                 formats[f"layers.{layer}.{linear}"] = fmt = _format_of(types)
                 if fmt == "float" and not types <= set(_FLOAT_TYPES):
@@ -205,12 +208,22 @@ class GGUFCheckpoint:
         gemma = self.architecture == gguf_gemma3.ARCHITECTURE
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
+            if name in gguf_phi3.ROPE_FACTORS and self.architecture == gguf_phi3.ARCHITECTURE:
+                continue  # read into the config
             if hf_name is None:
                 raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
             heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else 0
             quantized = formats.get(_layer_of(hf_name), "float") != "float"
             shift = gguf_gemma3.norm_shift(hf_name) if gemma else 0.0
             yield hf_name, _reader(tensor, quantized, heads if permuted else 0, shift)
+
+    def _float_list(self, name: str) -> list[float] | None:
+        """A small float tensor's values (LongRoPE's factors), None if the file has none."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            return None
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        return dequantize(np.asarray(tensor.data), qtype).reshape(-1).tolist()
 
     def _num_blocks(self) -> int:
         return int(self.field(f"{self.architecture}.block_count", 0))
