@@ -34,7 +34,9 @@ LOGPROB_TOLERANCE = TOLERANCE["torch"]
 ACTIVATION_PATHS = ("float", "int8")
 
 # The decoder's linear weights, as Hugging Face checkpoints name them.
-DECODER_LINEAR = re.compile(r"layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+DECODER_LINEAR = re.compile(
+    r"layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.weight$"
+)  # Phi-3 stores q/k/v and gate/up fused: rows quantize alike either way
 # The LM head and the embedding (one tensor when tied).
 HEAD_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 

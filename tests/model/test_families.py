@@ -14,9 +14,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import ConfigError
 from tokenmill.kernels import native
 from tokenmill.models.config_checks import ModelLoadError
 from tokenmill.models.loader import MODEL_REGISTRY, load_hf_config
+from tokenmill.quantization.int4 import quantize_int4
+from tokenmill.quantization.int8 import quantize_int8
+from tokenmill_testing.quantized_checkpoints import (
+    compare_with_reference,
+    random_prompts,
+    save_dequantized_checkpoint,
+)
 from tokenmill_testing.transformers_reference import greedy_reference
 
 MAX_TOKENS = 8
@@ -209,3 +217,36 @@ def test_gguf_greedy_equals_transformers(family: str, tiny_checkpoint, tmp_path:
     assert llm.engine.runner.model.decoder_stack is not None
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+# What each online scheme's kernels multiply by (as tests/model/test_quantization.py).
+ROUND_TRIPS = {
+    "int8": lambda name, w: quantize_int8(w).dequantize(),
+    "int4": lambda name, w: quantize_int4(w, 32).dequantize(),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(ROUND_TRIPS))
+@pytest.mark.parametrize("name", ["gemma3", "phi3-longrope-short"])
+def test_online_quantization_matches_the_dequantized_float_model(
+    tiny_checkpoint, tmp_path: Path, name: str, scheme: str, activation_tolerance: float
+) -> None:
+    """The native stack on int8 / int4 weights against transformers on the same rounding."""
+    kwargs = dict(CHECKPOINTS[name])
+    checkpoint = tiny_checkpoint(kwargs.pop("architecture", name), **kwargs)
+    head = lambda w: quantize_int8(w).dequantize()  # noqa: E731  (the LM head: int8 rows)
+    reference_dir = save_dequantized_checkpoint(
+        checkpoint, tmp_path / "ref", ROUND_TRIPS[scheme], head
+    )
+    llm = LLM(model=str(checkpoint), dtype="float32", quantization=scheme, max_model_len=128)
+    assert llm.engine.runner.model.decoder_stack is not None
+    prompts = random_prompts(llm.engine.vocab_size)
+    assert compare_with_reference(llm, reference_dir, prompts, activation_tolerance) < (
+        activation_tolerance
+    )
+
+
+def test_captured_decode_is_refused_for_per_layer_windows(tiny_checkpoint) -> None:
+    kwargs = dict(CHECKPOINTS["gemma3"])
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        LLM(model=str(tiny_checkpoint("gemma3", **kwargs)), enforce_eager=False)

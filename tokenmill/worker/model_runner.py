@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tokenmill.config import ConfigError
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.sampler import (
     Sampler,
@@ -138,6 +139,11 @@ class ModelRunner:
     ) -> None:
         """Run decode-only steps through captured steps: CUDA graphs on a GPU, a compiled
         forward on the CPU, or `capture` (`worker/captured_step.py`)."""
+        if self.model.traits.layer_windows is not None:  # its mask is the model's one window
+            raise ConfigError(
+                "captured decode steps (enforce_eager=False) do not support models whose "
+                "layers have windows of their own (Gemma 3): leave enforce_eager unset"
+            )
         self.decode_step = build_decode_step(
             lambda ids, positions, metadata: self.model(ids, positions, self.kv_caches, metadata),
             self.device,
