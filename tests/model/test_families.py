@@ -17,6 +17,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
 from tokenmill.kernels import native
 from tokenmill.models.config_checks import ModelLoadError
+from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 from tokenmill.models.loader import MODEL_REGISTRY, load_hf_config
 from tokenmill.quantization.int4 import quantize_int4
 from tokenmill.quantization.int8 import quantize_int8
@@ -250,3 +251,45 @@ def test_captured_decode_is_refused_for_per_layer_windows(tiny_checkpoint) -> No
     kwargs = dict(CHECKPOINTS["gemma3"])
     with pytest.raises(ConfigError, match="enforce_eager"):
         LLM(model=str(tiny_checkpoint("gemma3", **kwargs)), enforce_eager=False)
+
+
+class _CountingMLP(LlamaMLP):
+    """A family's own MLP (as an MoE family's experts would be): the dense one, counted."""
+
+    calls = 0
+
+    def __init__(self, shape, traits, tp, layer_index: int) -> None:
+        super().__init__(shape, traits, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CountingMLP.calls += 1
+        return super().forward(x)
+
+
+def test_a_family_with_its_own_mlp_runs_its_layers_as_modules(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry's hook for families beyond the dense MLP: registered by name, its MLP
+    built per layer, the fused stack (which knows only the dense MLP) declining it."""
+    from tokenmill.models import registry
+    from tokenmill.models.families.llama import llama_traits
+    from tokenmill.models.family import Family
+
+    family = Family("counted", ("CountedForCausalLM",), llama_traits, mlp=_CountingMLP)
+    monkeypatch.setitem(registry._FAMILIES, family.name, family)
+    monkeypatch.setitem(MODEL_REGISTRY, "CountedForCausalLM", LlamaForCausalLM)
+    source = tiny_checkpoint("llama")
+    for path in source.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "architectures": ["CountedForCausalLM"]})
+    )
+    prompt = [[5, 9, 13, 200, 7]]
+    counted = LLM(model=str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    assert counted.engine.runner.model.decoder_stack is None
+    tokens = counted.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert _CountingMLP.calls > 0
+    dense = LLM(model=str(source), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    assert dense.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids == tokens

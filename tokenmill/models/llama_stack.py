@@ -22,6 +22,7 @@ from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu_backend import CpuPagedAttention
 from tokenmill.layers.linear import Linear
+from tokenmill.models.registry import family_of
 
 STACK_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,6 +61,8 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     module = native_kernels()
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
+    if family_of(model.architecture).mlp is not None:
+        return None  # a family's own MLP (an MoE's experts) runs in its module
     linears = [_layer_linears(layer) for layer in model.layers]
     if any(part is None for part in linears):
         return None
@@ -101,9 +104,7 @@ def _layer_linears(layer: nn.Module) -> list[Any] | None:
     """A `LlamaDecoderLayer`'s qkv, o, gate_up and down as native `PackedLinear`s; None if
     one's method has none."""
     attention, mlp = layer.self_attn, layer.mlp
-    # A family's own MLP (an MoE's experts) has no gate_up/down: its layers run as modules.
-    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-    linears = (attention.qkv_proj, attention.o_proj, gate_up, down)
+    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(linear, Linear) for linear in linears):
         return None
     native = [linear.quant_method.native_linear(linear) for linear in linears]
