@@ -13,6 +13,8 @@ group of `group_size` input columns: W = code * scale + offset. It is packed onc
   int4 layout of their low four bits, then in the same block their high bits as bit masks, one
   pair of 64-bit masks per 8 columns and high bit (the chunk's low nibbles, then its high ones;
   bit b for byte b of the chunk's 64), which the kernels add back with masked byte adds;
+- codes from a table (`codebook`: GGUF's IQ4_NL / IQ4_XS, whose 4-bit indices pick one of 16
+  int8 values): the int4 layout of the indices; the kernels look the values up;
 - scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load.
 
 Input columns are padded to a multiple of 32 (the activations' quantization block) with code
@@ -38,6 +40,12 @@ INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
 AMX_LEVEL = ISA_LEVELS.index("amx")
 # Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).
 CODE_BITS = (8, 6, 5, 4)
+# llama.cpp's IQ4_NL table (IQ4_XS's too): the int8 values a 4-bit index stands for, and the
+# `bits` the native kernels take for such codes (csrc/int_linear.h's kIq4NlBits).
+IQ4_NL_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+IQ4_NL_BITS = 14
 _BIT_WEIGHTS = 1 << torch.arange(8)
 
 
@@ -57,6 +65,7 @@ class PackedWeight:
     group_size: int
     out_features: int
     in_features: int
+    codebook: torch.Tensor | None = None  # int8 [16]: the value of each 4-bit index
 
     @property
     def padded_in(self) -> int:
@@ -83,11 +92,15 @@ def pack(
     offsets: torch.Tensor | None,
     bits: int,
     group_size: int | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> PackedWeight:
     """Pack signed `codes` `[out, in]` (within `code_range(bits)`) with `scales` (and
-    `offsets`) `[out, groups]`; `group_size` None means one scale per row."""
+    `offsets`) `[out, groups]`; `group_size` None means one scale per row. With a `codebook`
+    (int8 `[16]`, 4 bits) the codes are values of the table, packed as their indices."""
     if bits not in CODE_BITS:
         raise ValueError(f"{bits}-bit codes have no packed layout")
+    if codebook is not None:
+        codes = codebook_indices(codes, codebook) + code_range(4)[0]
     rows, cols = codes.shape
     width, group = padded_width(cols, group_size)
     blocks = -(-rows // BLOCK_ROWS)
@@ -110,7 +123,20 @@ def pack(
         group,
         rows,
         cols,
+        codebook,
     )
+
+
+def codebook_indices(values: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Each int8 value's index in `codebook` (a table of 16 distinct values), int16."""
+    if codebook.shape != (16,) or len(set(codebook.tolist())) != 16:
+        raise ValueError("a codebook is 16 distinct int8 values")
+    inverse = torch.full((256,), -1, dtype=torch.int16)
+    inverse[codebook.to(torch.int64) + 128] = torch.arange(16, dtype=torch.int16)
+    indices = inverse[values.to(torch.int64) + 128]
+    if (indices < 0).any():
+        raise ValueError("codes outside the codebook's values")
+    return indices
 
 
 def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Tensor:
@@ -160,7 +186,10 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
             for h in range(bits - 4):
                 unsigned = unsigned + (picked[:, :, h] << (4 + h))
         unsigned = unsigned.reshape(len(rows), width)
-    codes = unsigned - (1 << (bits - 1))
+    if weight.codebook is None:
+        codes = unsigned - (1 << (bits - 1))
+    else:
+        codes = weight.codebook.to(torch.int16)[unsigned.long()]
     scales = weight.scales[block, :, lane].float()
     grouped = codes.float().view(len(rows), -1, weight.group_size) * scales[..., None]
     if weight.offsets is not None:
@@ -224,11 +253,13 @@ def native_quant_linear(weight: PackedWeight) -> Any:
     decoder stack multiplies)."""
     module = native_kernels()
     assert module is not None, "quantized kernels need the native kernels"
+    if weight.codebook is not None and not torch.equal(weight.codebook, IQ4_NL_VALUES):
+        raise ValueError("the native kernels take one codebook: IQ4_NL's values")
     return module.PackedLinear.quantized(
         weight.codes,
         weight.scales,
         weight.offsets,
-        weight.bits,
+        weight.bits if weight.codebook is None else IQ4_NL_BITS,
         weight.group_size,
         weight.out_features,
         weight.in_features,

@@ -23,8 +23,10 @@ from gguf import GGMLQuantizationType, GGUFReader
 from tokenmill.config import ConfigError
 from tokenmill.quantization.gguf_blocks import (
     CODE_BITS,
+    GROUP_SIZE,
     INT4_TYPES,
     INT8_TYPES,
+    IQ4_TYPES,
     dequantize,
     groups,
 )
@@ -208,16 +210,18 @@ class GGUFCheckpoint:
 
 
 def _format_of(types: set[GGMLQuantizationType]) -> str:
-    """The layout that holds every part's blocks as they are: int4 groups of 32 for Q4_0 /
-    Q4_K, else groups of codes as wide as the widest part's (Q5_0 / Q5_K: 5 bits, Q6_K: 6,
-    Q8_0: 8; of 16 where Q6_K is among the parts: a group of 32 is two of 16 with one scale),
-    else floats."""
+    """The layout that holds every part's blocks as they are, in groups of the smallest
+    part's (a group of 32 is two of 16 with one scale): IQ4 indices alone (`iq4nl-g32`), int4
+    codes for the int4 types (Q4_0, Q4_K, Q3_K, Q2_K), else codes as wide as the widest
+    part's (Q5_0 / Q5_K: 5 bits, Q6_K: 6, Q8_0 and IQ4 values: 8), else floats."""
+    if not types <= set(INT4_TYPES + INT8_TYPES):
+        return "float"
+    group = min(GROUP_SIZE[t] for t in types)
+    if types <= set(IQ4_TYPES):
+        return f"iq4nl-g{group}"
     if types <= set(INT4_TYPES):
-        return "int4-g32"
-    if types <= set(INT4_TYPES + INT8_TYPES):
-        bits = max(CODE_BITS[t] for t in types)
-        return f"int{bits}-g16" if GGMLQuantizationType.Q6_K in types else f"int{bits}-g32"
-    return "float"
+        return f"int4-g{group}"
+    return f"int{max(CODE_BITS[t] for t in types)}-g{group}"
 
 
 def _hf_name(name: str) -> str | None:

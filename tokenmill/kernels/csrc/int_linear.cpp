@@ -14,6 +14,10 @@
 // first 8 bytes for the chunk's low nibbles and the next 8 for its high ones, bit b of a mask
 // belonging to byte b of the chunk (`split_chunk_avx512` adds them back with two masked
 // byte adds). Codes are stored plus 16 (5-bit) or 32 (6-bit).
+//
+// IQ4 codes (kIq4NlBits: GGUF's IQ4_NL / IQ4_XS) are int4's layout of indices into llama.cpp's
+// non-linear table; splitting a chunk looks each nibble up (one byte shuffle) as its value plus
+// 128, so every path after the split is int8's arithmetic with center 128.
 #include "int_linear.h"
 
 #include "thread_pool.h"
@@ -33,9 +37,16 @@ constexpr int64_t kBlockRows = 16;
 constexpr int64_t kActBlock = 32;  // columns per activation scale
 constexpr int kMaxTile = 8;        // tokens per pass over a weight block
 
-constexpr int center_of(int bits) { return 1 << (bits - 1); }
+// IQ4 codes split into their table's values plus 128.
+constexpr int center_of(int bits) { return bits == kIq4NlBits ? 128 : 1 << (bits - 1); }
+// Bits a code takes in the packed layout.
+constexpr int stored_bits(int bits) { return bits == kIq4NlBits ? 4 : bits; }
+// Whether codes carry high bits after their nibbles (5- and 6-bit codes).
+constexpr bool has_high_bits(int bits) { return bits == 5 || bits == 6; }
 // Columns per 64-byte load of codes: 4 int8 codes per 32-bit lane, else 8 nibbles.
 constexpr int lane_cols(int bits) { return bits == 8 ? 4 : 8; }
+// llama.cpp's IQ4_NL values plus 128, as one 16-byte shuffle table.
+inline uint8_t iq4_unsigned(int index) { return static_cast<uint8_t>(kIq4NlValues[index] + 128); }
 
 // A packed weight as the kernels read it.
 struct Problem {
@@ -44,8 +55,8 @@ struct Problem {
   const half* offsets;   // same, or null
   int64_t n, k, kp;      // output rows, input columns, input columns padded (multiple of 32)
   int64_t group, groups; // columns per scale, kp / group
-  int bits;              // 8, 6, 5 or 4
-  int64_t block_bytes() const { return kBlockRows * kp * bits / 8; }
+  int bits;              // 8, 6, 5, 4 or kIq4NlBits
+  int64_t block_bytes() const { return kBlockRows * kp * stored_bits(bits) / 8; }
   // 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its nibbles).
   const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
     return block + kBlockRows * kp / 2 + chunk * 16 * (bits - 4);
@@ -137,7 +148,8 @@ inline int code_at(const Problem& p, const uint8_t* block, int64_t lane, int64_t
   const int64_t within = col % 8, at = lane * 4 + within % 4;
   const uint8_t byte = block[(col / 8) * 64 + at];
   int code = within < 4 ? byte & 0x0F : byte >> 4;
-  const uint8_t* high = p.bits > 4 ? p.high_bits(block, col / 8) : nullptr;
+  if (p.bits == kIq4NlBits) return kIq4NlValues[code];
+  const uint8_t* high = has_high_bits(p.bits) ? p.high_bits(block, col / 8) : nullptr;
   for (int h = 0; h < p.bits - 4; ++h) {
     const uint8_t* mask = high + 16 * h + (within < 4 ? 0 : 8);
     code |= ((mask[at / 8] >> (at % 8)) & 1) << (4 + h);
@@ -166,6 +178,16 @@ void block_portable(const Problem& p, const QuantInput& a, int64_t nb, int64_t m
   }
 }
 
+// llama.cpp's IQ4_NL values plus 128 (`center_of(kIq4NlBits)`), one byte per index.
+TM_AVX2 inline __m128i iq4_table_sse() {
+  alignas(16) static const std::array<uint8_t, 16> table = [] {
+    std::array<uint8_t, 16> t{};
+    for (int i = 0; i < 16; ++i) t[i] = iq4_unsigned(i);
+    return t;
+  }();
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(table.data()));
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX2 (float activations): a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
 
@@ -189,7 +211,12 @@ TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int6
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(raw, low_nibbles);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
-  if constexpr (BITS > 4) {
+  if constexpr (BITS == kIq4NlBits) {
+    const __m256i table = _mm256_broadcastsi128_si256(iq4_table_sse());
+    lo = _mm256_shuffle_epi8(table, lo);
+    hi = _mm256_shuffle_epi8(table, hi);
+  }
+  if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
     for (int h = 0; h < BITS - 4; ++h) {
       uint32_t masks[2];
@@ -269,7 +296,12 @@ TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block,
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(raw, low_nibbles);
   hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
-  if constexpr (BITS > 4) {
+  if constexpr (BITS == kIq4NlBits) {
+    const __m512i table = _mm512_broadcast_i32x4(iq4_table_sse());
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  }
+  if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
 #pragma GCC unroll 2
     for (int h = 0; h < BITS - 4; ++h) {
@@ -531,6 +563,7 @@ void quant_gemm_amx(const PackedWeight& w, const QuantInput& in, const GemmOut& 
       uint32_t* into = scratch.data() + b * block_lanes;
       switch (w.bits) {
         case 8: dequantize_block_pairs<8>(p, c + b, into); break;
+        case kIq4NlBits: dequantize_block_pairs<kIq4NlBits>(p, c + b, into); break;
         case 6: dequantize_block_pairs<6>(p, c + b, into); break;
         case 5: dequantize_block_pairs<5>(p, c + b, into); break;
         default: dequantize_block_pairs<4>(p, c + b, into);
@@ -649,6 +682,7 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
       const int tile = static_cast<int>(std::min<int64_t>(kMaxTile, in.rows - m0));
       switch (p.bits) {
         case 8: tile_dispatch<8>(p, in, nb, m0, tile, tile_out, isa); break;
+        case kIq4NlBits: tile_dispatch<kIq4NlBits>(p, in, nb, m0, tile, tile_out, isa); break;
         case 6: tile_dispatch<6>(p, in, nb, m0, tile, tile_out, isa); break;
         case 5: tile_dispatch<5>(p, in, nb, m0, tile, tile_out, isa); break;
         default: tile_dispatch<4>(p, in, nb, m0, tile, tile_out, isa);
@@ -661,8 +695,8 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
 PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
                         int64_t n, int64_t k) {
-  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4,
-              "quantized weight: bits must be 8, 6, 5 or 4");
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4 || bits == kIq4NlBits,
+              "quantized weight: bits must be 8, 6, 5, 4 or ", kIq4NlBits, " (IQ4 codes)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quantized weight: codes must be contiguous uint8 [blocks, block bytes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3,
@@ -670,7 +704,8 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
   const int64_t blocks = codes.size(0), groups = scales.size(1), kp = groups * group;
   TORCH_CHECK(group % 16 == 0 && kp % kActBlock == 0 && kp >= k && kp - k < kActBlock + group,
               "quantized weight: group size and padded width do not fit its in_features");
-  TORCH_CHECK(codes.size(1) == kBlockRows * kp * bits / 8 && scales.size(0) == blocks &&
+  TORCH_CHECK(codes.size(1) == kBlockRows * kp * stored_bits(static_cast<int>(bits)) / 8 &&
+                  scales.size(0) == blocks &&
                   scales.size(2) == kBlockRows && blocks * kBlockRows >= n &&
                   (blocks - 1) * kBlockRows < n,
               "quantized weight: codes and scales do not fit the shape");

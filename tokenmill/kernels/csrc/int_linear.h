@@ -16,6 +16,12 @@
 
 namespace tokenmill {
 
+// The `bits` of a weight whose 4-bit codes are indices into llama.cpp's IQ4_NL table (GGUF's
+// IQ4_NL / IQ4_XS blocks as stored): nibbles as int4's, each looked up in `kIq4NlValues`.
+constexpr int kIq4NlBits = 14;
+constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+
 // Rows from which a quantized product runs on AMX tiles where the CPU has them.
 constexpr int64_t kQuantAmxMinRows = 32;
 
@@ -63,7 +69,7 @@ at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
                         const c10::optional<at::Tensor>& bias, bool float32_out);
 
 // This format's PackedLinear (Python: `PackedLinear.quantized`): packed codes of `bits` (8, 6,
-// 5 or 4) with float16 scales (and offsets) per group of `group` k, viewed and kept alive.
+// 5, 4 or kIq4NlBits) with float16 scales (and offsets) per group of `group` k, viewed and kept alive.
 PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, int64_t bits,
                               int64_t group, int64_t n, int64_t k);
