@@ -15,7 +15,11 @@ group of `group_size` input columns: W = code * scale + offset. It is packed onc
   bit b for byte b of the chunk's 64), which the kernels add back with masked byte adds;
 - codes from a table (`codebook`: GGUF's IQ4_NL / IQ4_XS, whose 4-bit indices pick one of 16
   int8 values): the int4 layout of the indices; the kernels look the values up;
-- scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load.
+- scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load; or,
+  where every super-block of 256 columns of a row has its scales as a float16 times small
+  integers (GGUF's K-quants and IQ4_XS: `d * sc`), the scales factored back into those int8
+  integers per group and float16 per super-block (`factor_scales`): the file's scale bytes,
+  not 16 bits a group (a 1B Q4_K_M file's weights held at its size, not ~10 % above).
 
 Input columns are padded to a multiple of 32 (the activations' quantization block) with code
 0; rows past `out_features` are padding too. A layer holds only the packed form: rows for an
@@ -47,6 +51,11 @@ IQ4_NL_VALUES = torch.tensor(
 )
 IQ4_NL_BITS = 14
 _BIT_WEIGHTS = 1 << torch.arange(8)
+# Columns per factored scale's float16 part (csrc/int_linear.h's kSuperCols), and the integer
+# a super-block's largest scale is tried as (K-quants put it at their scale's extreme, of
+# either sign: llama.cpp's Q6_K / Q3_K / IQ4_XS make it -128 / -32 with `d` of either sign).
+SUPER_COLS = 256
+_LARGEST_SUB_SCALES = (127, -128, 63, 64, -64, 31, -32, 15, 16)
 
 
 def code_range(bits: int) -> tuple[int, int]:
@@ -66,6 +75,8 @@ class PackedWeight:
     out_features: int
     in_features: int
     codebook: torch.Tensor | None = None  # int8 [16]: the value of each 4-bit index
+    # Factored scales: `scales` int8 [blocks, groups, 16] times these [blocks, supers, 16].
+    super_scales: torch.Tensor | None = None
 
     @property
     def padded_in(self) -> int:
@@ -115,16 +126,53 @@ def pack(
     packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
     if bits in (5, 6):
         packed_codes = torch.cat([packed_codes, _high_bit_masks(unsigned, bits, blocks)], dim=1)
+    factored = factor_scales(scales, group) if width == cols else None
+    if factored is None:
+        packed_scales, super_scales = _pack_groups(scales, blocks), None
+    else:
+        packed_scales = _pack_groups(factored[0], blocks, torch.int8)
+        super_scales = _pack_groups(factored[1], blocks)
     return PackedWeight(
         packed_codes,
-        _pack_groups(scales, blocks),
+        packed_scales,
         None if offsets is None else _pack_groups(offsets, blocks),
         bits,
         group,
         rows,
         cols,
         codebook,
+        super_scales,
     )
+
+
+def factor_scales(
+    scales: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`scales` `[rows, groups]` as int8 `[rows, groups]` times float16 `[rows, supers]` (one
+    per SUPER_COLS columns), exactly, or None where some super-block's are not (scales of
+    other origins than a K-quant's `d * sc`; a width not in whole super-blocks)."""
+    rows, groups = scales.shape
+    if SUPER_COLS % group_size or (groups * group_size) % SUPER_COLS:
+        return None
+    grouped = scales.float().reshape(rows, -1, SUPER_COLS // group_size)
+    largest = grouped.abs().amax(dim=-1)
+    steps = torch.zeros_like(largest)
+    found = largest == 0  # all-zero super-blocks: any step
+    # The step takes the largest scale's sign: a sub-scale of -128 needs a step of its sign.
+    signed = _signed_largest(grouped)
+    for candidate in _LARGEST_SUB_SCALES:
+        step = (signed / candidate).half().float()
+        subs = torch.round(grouped / torch.where(step == 0, 1.0, step)[..., None])
+        exact = ((subs * step[..., None] == grouped) & (subs >= -128) & (subs <= 127)).all(-1)
+        take = exact & ~found
+        steps = torch.where(take, step, steps)
+        found |= take
+        if bool(found.all()):
+            break
+    if not bool(found.all()):
+        return None
+    subs = torch.round(grouped / torch.where(steps == 0, 1.0, steps)[..., None])
+    return subs.to(torch.int8).view(rows, groups), steps.half()
 
 
 def codebook_indices(values: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -151,10 +199,18 @@ def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Ten
     return (mask_bits.to(torch.int32) * _BIT_WEIGHTS).sum(-1).to(torch.uint8).view(blocks, -1)
 
 
-def _pack_groups(values: torch.Tensor, blocks: int) -> torch.Tensor:
+def _signed_largest(grouped: torch.Tensor) -> torch.Tensor:
+    """Each super-block's scale of the largest magnitude, with its sign."""
+    index = grouped.abs().argmax(dim=-1, keepdim=True)
+    return grouped.gather(-1, index).squeeze(-1)
+
+
+def _pack_groups(
+    values: torch.Tensor, blocks: int, dtype: torch.dtype = torch.float16
+) -> torch.Tensor:
     rows, groups = values.shape
-    padded = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=torch.float16)
-    padded[:rows] = values.to(torch.float16)
+    padded = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=dtype)
+    padded[:rows] = values.to(dtype)
     return padded.view(blocks, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
 
 
@@ -191,6 +247,10 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     else:
         codes = weight.codebook.to(torch.int16)[unsigned.long()]
     scales = weight.scales[block, :, lane].float()
+    if weight.super_scales is not None:
+        per_super = SUPER_COLS // weight.group_size
+        supers = weight.super_scales[block, :, lane].float()
+        scales = scales * supers.repeat_interleave(per_super, dim=1)
     grouped = codes.float().view(len(rows), -1, weight.group_size) * scales[..., None]
     if weight.offsets is not None:
         grouped = grouped + weight.offsets[block, :, lane].float()[..., None]
@@ -263,6 +323,7 @@ def native_quant_linear(weight: PackedWeight) -> Any:
         weight.group_size,
         weight.out_features,
         weight.in_features,
+        weight.super_scales,
     )
 
 

@@ -51,11 +51,24 @@ inline uint8_t iq4_unsigned(int index) { return static_cast<uint8_t>(kIq4NlValue
 // A packed weight as the kernels read it.
 struct Problem {
   const uint8_t* codes;  // [blocks, block_bytes]
-  const half* scales;    // [blocks, groups, 16]
-  const half* offsets;   // same, or null
+  const half* scales;    // [blocks, groups, 16], or null where factored:
+  const half* offsets;   // like scales, or null
   int64_t n, k, kp;      // output rows, input columns, input columns padded (multiple of 32)
   int64_t group, groups; // columns per scale, kp / group
   int bits;              // 8, 6, 5, 4 or kIq4NlBits
+  const int8_t* sub_scales = nullptr;   // factored scales: [blocks, groups, 16]
+  const half* super_scales = nullptr;   // times [blocks, groups / super_groups, 16]
+  int64_t super_groups = 0;
+  // Where group g's 16 scales of block nb are: (its own, its super-block's).
+  int64_t scale_at(int64_t nb, int64_t g) const { return (nb * groups + g) * kBlockRows; }
+  int64_t super_at(int64_t nb, int64_t g) const {
+    return (nb * (groups / super_groups) + g / super_groups) * kBlockRows;
+  }
+  float scale(int64_t nb, int64_t g, int64_t lane) const {
+    if (scales) return static_cast<float>(scales[scale_at(nb, g) + lane]);
+    return static_cast<float>(sub_scales[scale_at(nb, g) + lane]) *
+           static_cast<float>(super_scales[super_at(nb, g) + lane]);
+  }
   int64_t block_bytes() const { return kBlockRows * kp * stored_bits(bits) / 8; }
   // 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its nibbles).
   const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
@@ -64,8 +77,33 @@ struct Problem {
 };
 
 Problem problem_of(const PackedWeight& w) {
-  return Problem{static_cast<const uint8_t*>(w.data), w.scales, w.offsets, w.n, w.k, w.k_pad,
-                 w.group, w.k_pad / w.group, w.bits};
+  Problem p{static_cast<const uint8_t*>(w.data), w.scales, w.offsets, w.n, w.k, w.k_pad,
+            w.group, w.k_pad / w.group, w.bits};
+  p.sub_scales = w.sub_scales;
+  p.super_scales = w.super_scales;
+  p.super_groups = w.super_groups;
+  return p;
+}
+
+// The scales of group g for the 16 rows of block nb (AVX-512) or 8 of them from `lane0`.
+TM_AVX512 inline __m512 scales16(const Problem& p, int64_t nb, int64_t g) {
+  if (p.scales)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + p.scale_at(nb, g))));
+  const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sub_scales + p.scale_at(nb, g)))));
+  return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(p.super_scales + p.super_at(nb, g)))));
+}
+
+TM_AVX2 inline __m256 scales8(const Problem& p, int64_t nb, int64_t g, int64_t lane0) {
+  if (p.scales)
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.scales + p.scale_at(nb, g) + lane0)));
+  const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + p.scale_at(nb, g) + lane0))));
+  return _mm256_mul_ps(sub, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                p.super_scales + p.super_at(nb, g) + lane0))));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -170,7 +208,7 @@ void block_portable(const Problem& p, const QuantInput& a, int64_t nb, int64_t m
         for (int64_t col = g * p.group; col < (g + 1) * p.group; ++col)
           dot += static_cast<float>(code_at(p, block, lane, col)) * x[col];
         const int64_t at = (nb * p.groups + g) * kBlockRows + lane;
-        total += static_cast<float>(p.scales[at]) * dot;
+        total += p.scale(nb, g, lane) * dot;
         if (p.offsets) total += static_cast<float>(p.offsets[at]) * sums[g];
       }
       out[r * kBlockRows + lane] = total;
@@ -267,8 +305,7 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
       }
     }
     const int64_t at = (nb * p.groups + g) * kBlockRows + 8 * half_index;
-    __m256 scale =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.scales + at)));
+    __m256 scale = scales8(p, nb, g, 8 * half_index);
     __m256 offset = p.offsets ? _mm256_cvtph_ps(_mm_loadu_si128(
                                     reinterpret_cast<const __m128i*>(p.offsets + at)))
                               : _mm256_setzero_ps();
@@ -348,8 +385,7 @@ TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, i
       }
     }
     const int64_t at = (nb * p.groups + g) * kBlockRows;
-    __m512 scale =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    __m512 scale = scales16(p, nb, g);
     __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                     reinterpret_cast<const __m256i*>(p.offsets + at)))
                               : _mm512_setzero_ps();
@@ -419,7 +455,6 @@ TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb,
   __m512 total[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  const half* scales = p.scales + nb * p.groups * kBlockRows;
   const half* offsets = p.offsets ? p.offsets + nb * p.groups * kBlockRows : nullptr;
   for (int64_t g = 0; g < p.groups; ++g) {
     __m512 dot[R];
@@ -438,8 +473,7 @@ TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb,
     }
     // The codes were stored plus `center`: their dot products carry center x the group's
     // activation sum, which the offset term takes back off (offset - center x scale).
-    __m512 scale = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockRows)));
+    __m512 scale = scales16(p, nb, g);
     __m512 offset = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                   reinterpret_cast<const __m256i*>(offsets + g * kBlockRows)))
                             : _mm512_setzero_ps();
@@ -521,8 +555,7 @@ TM_AVX512 void dequantize_block_pairs(const Problem& p, int64_t nb, uint32_t* ou
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t at = (nb * p.groups + g) * kBlockRows;
-    const __m512 scale = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    const __m512 scale = scales16(p, nb, g);
     __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                     reinterpret_cast<const __m256i*>(p.offsets + at)))
                               : _mm512_setzero_ps();
@@ -694,13 +727,16 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
 
 PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
-                        int64_t n, int64_t k) {
+                        int64_t n, int64_t k, const c10::optional<at::Tensor>& super_scales) {
   TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4 || bits == kIq4NlBits,
               "quantized weight: bits must be 8, 6, 5, 4 or ", kIq4NlBits, " (IQ4 codes)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quantized weight: codes must be contiguous uint8 [blocks, block bytes]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3,
-              "quantized weight: scales must be contiguous float16 [blocks, groups, 16]");
+  const bool factored = super_scales.has_value() && super_scales->defined();
+  TORCH_CHECK(scales.scalar_type() == (factored ? at::kChar : at::kHalf) &&
+                  scales.is_contiguous() && scales.dim() == 3,
+              "quantized weight: scales must be contiguous float16 [blocks, groups, 16] (int8 "
+              "with super_scales)");
   const int64_t blocks = codes.size(0), groups = scales.size(1), kp = groups * group;
   TORCH_CHECK(group % 16 == 0 && kp % kActBlock == 0 && kp >= k && kp - k < kActBlock + group,
               "quantized weight: group size and padded width do not fit its in_features");
@@ -716,7 +752,21 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                 "quantized weight: offsets must be like scales");
   PackedWeight w{codes.data_ptr(), n, k, blocks * kBlockRows, kp, false};
   w.bits = static_cast<int>(bits);
-  w.scales = scales.data_ptr<at::Half>();
+  if (factored) {
+    const int64_t super_groups = kSuperCols / group;
+    TORCH_CHECK(kSuperCols % group == 0 && groups % super_groups == 0 &&
+                    super_scales->scalar_type() == at::kHalf && super_scales->is_contiguous() &&
+                    super_scales->dim() == 3 && super_scales->size(0) == blocks &&
+                    super_scales->size(1) == groups / super_groups &&
+                    super_scales->size(2) == kBlockRows,
+                "quantized weight: super_scales must be float16 [blocks, k_pad / ", kSuperCols,
+                ", 16] with groups dividing ", kSuperCols);
+    w.sub_scales = scales.data_ptr<int8_t>();
+    w.super_scales = super_scales->data_ptr<at::Half>();
+    w.super_groups = super_groups;
+  } else {
+    w.scales = scales.data_ptr<at::Half>();
+  }
   w.offsets = has_offsets ? offsets->data_ptr<at::Half>() : nullptr;
   w.group = group;
   return w;
@@ -724,13 +774,16 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
 
 PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, int64_t bits,
-                              int64_t group, int64_t n, int64_t k) {
+                              int64_t group, int64_t n, int64_t k,
+                              const c10::optional<at::Tensor>& super_scales) {
   std::vector<at::Tensor> tensors = {codes, scales};
   if (offsets.has_value() && offsets->defined()) tensors.push_back(*offsets);
+  if (super_scales.has_value() && super_scales->defined()) tensors.push_back(*super_scales);
   const auto product = [](const at::Tensor& x, const PackedWeight& w,
                           const std::vector<at::Tensor>&, const c10::optional<at::Tensor>& bias,
                           bool float32_out) { return quant_linear(x, w, bias, float32_out); };
-  return PackedLinear(quant_view(codes, scales, offsets, bits, group, n, k), std::move(tensors),
+  return PackedLinear(quant_view(codes, scales, offsets, bits, group, n, k, super_scales),
+                      std::move(tensors),
                       product);
 }
 
