@@ -40,8 +40,8 @@ EXPECTED_METHOD = {
     Q.Q6_K: (Int8LinearMethod, "int6-g16"),
     Q.Q4_0: (Int4LinearMethod, "int4-g32"),
     Q.Q4_K: (Int4LinearMethod, "int4-g32"),
-    Q.Q3_K: (Int4LinearMethod, "int4-g16"),
-    Q.Q2_K: (Int4LinearMethod, "int4-g16"),
+    Q.Q3_K: (Int8LinearMethod, "int3-g16"),
+    Q.Q2_K: (Int8LinearMethod, "int2-g16"),
     Q.IQ4_NL: (Int8LinearMethod, "iq4nl-g32"),
     Q.IQ4_XS: (Int8LinearMethod, "iq4nl-g32"),
 }

@@ -16,7 +16,9 @@ from tokenmill.quantization.selection import find_format
         ({Q.IQ4_XS}, "iq4nl-g32"),
         ({Q.IQ4_NL, Q.IQ4_XS}, "iq4nl-g32"),
         ({Q.IQ4_XS, Q.Q6_K}, "int8-g16"),  # IQ4 values need 8 bits beside another type
-        ({Q.Q3_K}, "int4-g16"),
+        ({Q.Q3_K}, "int3-g16"),
+        ({Q.Q2_K}, "int2-g16"),
+        ({Q.Q2_K, Q.Q3_K}, "int3-g16"),
         ({Q.Q3_K, Q.Q4_K}, "int4-g16"),  # Q4_K's groups of 32 as two of 16
         ({Q.Q2_K, Q.Q4_K}, "int4-g16"),
         ({Q.Q3_K, Q.Q5_K}, "int5-g16"),

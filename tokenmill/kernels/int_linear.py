@@ -9,6 +9,9 @@ group of `group_size` input columns: W = code * scale + offset. It is packed onc
   + 8 per nibble: byte j of a row's 4 bytes holds column j low and column 4 + j high). One
   vector load then feeds a VNNI dot product for all 16 rows, and a block streams front to back
   (llama.cpp repacks its blocks into interleaved rows for the same reason);
+- 2- and 3-bit codes (GGUF's Q2_K and Q3_K at their own width): bit pairs instead of nibbles,
+  byte j of a row's 4 bytes holding columns j, 4 + j, 8 + j and 12 + j of a 16-column chunk,
+  and a 3-bit code's high bit as a mask like the 5- and 6-bit codes' below;
 - 5- and 6-bit codes (GGUF's Q5_0, Q5_K and Q6_K at their own width, code + 16 / + 32): the
   int4 layout of their low four bits, then in the same block their high bits as bit masks, one
   pair of 64-bit masks per 8 columns and high bit (the chunk's low nibbles, then its high ones;
@@ -43,7 +46,9 @@ ACTIVATION_BLOCK = 32
 INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
 AMX_LEVEL = ISA_LEVELS.index("amx")
 # Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).
-CODE_BITS = (8, 6, 5, 4)
+CODE_BITS = (8, 6, 5, 4, 3, 2)
+# Widths whose codes carry high bits as masks after their base (nibbles, or bit pairs).
+_MASKED_BITS = (6, 5, 3)
 # llama.cpp's IQ4_NL table (IQ4_XS's too): the int8 values a 4-bit index stands for, and the
 # `bits` the native kernels take for such codes (csrc/int_linear.h's kIq4NlBits).
 IQ4_NL_VALUES = torch.tensor(
@@ -120,11 +125,15 @@ def pack(
     unsigned = (padded - code_range(bits)[0]).to(torch.uint8)
     if bits == 8:
         lanes = unsigned.view(blocks, BLOCK_ROWS, width // 4, 4)
+    elif bits < 4:  # bit pairs: byte j of a lane holds columns j, 4 + j, 8 + j, 12 + j
+        pairs = (unsigned & 0x03).view(blocks, BLOCK_ROWS, width // 16, 4, 4)
+        lanes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2)
+        lanes = lanes | (pairs[:, :, :, 2] << 4) | (pairs[:, :, :, 3] << 6)
     else:
         nibbles = (unsigned & 0x0F).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
         lanes = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
     packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
-    if bits in (5, 6):
+    if bits in _MASKED_BITS:
         packed_codes = torch.cat([packed_codes, _high_bit_masks(unsigned, bits, blocks)], dim=1)
     factored = factor_scales(scales, group) if width == cols else None
     if factored is None:
@@ -192,8 +201,9 @@ def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Ten
     `[blocks, chunks * (bits - 4) * 16]`."""
     width = unsigned.shape[1]
     # [blocks, rows, chunks, half (columns 0-3 / 4-7), j]
-    high = (unsigned >> 4).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
-    planes = torch.stack([(high >> h) & 1 for h in range(bits - 4)], dim=2)
+    base = _base_bits(bits)
+    high = (unsigned >> base).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
+    planes = torch.stack([(high >> h) & 1 for h in range(bits - base)], dim=2)
     # -> [blocks, chunks, plane, half, rows * 4 + j]: bit b of a mask is byte b of the chunk.
     mask_bits = planes.permute(0, 3, 2, 4, 1, 5).reshape(blocks, -1, 8, 8)
     return (mask_bits.to(torch.int32) * _BIT_WEIGHTS).sum(-1).to(torch.uint8).view(blocks, -1)
@@ -203,6 +213,11 @@ def _signed_largest(grouped: torch.Tensor) -> torch.Tensor:
     """Each super-block's scale of the largest magnitude, with its sign."""
     index = grouped.abs().argmax(dim=-1, keepdim=True)
     return grouped.gather(-1, index).squeeze(-1)
+
+
+def _base_bits(bits: int) -> int:
+    """Bits of a code in its chunk's base layout: bit pairs below 4 bits, else nibbles."""
+    return 2 if bits < 4 else 4
 
 
 def _pack_groups(
@@ -227,20 +242,28 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         lanes = codes.view(-1, width // 4, BLOCK_ROWS, 4)[picked_rows, :, lane]
         unsigned = lanes.reshape(len(rows), width).to(torch.int16)
     else:
-        nibble_bytes = BLOCK_ROWS * width // 2
-        lanes = codes[:, :nibble_bytes].reshape(-1, width // 8, BLOCK_ROWS, 4)
-        lanes = lanes[picked_rows, :, lane]
-        nibbles = torch.stack([lanes & 0x0F, lanes >> 4], dim=2)  # [n, width/8, 2, 4]
-        unsigned = nibbles.to(torch.int16)
-        if bits in (5, 6):
-            masks = codes[:, nibble_bytes:].reshape(-1, width // 8, bits - 4, 2, 8, 1)
+        base = _base_bits(bits)
+        base_bytes = BLOCK_ROWS * width * base // 8
+        if base == 2:
+            lanes = codes[:, :base_bytes].reshape(-1, width // 16, BLOCK_ROWS, 4)
+            lanes = lanes[picked_rows, :, lane]  # [n, width/16, 4 (j)]
+            pairs = torch.stack([(lanes >> (2 * i)) & 3 for i in range(4)], dim=2)
+            unsigned = pairs.to(torch.int16).reshape(len(rows), width // 8, 2, 4)
+        else:
+            lanes = codes[:, :base_bytes].reshape(-1, width // 8, BLOCK_ROWS, 4)
+            lanes = lanes[picked_rows, :, lane]
+            nibbles = torch.stack([lanes & 0x0F, lanes >> 4], dim=2)  # [n, width/8, 2, 4]
+            unsigned = nibbles.to(torch.int16)
+        if bits in _MASKED_BITS:
+            planes = bits - base
+            masks = codes[:, base_bytes:].reshape(-1, width // 8, planes, 2, 8, 1)
             mask_bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(
-                -1, width // 8, bits - 4, 2, BLOCK_ROWS, 4
+                -1, width // 8, planes, 2, BLOCK_ROWS, 4
             )
-            # [n, chunks, plane, half, j] -> each plane's bit onto the nibbles
+            # [n, chunks, plane, half, j] -> each plane's bit onto the base codes
             picked = mask_bits[picked_rows, :, :, :, lane].to(torch.int16)
-            for h in range(bits - 4):
-                unsigned = unsigned + (picked[:, :, h] << (4 + h))
+            for h in range(planes):
+                unsigned = unsigned + (picked[:, :, h] << (base + h))
         unsigned = unsigned.reshape(len(rows), width)
     if weight.codebook is None:
         codes = unsigned - (1 << (bits - 1))

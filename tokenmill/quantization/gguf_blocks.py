@@ -13,8 +13,7 @@ the engine's layouts as they are (only the scales rounded to float16):
   `d`; w = d * sc * (q - 32)): 6-bit groups of 16.
 - Q3_K (256 weights in 16 groups: 2 low bits and a high bit per weight, 6-bit signed scales;
   w = d * (sc - 32) * q, q in -4..3) and Q2_K (2 bits per weight, a 4-bit scale and min per
-  group of 16; w = d * sc * q - dmin * m): int4 groups of 16 (wider than the file: 3.44 and
-  2.63 bits per weight held at 5 and 6).
+  group of 16; w = d * sc * q - dmin * m): 3- and 2-bit groups of 16 (codes q and q - 2).
 - IQ4_NL (32 weights: fp16 `d`, 4-bit indices into a table of 16 int8 values) and IQ4_XS (256
   weights: fp16 `d`, a 6-bit scale per 32, the same indices): groups of 32 of the table's
   values, which the kernels hold as the indices (`kernels/int_linear.py`'s codebook).
@@ -39,7 +38,7 @@ IQ4_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
 # The width of each type's codes (5- and 6-bit ones are packed at it: kernels/int_linear.py;
 # IQ4 values are int8 wherever they share a layer with another type).
 CODE_BITS = {
-    **{Q.Q4_0: 4, Q.Q4_K: 4, Q.Q3_K: 4, Q.Q2_K: 4, Q.Q5_0: 5, Q.Q5_K: 5, Q.Q6_K: 6},
+    **{Q.Q4_0: 4, Q.Q4_K: 4, Q.Q3_K: 3, Q.Q2_K: 2, Q.Q5_0: 5, Q.Q5_K: 5, Q.Q6_K: 6},
     **{Q.Q8_0: 8, Q.IQ4_NL: 8, Q.IQ4_XS: 8},
 }
 # Columns per scale of each type (its int8/int4 group size).
@@ -169,9 +168,9 @@ def _q2_k(blocks: np.ndarray) -> Decoded:
     values = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
     scale = _half(blocks, 80) * (packed & 0x0F).astype(np.float32)
     low = _half(blocks, 82) * (packed >> 4).astype(np.float32)
-    # Codes 0..3 as they are (stored + 8): the offset is then -dmin * m alone, not 8 x scale
-    # minus it, whose float16 rounding would cost ~8x the scale's.
-    return values.reshape(-1, 256) + 8, scale, -low
+    # Codes q - 2 (-2..1, stored + 8 as int4 values): the offset is 2 x scale - dmin * m, not
+    # 8 x scale minus it, whose float16 rounding would cost ~4x more.
+    return values.reshape(-1, 256) + 6, scale, 2 * scale - low
 
 
 _IQ4_VALUES = np.array(quants.IQ4_NL.kvalues, dtype=np.int8)

@@ -211,16 +211,14 @@ class GGUFCheckpoint:
 
 def _format_of(types: set[GGMLQuantizationType]) -> str:
     """The layout that holds every part's blocks as they are, in groups of the smallest
-    part's (a group of 32 is two of 16 with one scale): IQ4 indices alone (`iq4nl-g32`), int4
-    codes for the int4 types (Q4_0, Q4_K, Q3_K, Q2_K), else codes as wide as the widest
-    part's (Q5_0 / Q5_K: 5 bits, Q6_K: 6, Q8_0 and IQ4 values: 8), else floats."""
+    part's (a group of 32 is two of 16 with one scale): IQ4 indices alone (`iq4nl-g32`), else
+    codes as wide as the widest part's (Q2_K: 2 bits, Q3_K: 3, Q4_0 / Q4_K: 4, Q5_0 / Q5_K:
+    5, Q6_K: 6, Q8_0 and IQ4 values: 8), else floats."""
     if not types <= set(INT4_TYPES + INT8_TYPES):
         return "float"
     group = min(GROUP_SIZE[t] for t in types)
     if types <= set(IQ4_TYPES):
         return f"iq4nl-g{group}"
-    if types <= set(INT4_TYPES):
-        return f"int4-g{group}"
     return f"int{max(CODE_BITS[t] for t in types)}-g{group}"
 
 

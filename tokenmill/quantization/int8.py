@@ -106,8 +106,8 @@ class Int8LinearMethod(PackedQuantMethod):
     """int8 codes with a scale per output row (`group_size` None) or per group, and offsets
     for groups where the checkpoint has them. Loads float rows (quantized as they arrive:
     online quantization), `Int8GroupWeight`s (kept as they are) or `Int4GroupWeight`s (their
-    codes widened, exactly). `code_bits` 5 or 6: the checkpoint's codes fit that width and the
-    native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
+    codes widened, exactly). `code_bits` 6, 5, 3 or 2: the checkpoint's codes fit that width
+    and the native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
     and products of more than `max_rows` rows are the fallback's. `dequantize_on`: the device
     whose torch ops run the layer (int_codes.py); None: the CPU's kernels."""
 
@@ -277,8 +277,9 @@ def int8_linear(
 
 class Int8Format(WeightFormat):
     """int8 codes with a scale per output row (`int8`: `--quantization int8`, W8A8
-    checkpoints), or per group with codes of 8, 6 or 5 bits (`int8-g32`, `int6-g16`,
-    `int5-g32`: GGUF's blocks) or IQ4 table values held as indices (`iq4nl-g32`)."""
+    checkpoints), or per group with codes of 8, 6, 5, 3 or 2 bits (`int8-g32`, `int6-g16`,
+    `int5-g32`, `int3-g16`, `int2-g16`: GGUF's blocks) or IQ4 table values held as indices
+    (`iq4nl-g32`)."""
 
     family = "int8"
     online = MappingProxyType({"int8": "int8"})
@@ -306,7 +307,7 @@ _IQ4 = "iq4nl-g"
 
 def _grouped_bits(name: str) -> int | None:
     """The code width of a grouped name (`int<bits>-g<group>`), or None."""
-    for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
+    for bits in (8, 6, 5, 3, 2):  # int8 codes, or GGUF's narrower ones at their own width
         if name.startswith(f"int{bits}-g"):
             return bits
     return None

@@ -15,6 +15,11 @@
 // belonging to byte b of the chunk (`split_chunk_avx512` adds them back with two masked
 // byte adds). Codes are stored plus 16 (5-bit) or 32 (6-bit).
 //
+// 2- and 3-bit codes (GGUF's Q2_K / Q3_K at their width) are bit pairs instead of nibbles:
+// each 64-byte chunk holds 16 columns, byte j of a row's lane column j in bits 0-1, 4 + j in
+// bits 2-3, 8 + j in 4-5 and 12 + j in 6-7; a 3-bit code's high bit follows as 5- and 6-bit
+// codes' do (one pair of masks per 8 columns). Split per 8 columns like the nibbles.
+//
 // IQ4 codes (kIq4NlBits: GGUF's IQ4_NL / IQ4_XS) are int4's layout of indices into llama.cpp's
 // non-linear table; splitting a chunk looks each nibble up (one byte shuffle) as its value plus
 // 128, so every path after the split is int8's arithmetic with center 128.
@@ -41,8 +46,10 @@ constexpr int kMaxTile = 8;        // tokens per pass over a weight block
 constexpr int center_of(int bits) { return bits == kIq4NlBits ? 128 : 1 << (bits - 1); }
 // Bits a code takes in the packed layout.
 constexpr int stored_bits(int bits) { return bits == kIq4NlBits ? 4 : bits; }
+// Bits of a code in its chunk's base layout: nibbles, or bit pairs for 2- and 3-bit codes.
+constexpr int base_bits(int bits) { return bits < 4 ? 2 : 4; }
 // Whether codes carry high bits after their nibbles (5- and 6-bit codes).
-constexpr bool has_high_bits(int bits) { return bits == 5 || bits == 6; }
+constexpr bool has_high_bits(int bits) { return bits == 5 || bits == 6 || bits == 3; }
 // Columns per 64-byte load of codes: 4 int8 codes per 32-bit lane, else 8 nibbles.
 constexpr int lane_cols(int bits) { return bits == 8 ? 4 : 8; }
 // llama.cpp's IQ4_NL values plus 128, as one 16-byte shuffle table.
@@ -70,9 +77,9 @@ struct Problem {
            static_cast<float>(super_scales[super_at(nb, g) + lane]);
   }
   int64_t block_bytes() const { return kBlockRows * kp * stored_bits(bits) / 8; }
-  // 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its nibbles).
+  // 3-, 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its base).
   const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
-    return block + kBlockRows * kp / 2 + chunk * 16 * (bits - 4);
+    return block + kBlockRows * kp * base_bits(bits) / 8 + chunk * 16 * (bits - base_bits(bits));
   }
 };
 
@@ -184,13 +191,20 @@ void group_sums(const QuantInput& a, int64_t row, float* out) {
 inline int code_at(const Problem& p, const uint8_t* block, int64_t lane, int64_t col) {
   if (p.bits == 8) return block[(col / 4) * 64 + lane * 4 + col % 4] - 128;
   const int64_t within = col % 8, at = lane * 4 + within % 4;
-  const uint8_t byte = block[(col / 8) * 64 + at];
-  int code = within < 4 ? byte & 0x0F : byte >> 4;
+  const int base = base_bits(p.bits);
+  int code;
+  if (base == 2) {
+    const uint8_t byte = block[(col / 16) * 64 + at];
+    code = (byte >> (2 * ((col % 16) / 4))) & 3;
+  } else {
+    const uint8_t byte = block[(col / 8) * 64 + at];
+    code = within < 4 ? byte & 0x0F : byte >> 4;
+  }
   if (p.bits == kIq4NlBits) return kIq4NlValues[code];
   const uint8_t* high = has_high_bits(p.bits) ? p.high_bits(block, col / 8) : nullptr;
-  for (int h = 0; h < p.bits - 4; ++h) {
+  for (int h = 0; h < p.bits - base; ++h) {
     const uint8_t* mask = high + 16 * h + (within < 4 ? 0 : 8);
-    code |= ((mask[at / 8] >> (at % 8)) & 1) << (4 + h);
+    code |= ((mask[at / 8] >> (at % 8)) & 1) << (base + h);
   }
   return code - center_of(p.bits);
 }
@@ -244,11 +258,21 @@ TM_AVX2 inline __m256i expand_bits_avx2(uint32_t mask) {
 template <int BITS>
 TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int64_t chunk,
                                     int half_index, __m256i& lo, __m256i& hi) {
-  const __m256i raw = _mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half_index));
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  lo = _mm256_and_si256(raw, low_nibbles);
-  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+  if constexpr (base_bits(BITS) == 2) {
+    // Bit pairs: this 8-column chunk is half (chunk % 2) of a 16-column byte chunk.
+    const __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(block + (chunk / 2) * 64 + 32 * half_index));
+    const __m256i pair = _mm256_set1_epi8(0x03);
+    const int shift = 4 * static_cast<int>(chunk % 2);
+    lo = _mm256_and_si256(_mm256_srli_epi16(raw, shift), pair);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, shift + 2), pair);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half_index));
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(raw, low_nibbles);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+  }
   if constexpr (BITS == kIq4NlBits) {
     const __m256i table = _mm256_broadcastsi128_si256(iq4_table_sse());
     lo = _mm256_shuffle_epi8(table, lo);
@@ -256,11 +280,11 @@ TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int6
   }
   if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
-    for (int h = 0; h < BITS - 4; ++h) {
+    for (int h = 0; h < BITS - base_bits(BITS); ++h) {
       uint32_t masks[2];
       std::memcpy(&masks[0], high + 16 * h + 4 * half_index, 4);
       std::memcpy(&masks[1], high + 16 * h + 8 + 4 * half_index, 4);
-      const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << h));
+      const __m256i add = _mm256_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
       lo = _mm256_add_epi8(lo, _mm256_and_si256(expand_bits_avx2(masks[0]), add));
       hi = _mm256_add_epi8(hi, _mm256_and_si256(expand_bits_avx2(masks[1]), add));
     }
@@ -329,10 +353,19 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
 template <int BITS>
 TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block, int64_t chunk,
                                          __m512i& lo, __m512i& hi) {
-  const __m512i raw = _mm512_loadu_si512(block + chunk * 64);
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(raw, low_nibbles);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+  if constexpr (base_bits(BITS) == 2) {
+    // Bit pairs: this 8-column chunk is half (chunk % 2) of a 16-column byte chunk.
+    const __m512i raw = _mm512_loadu_si512(block + (chunk / 2) * 64);
+    const __m512i pair = _mm512_set1_epi8(0x03);
+    const unsigned shift = 4 * static_cast<unsigned>(chunk % 2);
+    lo = _mm512_and_si512(_mm512_srli_epi16(raw, shift), pair);
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, shift + 2), pair);
+  } else {
+    const __m512i raw = _mm512_loadu_si512(block + chunk * 64);
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(raw, low_nibbles);
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+  }
   if constexpr (BITS == kIq4NlBits) {
     const __m512i table = _mm512_broadcast_i32x4(iq4_table_sse());
     lo = _mm512_shuffle_epi8(table, lo);
@@ -341,10 +374,10 @@ TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block,
   if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
 #pragma GCC unroll 2
-    for (int h = 0; h < BITS - 4; ++h) {
+    for (int h = 0; h < BITS - base_bits(BITS); ++h) {
       uint64_t masks[2];
       std::memcpy(masks, high + 16 * h, 16);
-      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << h));
+      const __m512i add = _mm512_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
       lo = _mm512_mask_add_epi8(lo, masks[0], lo, add);
       hi = _mm512_mask_add_epi8(hi, masks[1], hi, add);
     }
@@ -599,6 +632,8 @@ void quant_gemm_amx(const PackedWeight& w, const QuantInput& in, const GemmOut& 
         case kIq4NlBits: dequantize_block_pairs<kIq4NlBits>(p, c + b, into); break;
         case 6: dequantize_block_pairs<6>(p, c + b, into); break;
         case 5: dequantize_block_pairs<5>(p, c + b, into); break;
+        case 3: dequantize_block_pairs<3>(p, c + b, into); break;
+        case 2: dequantize_block_pairs<2>(p, c + b, into); break;
         default: dequantize_block_pairs<4>(p, c + b, into);
       }
     }
@@ -718,6 +753,8 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
         case kIq4NlBits: tile_dispatch<kIq4NlBits>(p, in, nb, m0, tile, tile_out, isa); break;
         case 6: tile_dispatch<6>(p, in, nb, m0, tile, tile_out, isa); break;
         case 5: tile_dispatch<5>(p, in, nb, m0, tile, tile_out, isa); break;
+        case 3: tile_dispatch<3>(p, in, nb, m0, tile, tile_out, isa); break;
+        case 2: tile_dispatch<2>(p, in, nb, m0, tile, tile_out, isa); break;
         default: tile_dispatch<4>(p, in, nb, m0, tile, tile_out, isa);
       }
       store_tile(tile_out, tile, nb, m0, out);
@@ -728,8 +765,9 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
 PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
                         int64_t n, int64_t k, const c10::optional<at::Tensor>& super_scales) {
-  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4 || bits == kIq4NlBits,
-              "quantized weight: bits must be 8, 6, 5, 4 or ", kIq4NlBits, " (IQ4 codes)");
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4 || bits == 3 || bits == 2 ||
+                  bits == kIq4NlBits,
+              "quantized weight: bits must be 8, 6, 5, 4, 3, 2 or ", kIq4NlBits, " (IQ4 codes)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quantized weight: codes must be contiguous uint8 [blocks, block bytes]");
   const bool factored = super_scales.has_value() && super_scales->defined();
