@@ -43,6 +43,10 @@ def test_k_quant_scales_factor_exactly_and_others_do_not() -> None:
     per_super = SUPER_COLS // 16
     assert torch.equal(subs.float() * supers.float().repeat_interleave(per_super, 1), scales)
     assert factor_scales(torch.rand(48, 32) * 0.01, 16) is None  # arbitrary float scales
+    # A quantizer that leaves its largest sub-scale short of the extreme (50 of 63).
+    unusual = k_quant_scales(16, 512, 32, 50, seed=5)
+    subs, supers = factor_scales(unusual, 32)
+    assert torch.equal(subs.float() * supers.float().repeat_interleave(8, 1), unusual)
     assert factor_scales(k_quant_scales(8, 512, 32, 63, seed=2)[:, :12], 32) is None  # 384 cols
 
 

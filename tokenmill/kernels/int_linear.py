@@ -163,25 +163,60 @@ def factor_scales(
     rows, groups = scales.shape
     if SUPER_COLS % group_size or (groups * group_size) % SUPER_COLS:
         return None
-    grouped = scales.float().reshape(rows, -1, SUPER_COLS // group_size)
-    largest = grouped.abs().amax(dim=-1)
-    steps = torch.zeros_like(largest)
-    found = largest == 0  # all-zero super-blocks: any step
+    grouped = scales.float().reshape(-1, SUPER_COLS // group_size)  # [rows * supers, per]
     # The step takes the largest scale's sign: a sub-scale of -128 needs a step of its sign.
     signed = _signed_largest(grouped)
-    for candidate in _LARGEST_SUB_SCALES:
+    steps = torch.zeros_like(signed)
+    left = torch.nonzero(signed != 0).flatten()  # all-zero super-blocks: any step
+    # The extremes first (where llama.cpp's quantizers put the largest), then every other
+    # integer; on the first few super-blocks before all of them, so that scales of no K-quant
+    # (Q8_0's, online quantization's) are turned down at the cost of those few.
+    others = [k for k in range(1, 129) if k not in _LARGEST_SUB_SCALES]
+    candidates = (*_LARGEST_SUB_SCALES, *others, *(-k for k in others))
+    probe = left[:64]
+    if len(_factor_into(steps, grouped, signed, probe, candidates)):
+        return None
+    found = signed == 0
+    found[probe] = True
+    # The probe's commonest integer first (a file's quantizer puts its largest at one place).
+    usual = torch.round(signed[probe] / steps[probe]).mode().values.item() if len(probe) else 63
+    order = (int(usual), *(k for k in _LARGEST_SUB_SCALES if k != int(usual)))
+    for candidate in order:  # on whole tensors: most super-blocks end here
         step = (signed / candidate).half().float()
-        subs = torch.round(grouped / torch.where(step == 0, 1.0, step)[..., None])
-        exact = ((subs * step[..., None] == grouped) & (subs >= -128) & (subs <= 127)).all(-1)
-        take = exact & ~found
+        subs = torch.round(grouped / torch.where(step == 0, 1.0, step)[:, None])
+        exact = ((subs * step[:, None] == grouped) & (subs >= -128) & (subs <= 127)).all(-1)
+        take = exact & ~found & (step != 0)
         steps = torch.where(take, step, steps)
         found |= take
         if bool(found.all()):
             break
-    if not bool(found.all()):
+    rest = torch.nonzero(~found).flatten()
+    if len(_factor_into(steps, grouped, signed, rest, candidates)):
         return None
-    subs = torch.round(grouped / torch.where(steps == 0, 1.0, steps)[..., None])
-    return subs.to(torch.int8).view(rows, groups), steps.half()
+    subs = torch.round(grouped / torch.where(steps == 0, 1.0, steps)[:, None])
+    return subs.to(torch.int8).view(rows, groups), steps.half().view(rows, -1)
+
+
+def _factor_into(
+    steps: torch.Tensor,
+    grouped: torch.Tensor,
+    signed: torch.Tensor,
+    left: torch.Tensor,
+    candidates: tuple[int, ...] | list[int],
+) -> torch.Tensor:
+    """Try each candidate integer for the largest scale of the super-blocks `left`, writing
+    the steps that factor exactly into `steps`; returns the super-blocks still left."""
+    for candidate in candidates:
+        if len(left) == 0:
+            break
+        step = (signed[left] / candidate).half().float()
+        part = grouped[left]
+        subs = torch.round(part / torch.where(step == 0, 1.0, step)[:, None])
+        exact = (subs * step[:, None] == part) & (subs >= -128) & (subs <= 127)
+        exact = exact.all(-1) & (step != 0)
+        steps[left[exact]] = step[exact]
+        left = left[~exact]
+    return left
 
 
 def codebook_indices(values: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
