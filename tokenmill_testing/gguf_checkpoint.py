@@ -130,7 +130,109 @@ def encode_q6_k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(weight.shape[0], -1)
 
 
-_ENCODERS = {Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k, Q.Q6_K: encode_q6_k}
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _pack_pairs(values: np.ndarray) -> np.ndarray:
+    """`[blocks, 256]` 2-bit values -> 64 bytes: two halves of 32 bytes, bit pair i of byte
+    l holding weight 128 h + 32 i + l (Q2_K's and Q3_K's qs)."""
+    parts = values.reshape(-1, 2, 4, 32).astype(np.uint8)
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    return (parts << shifts).sum(axis=2).astype(np.uint8).reshape(-1, 64)
+
+
+def encode_q3_k(weight: np.ndarray) -> np.ndarray:
+    """Q3_K blocks (110 bytes per 256 weights): 16 groups of 16 with 6-bit signed scales
+    relative to fp16 `d`, values -4..3 as 2 low bits (qs) and a high bit (hmask, set for
+    values >= 0)."""
+    groups = weight.astype(np.float32).reshape(-1, 16, 16)
+    step = np.maximum(np.abs(groups).max(axis=-1) / 4, 1e-8)
+    d = (step.max(axis=-1) / 31).astype(np.float16)
+    sc = np.clip(np.round(step / d.astype(np.float32)[:, None]), 1, 31).astype(np.int16)
+    scale = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.round(groups / scale[..., None]), -4, 3).astype(np.int16) + 4  # 0..7
+    q = q.reshape(-1, 256)
+    high = (q >> 2).reshape(-1, 8, 32).astype(np.uint8)
+    hmask = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
+    stored = (sc + 32).astype(np.uint8)  # [blocks, 16], 6 bits
+    packed = np.zeros((stored.shape[0], 12), dtype=np.uint8)
+    for j in range(16):
+        packed[:, j % 8] |= ((stored[:, j] & 0x0F) << (4 * (j // 8))).astype(np.uint8)
+        packed[:, 8 + j % 4] |= ((stored[:, j] >> 4) << (2 * (j // 4))).astype(np.uint8)
+    blocks = np.concatenate([hmask, _pack_pairs(q & 3), packed, _f16_bytes(d)], axis=1)
+    return blocks.reshape(weight.shape[0], -1)
+
+
+def encode_q2_k(weight: np.ndarray) -> np.ndarray:
+    """Q2_K blocks (84 bytes per 256 weights): 16 groups of 16, values 0..3, a 4-bit scale
+    and min per group relative to fp16 `d` and `dmin`."""
+    groups = weight.astype(np.float32).reshape(-1, 16, 16)
+    low = np.minimum(groups.min(axis=-1), 0)
+    step = np.maximum((groups.max(axis=-1) - low) / 3, 1e-8)
+    d = (step.max(axis=-1) / 15).astype(np.float16)
+    dmin = np.maximum(-low.min(axis=-1) / 15, 1e-8).astype(np.float16)
+    sc = np.clip(np.round(step / d.astype(np.float32)[:, None]), 1, 15).astype(np.uint8)
+    m = np.clip(np.round(-low / dmin.astype(np.float32)[:, None]), 0, 15).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.round((groups + offset[..., None]) / scale[..., None]), 0, 3)
+    blocks = np.concatenate(
+        [sc | (m << 4), _pack_pairs(q.reshape(-1, 256)), _f16_bytes(d), _f16_bytes(dmin)], axis=1
+    )
+    return blocks.reshape(weight.shape[0], -1)
+
+
+_IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+
+
+def _iq4_indices(groups: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """`[n, 32]` weights over `[n]` scales -> 16 bytes of nearest table indices each (low
+    nibbles: weights 0-15)."""
+    scaled = groups / np.where(scale == 0, 1, scale)[:, None]
+    index = np.abs(scaled[..., None] - _IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+    return index[:, :16] | (index[:, 16:] << 4)
+
+
+def encode_iq4_nl(weight: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks (18 bytes per 32 weights): fp16 `d` = max|w| / 127, nearest indices."""
+    groups = weight.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(groups).max(axis=-1) / 127).astype(np.float16)
+    qs = _iq4_indices(groups, d.astype(np.float32))
+    return np.concatenate([_f16_bytes(d), qs], axis=1).reshape(weight.shape[0], -1)
+
+
+def encode_iq4_xs(weight: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks (136 bytes per 256 weights): fp16 `d`, a 6-bit scale per 32 (d x (ls -
+    32), ls 0..63, top bit pairs in 2 bytes, low nibbles in 4), nearest indices."""
+    groups = weight.astype(np.float32).reshape(-1, 8, 32)
+    step = np.abs(groups).max(axis=-1) / 127
+    d = np.maximum(step.max(axis=-1) / 31, 1e-8).astype(np.float16)
+    ls = np.clip(np.round(step / d.astype(np.float32)[:, None]), 0, 31).astype(np.uint16) + 32
+    qs = _iq4_indices(groups.reshape(-1, 32), (d.astype(np.float32)[:, None] * (ls - 32.0)).ravel())
+    top = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1).astype(np.uint16)
+    low = (ls & 0x0F).astype(np.uint8)
+    blocks = np.concatenate(
+        [
+            _f16_bytes(d),
+            top.view(np.uint8).reshape(-1, 2),
+            low[:, 0::2] | (low[:, 1::2] << 4),
+            qs.reshape(-1, 128),
+        ],
+        axis=1,
+    )
+    return blocks.reshape(weight.shape[0], -1)
+
+
+_ENCODERS = {
+    Q.Q2_K: encode_q2_k,
+    Q.Q3_K: encode_q3_k,
+    Q.Q4_K: encode_q4_k,
+    Q.Q5_K: encode_q5_k,
+    Q.Q6_K: encode_q6_k,
+    Q.IQ4_NL: encode_iq4_nl,
+    Q.IQ4_XS: encode_iq4_xs,
+}
 
 
 def encode(weight: np.ndarray, qtype: Q) -> np.ndarray:

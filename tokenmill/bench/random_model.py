@@ -83,6 +83,22 @@ PRESETS = {
             dtype="bfloat16",
         ),
     ),
+    # Llama-3.2-3B's shape (its 128256-token vocabulary cut to the demo tokenizer's 49152, as
+    # the 1B preset's): widths multiples of 256, so llama-quantize writes real K-quants.
+    "3b": Preset(
+        "bench-llama-3b-shaped-v1",
+        dict(
+            hidden_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            dtype="bfloat16",
+        ),
+    ),
 }
 
 

@@ -9,11 +9,20 @@ group of `group_size` input columns: W = code * scale + offset. It is packed onc
   + 8 per nibble: byte j of a row's 4 bytes holds column j low and column 4 + j high). One
   vector load then feeds a VNNI dot product for all 16 rows, and a block streams front to back
   (llama.cpp repacks its blocks into interleaved rows for the same reason);
+- 2- and 3-bit codes (GGUF's Q2_K and Q3_K at their own width): bit pairs instead of nibbles,
+  byte j of a row's 4 bytes holding columns j, 4 + j, 8 + j and 12 + j of a 16-column chunk,
+  and a 3-bit code's high bit as a mask like the 5- and 6-bit codes' below;
 - 5- and 6-bit codes (GGUF's Q5_0, Q5_K and Q6_K at their own width, code + 16 / + 32): the
   int4 layout of their low four bits, then in the same block their high bits as bit masks, one
   pair of 64-bit masks per 8 columns and high bit (the chunk's low nibbles, then its high ones;
   bit b for byte b of the chunk's 64), which the kernels add back with masked byte adds;
-- scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load.
+- codes from a table (`codebook`: GGUF's IQ4_NL / IQ4_XS, whose 4-bit indices pick one of 16
+  int8 values): the int4 layout of the indices; the kernels look the values up;
+- scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load; or,
+  where every super-block of 256 columns of a row has its scales as a float16 times small
+  integers (GGUF's K-quants and IQ4_XS: `d * sc`), the scales factored back into those int8
+  integers per group and float16 per super-block (`factor_scales`): the file's scale bytes,
+  not 16 bits a group (a 1B Q4_K_M file's weights held at its size, not ~10 % above).
 
 Input columns are padded to a multiple of 32 (the activations' quantization block) with code
 0; rows past `out_features` are padding too. A layer holds only the packed form: rows for an
@@ -37,8 +46,21 @@ ACTIVATION_BLOCK = 32
 INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
 AMX_LEVEL = ISA_LEVELS.index("amx")
 # Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).
-CODE_BITS = (8, 6, 5, 4)
+CODE_BITS = (8, 6, 5, 4, 3, 2)
+# Widths whose codes carry high bits as masks after their base (nibbles, or bit pairs).
+_MASKED_BITS = (6, 5, 3)
+# llama.cpp's IQ4_NL table (IQ4_XS's too): the int8 values a 4-bit index stands for, and the
+# `bits` the native kernels take for such codes (csrc/int_linear.h's kIq4NlBits).
+IQ4_NL_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+IQ4_NL_BITS = 14
 _BIT_WEIGHTS = 1 << torch.arange(8)
+# Columns per factored scale's float16 part (csrc/int_linear.h's kSuperCols), and the integer
+# a super-block's largest scale is tried as (K-quants put it at their scale's extreme, of
+# either sign: llama.cpp's Q6_K / Q3_K / IQ4_XS make it -128 / -32 with `d` of either sign).
+SUPER_COLS = 256
+_LARGEST_SUB_SCALES = (127, -128, 63, 64, -64, 31, -32, 15, 16)
 
 
 def code_range(bits: int) -> tuple[int, int]:
@@ -57,6 +79,9 @@ class PackedWeight:
     group_size: int
     out_features: int
     in_features: int
+    codebook: torch.Tensor | None = None  # int8 [16]: the value of each 4-bit index
+    # Factored scales: `scales` int8 [blocks, groups, 16] times these [blocks, supers, 16].
+    super_scales: torch.Tensor | None = None
 
     @property
     def padded_in(self) -> int:
@@ -83,11 +108,15 @@ def pack(
     offsets: torch.Tensor | None,
     bits: int,
     group_size: int | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> PackedWeight:
     """Pack signed `codes` `[out, in]` (within `code_range(bits)`) with `scales` (and
-    `offsets`) `[out, groups]`; `group_size` None means one scale per row."""
+    `offsets`) `[out, groups]`; `group_size` None means one scale per row. With a `codebook`
+    (int8 `[16]`, 4 bits) the codes are values of the table, packed as their indices."""
     if bits not in CODE_BITS:
         raise ValueError(f"{bits}-bit codes have no packed layout")
+    if codebook is not None:
+        codes = codebook_indices(codes, codebook) + code_range(4)[0]
     rows, cols = codes.shape
     width, group = padded_width(cols, group_size)
     blocks = -(-rows // BLOCK_ROWS)
@@ -96,21 +125,110 @@ def pack(
     unsigned = (padded - code_range(bits)[0]).to(torch.uint8)
     if bits == 8:
         lanes = unsigned.view(blocks, BLOCK_ROWS, width // 4, 4)
+    elif bits < 4:  # bit pairs: byte j of a lane holds columns j, 4 + j, 8 + j, 12 + j
+        pairs = (unsigned & 0x03).view(blocks, BLOCK_ROWS, width // 16, 4, 4)
+        lanes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2)
+        lanes = lanes | (pairs[:, :, :, 2] << 4) | (pairs[:, :, :, 3] << 6)
     else:
         nibbles = (unsigned & 0x0F).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
         lanes = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
     packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
-    if bits in (5, 6):
+    if bits in _MASKED_BITS:
         packed_codes = torch.cat([packed_codes, _high_bit_masks(unsigned, bits, blocks)], dim=1)
+    factored = factor_scales(scales, group) if width == cols else None
+    if factored is None:
+        packed_scales, super_scales = _pack_groups(scales, blocks), None
+    else:
+        packed_scales = _pack_groups(factored[0], blocks, torch.int8)
+        super_scales = _pack_groups(factored[1], blocks)
     return PackedWeight(
         packed_codes,
-        _pack_groups(scales, blocks),
+        packed_scales,
         None if offsets is None else _pack_groups(offsets, blocks),
         bits,
         group,
         rows,
         cols,
+        codebook,
+        super_scales,
     )
+
+
+def factor_scales(
+    scales: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`scales` `[rows, groups]` as int8 `[rows, groups]` times float16 `[rows, supers]` (one
+    per SUPER_COLS columns), exactly, or None where some super-block's are not (scales of
+    other origins than a K-quant's `d * sc`; a width not in whole super-blocks)."""
+    rows, groups = scales.shape
+    if SUPER_COLS % group_size or (groups * group_size) % SUPER_COLS:
+        return None
+    grouped = scales.float().reshape(-1, SUPER_COLS // group_size)  # [rows * supers, per]
+    # The step takes the largest scale's sign: a sub-scale of -128 needs a step of its sign.
+    signed = _signed_largest(grouped)
+    steps = torch.zeros_like(signed)
+    left = torch.nonzero(signed != 0).flatten()  # all-zero super-blocks: any step
+    # The extremes first (where llama.cpp's quantizers put the largest), then every other
+    # integer; on the first few super-blocks before all of them, so that scales of no K-quant
+    # (Q8_0's, online quantization's) are turned down at the cost of those few.
+    others = [k for k in range(1, 129) if k not in _LARGEST_SUB_SCALES]
+    candidates = (*_LARGEST_SUB_SCALES, *others, *(-k for k in others))
+    probe = left[:64]
+    if len(_factor_into(steps, grouped, signed, probe, candidates)):
+        return None
+    found = signed == 0
+    found[probe] = True
+    # The probe's commonest integer first (a file's quantizer puts its largest at one place).
+    usual = torch.round(signed[probe] / steps[probe]).mode().values.item() if len(probe) else 63
+    order = (int(usual), *(k for k in _LARGEST_SUB_SCALES if k != int(usual)))
+    for candidate in order:  # on whole tensors: most super-blocks end here
+        step = (signed / candidate).half().float()
+        subs = torch.round(grouped / torch.where(step == 0, 1.0, step)[:, None])
+        exact = ((subs * step[:, None] == grouped) & (subs >= -128) & (subs <= 127)).all(-1)
+        take = exact & ~found & (step != 0)
+        steps = torch.where(take, step, steps)
+        found |= take
+        if bool(found.all()):
+            break
+    rest = torch.nonzero(~found).flatten()
+    if len(_factor_into(steps, grouped, signed, rest, candidates)):
+        return None
+    subs = torch.round(grouped / torch.where(steps == 0, 1.0, steps)[:, None])
+    return subs.to(torch.int8).view(rows, groups), steps.half().view(rows, -1)
+
+
+def _factor_into(
+    steps: torch.Tensor,
+    grouped: torch.Tensor,
+    signed: torch.Tensor,
+    left: torch.Tensor,
+    candidates: tuple[int, ...] | list[int],
+) -> torch.Tensor:
+    """Try each candidate integer for the largest scale of the super-blocks `left`, writing
+    the steps that factor exactly into `steps`; returns the super-blocks still left."""
+    for candidate in candidates:
+        if len(left) == 0:
+            break
+        step = (signed[left] / candidate).half().float()
+        part = grouped[left]
+        subs = torch.round(part / torch.where(step == 0, 1.0, step)[:, None])
+        exact = (subs * step[:, None] == part) & (subs >= -128) & (subs <= 127)
+        exact = exact.all(-1) & (step != 0)
+        steps[left[exact]] = step[exact]
+        left = left[~exact]
+    return left
+
+
+def codebook_indices(values: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Each int8 value's index in `codebook` (a table of 16 distinct values), int16."""
+    if codebook.shape != (16,) or len(set(codebook.tolist())) != 16:
+        raise ValueError("a codebook is 16 distinct int8 values")
+    inverse = torch.full((256,), -1, dtype=torch.int16)
+    inverse[codebook.to(torch.int64) + 128] = torch.arange(16, dtype=torch.int16)
+    indices = inverse[values.to(torch.int64) + 128]
+    if (indices < 0).any():
+        raise ValueError("codes outside the codebook's values")
+    return indices
 
 
 def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Tensor:
@@ -118,17 +236,31 @@ def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Ten
     `[blocks, chunks * (bits - 4) * 16]`."""
     width = unsigned.shape[1]
     # [blocks, rows, chunks, half (columns 0-3 / 4-7), j]
-    high = (unsigned >> 4).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
-    planes = torch.stack([(high >> h) & 1 for h in range(bits - 4)], dim=2)
+    base = _base_bits(bits)
+    high = (unsigned >> base).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
+    planes = torch.stack([(high >> h) & 1 for h in range(bits - base)], dim=2)
     # -> [blocks, chunks, plane, half, rows * 4 + j]: bit b of a mask is byte b of the chunk.
     mask_bits = planes.permute(0, 3, 2, 4, 1, 5).reshape(blocks, -1, 8, 8)
     return (mask_bits.to(torch.int32) * _BIT_WEIGHTS).sum(-1).to(torch.uint8).view(blocks, -1)
 
 
-def _pack_groups(values: torch.Tensor, blocks: int) -> torch.Tensor:
+def _signed_largest(grouped: torch.Tensor) -> torch.Tensor:
+    """Each super-block's scale of the largest magnitude, with its sign."""
+    index = grouped.abs().argmax(dim=-1, keepdim=True)
+    return grouped.gather(-1, index).squeeze(-1)
+
+
+def _base_bits(bits: int) -> int:
+    """Bits of a code in its chunk's base layout: bit pairs below 4 bits, else nibbles."""
+    return 2 if bits < 4 else 4
+
+
+def _pack_groups(
+    values: torch.Tensor, blocks: int, dtype: torch.dtype = torch.float16
+) -> torch.Tensor:
     rows, groups = values.shape
-    padded = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=torch.float16)
-    padded[:rows] = values.to(torch.float16)
+    padded = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=dtype)
+    padded[:rows] = values.to(dtype)
     return padded.view(blocks, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
 
 
@@ -145,23 +277,38 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         lanes = codes.view(-1, width // 4, BLOCK_ROWS, 4)[picked_rows, :, lane]
         unsigned = lanes.reshape(len(rows), width).to(torch.int16)
     else:
-        nibble_bytes = BLOCK_ROWS * width // 2
-        lanes = codes[:, :nibble_bytes].reshape(-1, width // 8, BLOCK_ROWS, 4)
-        lanes = lanes[picked_rows, :, lane]
-        nibbles = torch.stack([lanes & 0x0F, lanes >> 4], dim=2)  # [n, width/8, 2, 4]
-        unsigned = nibbles.to(torch.int16)
-        if bits in (5, 6):
-            masks = codes[:, nibble_bytes:].reshape(-1, width // 8, bits - 4, 2, 8, 1)
+        base = _base_bits(bits)
+        base_bytes = BLOCK_ROWS * width * base // 8
+        if base == 2:
+            lanes = codes[:, :base_bytes].reshape(-1, width // 16, BLOCK_ROWS, 4)
+            lanes = lanes[picked_rows, :, lane]  # [n, width/16, 4 (j)]
+            pairs = torch.stack([(lanes >> (2 * i)) & 3 for i in range(4)], dim=2)
+            unsigned = pairs.to(torch.int16).reshape(len(rows), width // 8, 2, 4)
+        else:
+            lanes = codes[:, :base_bytes].reshape(-1, width // 8, BLOCK_ROWS, 4)
+            lanes = lanes[picked_rows, :, lane]
+            nibbles = torch.stack([lanes & 0x0F, lanes >> 4], dim=2)  # [n, width/8, 2, 4]
+            unsigned = nibbles.to(torch.int16)
+        if bits in _MASKED_BITS:
+            planes = bits - base
+            masks = codes[:, base_bytes:].reshape(-1, width // 8, planes, 2, 8, 1)
             mask_bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(
-                -1, width // 8, bits - 4, 2, BLOCK_ROWS, 4
+                -1, width // 8, planes, 2, BLOCK_ROWS, 4
             )
-            # [n, chunks, plane, half, j] -> each plane's bit onto the nibbles
+            # [n, chunks, plane, half, j] -> each plane's bit onto the base codes
             picked = mask_bits[picked_rows, :, :, :, lane].to(torch.int16)
-            for h in range(bits - 4):
-                unsigned = unsigned + (picked[:, :, h] << (4 + h))
+            for h in range(planes):
+                unsigned = unsigned + (picked[:, :, h] << (base + h))
         unsigned = unsigned.reshape(len(rows), width)
-    codes = unsigned - (1 << (bits - 1))
+    if weight.codebook is None:
+        codes = unsigned - (1 << (bits - 1))
+    else:
+        codes = weight.codebook.to(torch.int16)[unsigned.long()]
     scales = weight.scales[block, :, lane].float()
+    if weight.super_scales is not None:
+        per_super = SUPER_COLS // weight.group_size
+        supers = weight.super_scales[block, :, lane].float()
+        scales = scales * supers.repeat_interleave(per_super, dim=1)
     grouped = codes.float().view(len(rows), -1, weight.group_size) * scales[..., None]
     if weight.offsets is not None:
         grouped = grouped + weight.offsets[block, :, lane].float()[..., None]
@@ -224,14 +371,17 @@ def native_quant_linear(weight: PackedWeight) -> Any:
     decoder stack multiplies)."""
     module = native_kernels()
     assert module is not None, "quantized kernels need the native kernels"
+    if weight.codebook is not None and not torch.equal(weight.codebook, IQ4_NL_VALUES):
+        raise ValueError("the native kernels take one codebook: IQ4_NL's values")
     return module.PackedLinear.quantized(
         weight.codes,
         weight.scales,
         weight.offsets,
-        weight.bits,
+        weight.bits if weight.codebook is None else IQ4_NL_BITS,
         weight.group_size,
         weight.out_features,
         weight.in_features,
+        weight.super_scales,
     )
 
 

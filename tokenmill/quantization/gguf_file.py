@@ -24,8 +24,10 @@ from tokenmill.config import ConfigError
 from tokenmill.quantization import gguf_gemma3, gguf_phi3
 from tokenmill.quantization.gguf_blocks import (
     CODE_BITS,
+    GROUP_SIZE,
     INT4_TYPES,
     INT8_TYPES,
+    IQ4_TYPES,
     dequantize,
     groups,
 )
@@ -236,16 +238,16 @@ class GGUFCheckpoint:
 
 
 def _format_of(types: set[GGMLQuantizationType]) -> str:
-    """The layout that holds every part's blocks as they are: int4 groups of 32 for Q4_0 /
-    Q4_K, else groups of codes as wide as the widest part's (Q5_0 / Q5_K: 5 bits, Q6_K: 6,
-    Q8_0: 8; of 16 where Q6_K is among the parts: a group of 32 is two of 16 with one scale),
-    else floats."""
-    if types <= set(INT4_TYPES):
-        return "int4-g32"
-    if types <= set(INT4_TYPES + INT8_TYPES):
-        bits = max(CODE_BITS[t] for t in types)
-        return f"int{bits}-g16" if GGMLQuantizationType.Q6_K in types else f"int{bits}-g32"
-    return "float"
+    """The layout that holds every part's blocks as they are, in groups of the smallest
+    part's (a group of 32 is two of 16 with one scale): IQ4 indices alone (`iq4nl-g32`), else
+    codes as wide as the widest part's (Q2_K: 2 bits, Q3_K: 3, Q4_0 / Q4_K: 4, Q5_0 / Q5_K:
+    5, Q6_K: 6, Q8_0 and IQ4 values: 8), else floats."""
+    if not types <= set(INT4_TYPES + INT8_TYPES):
+        return "float"
+    group = min(GROUP_SIZE[t] for t in types)
+    if types <= set(IQ4_TYPES):
+        return f"iq4nl-g{group}"
+    return f"int{max(CODE_BITS[t] for t in types)}-g{group}"
 
 
 def _hf_name(name: str, names: Mapping[str, str]) -> str | None:

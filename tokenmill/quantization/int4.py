@@ -57,6 +57,16 @@ class Int4GroupWeight:
     def permute_rows(self, order: torch.Tensor) -> Int4GroupWeight:
         return Int4GroupWeight(self.values[order], self.scales[order], self.zeros[order])
 
+    def regroup(self, group_size: int) -> Int4GroupWeight:
+        """The same weight in smaller groups (`group_size` divides this one's): exact, the
+        scales and zeros repeated."""
+        factor = self.group_size // group_size
+        return Int4GroupWeight(
+            self.values,
+            self.scales.repeat_interleave(factor, 1),
+            self.zeros.repeat_interleave(factor, 1),
+        )
+
     def codes(self) -> torch.Tensor:
         """Signed codes, -8..7."""
         return (self.values.to(torch.int16) - 8).to(torch.int8)
@@ -120,6 +130,8 @@ class Int4LinearMethod(PackedQuantMethod):
             loaded = quantize_int4(loaded, self.group_size)
         if not isinstance(loaded, Int4GroupWeight):
             raise TypeError(f"an int4 linear cannot load {type(loaded).__name__}")
+        if loaded.group_size != self.group_size and loaded.group_size % self.group_size == 0:
+            loaded = loaded.regroup(self.group_size)  # a fused part in larger groups
         rows = loaded.shape[0]
         check_shape(loaded.shape, layer.qvalues.narrow(0, row_start, rows).shape)
         check_shape(loaded.scales.shape, layer.qscales.narrow(0, row_start, rows).shape)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import ConfigError
-from tokenmill.kernels.int_linear import code_range, pack
+from tokenmill.kernels.int_linear import IQ4_NL_VALUES, code_range, pack
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.linear import Linear, LinearMethod, check_shape
 from tokenmill.quantization.int_codes import PackedQuantMethod
@@ -106,8 +106,8 @@ class Int8LinearMethod(PackedQuantMethod):
     """int8 codes with a scale per output row (`group_size` None) or per group, and offsets
     for groups where the checkpoint has them. Loads float rows (quantized as they arrive:
     online quantization), `Int8GroupWeight`s (kept as they are) or `Int4GroupWeight`s (their
-    codes widened, exactly). `code_bits` 5 or 6: the checkpoint's codes fit that width and the
-    native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
+    codes widened, exactly). `code_bits` 6, 5, 3 or 2: the checkpoint's codes fit that width
+    and the native kernels pack them at it. With a `fallback`, the layer keeps its float weight too
     and products of more than `max_rows` rows are the fallback's. `dequantize_on`: the device
     whose torch ops run the layer (int_codes.py); None: the CPU's kernels."""
 
@@ -118,14 +118,17 @@ class Int8LinearMethod(PackedQuantMethod):
         max_rows: int = MAX_INT8_ROWS,
         code_bits: int = 8,
         dequantize_on: torch.device | None = None,
+        codebook: torch.Tensor | None = None,
     ) -> None:
         self.dequantize_on = dequantize_on
         self.group_size = group_size
         self.fallback = fallback
         self.max_rows = max_rows
-        self.code_bits = code_bits
+        self.code_bits = 4 if codebook is not None else code_bits
+        self.codebook = codebook
         self.holds_float_weight = fallback is not None
-        self.weight_format = f"int{code_bits}" + ("" if group_size is None else f"-g{group_size}")
+        kind = "iq4nl" if codebook is not None else f"int{code_bits}"
+        self.weight_format = kind + ("" if group_size is None else f"-g{group_size}")
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:
         rows, cols = layer.out_features, layer.in_features
@@ -191,7 +194,12 @@ class Int8LinearMethod(PackedQuantMethod):
             return
         if native_kernels() is not None and layer.dtype in (torch.float32, torch.bfloat16):
             packed = pack(
-                weight.values, weight.scales, weight.offsets, self.code_bits, self.group_size
+                weight.values,
+                weight.scales,
+                weight.offsets,
+                self.code_bits,
+                self.group_size,
+                self.codebook,
             )
             self.use_packed(layer, packed)
             return
@@ -201,6 +209,13 @@ class Int8LinearMethod(PackedQuantMethod):
         layer.qweight, layer.row_scales = weight.values, weight.scales[:, 0].to(_TORCH_DTYPE)
 
     def _check_code_range(self, codes: torch.Tensor) -> None:
+        if self.codebook is not None:
+            if not torch.isin(codes, self.codebook).all():
+                raise ConfigError(
+                    f"{self.weight_format} weight with codes outside its table: the "
+                    "checkpoint's blocks do not match their declared type"
+                )
+            return
         low, high = code_range(self.code_bits)
         if self.code_bits < 8 and (codes.min() < low or codes.max() > high):
             raise ConfigError(
@@ -262,14 +277,15 @@ def int8_linear(
 
 class Int8Format(WeightFormat):
     """int8 codes with a scale per output row (`int8`: `--quantization int8`, W8A8
-    checkpoints), or per group with codes of 8, 6 or 5 bits (`int8-g32`, `int6-g16`,
-    `int5-g32`: GGUF's blocks)."""
+    checkpoints), or per group with codes of 8, 6, 5, 3 or 2 bits (`int8-g32`, `int6-g16`,
+    `int5-g32`, `int3-g16`, `int2-g16`: GGUF's blocks) or IQ4 table values held as indices
+    (`iq4nl-g32`)."""
 
     family = "int8"
     online = MappingProxyType({"int8": "int8"})
 
     def owns(self, name: str) -> bool:
-        return name == "int8" or _grouped_bits(name) is not None
+        return name == "int8" or name.startswith(_IQ4) or _grouped_bits(name) is not None
 
     def kernel_available(self) -> bool:
         return int8_linear_available()
@@ -277,15 +293,21 @@ class Int8Format(WeightFormat):
     def method(self, name: str, dequantize_on: torch.device | None) -> LinearMethod:
         if name == "int8":
             return Int8LinearMethod(dequantize_on=dequantize_on)
+        if name.startswith(_IQ4):
+            group = int(name.removeprefix(_IQ4))
+            return Int8LinearMethod(group, dequantize_on=dequantize_on, codebook=IQ4_NL_VALUES)
         bits = _grouped_bits(name)
         assert bits is not None, name
         group_size = int(name.removeprefix(f"int{bits}-g"))
         return Int8LinearMethod(group_size, code_bits=bits, dequantize_on=dequantize_on)
 
 
+_IQ4 = "iq4nl-g"
+
+
 def _grouped_bits(name: str) -> int | None:
     """The code width of a grouped name (`int<bits>-g<group>`), or None."""
-    for bits in (8, 6, 5):  # int8 codes, or GGUF's 5- / 6-bit ones at their own width
+    for bits in (8, 6, 5, 3, 2):  # int8 codes, or GGUF's narrower ones at their own width
         if name.startswith(f"int{bits}-g"):
             return bits
     return None

@@ -14,6 +14,15 @@
 // first 8 bytes for the chunk's low nibbles and the next 8 for its high ones, bit b of a mask
 // belonging to byte b of the chunk (`split_chunk_avx512` adds them back with two masked
 // byte adds). Codes are stored plus 16 (5-bit) or 32 (6-bit).
+//
+// 2- and 3-bit codes (GGUF's Q2_K / Q3_K at their width) are bit pairs instead of nibbles:
+// each 64-byte chunk holds 16 columns, byte j of a row's lane column j in bits 0-1, 4 + j in
+// bits 2-3, 8 + j in 4-5 and 12 + j in 6-7; a 3-bit code's high bit follows as 5- and 6-bit
+// codes' do (one pair of masks per 8 columns). Split per 8 columns like the nibbles.
+//
+// IQ4 codes (kIq4NlBits: GGUF's IQ4_NL / IQ4_XS) are int4's layout of indices into llama.cpp's
+// non-linear table; splitting a chunk looks each nibble up (one byte shuffle) as its value plus
+// 128, so every path after the split is int8's arithmetic with center 128.
 #include "int_linear.h"
 
 #include "thread_pool.h"
@@ -33,28 +42,75 @@ constexpr int64_t kBlockRows = 16;
 constexpr int64_t kActBlock = 32;  // columns per activation scale
 constexpr int kMaxTile = 8;        // tokens per pass over a weight block
 
-constexpr int center_of(int bits) { return 1 << (bits - 1); }
+// IQ4 codes split into their table's values plus 128.
+constexpr int center_of(int bits) { return bits == kIq4NlBits ? 128 : 1 << (bits - 1); }
+// Bits a code takes in the packed layout.
+constexpr int stored_bits(int bits) { return bits == kIq4NlBits ? 4 : bits; }
+// Bits of a code in its chunk's base layout: nibbles, or bit pairs for 2- and 3-bit codes.
+constexpr int base_bits(int bits) { return bits < 4 ? 2 : 4; }
+// Whether codes carry high bits after their nibbles (5- and 6-bit codes).
+constexpr bool has_high_bits(int bits) { return bits == 5 || bits == 6 || bits == 3; }
 // Columns per 64-byte load of codes: 4 int8 codes per 32-bit lane, else 8 nibbles.
 constexpr int lane_cols(int bits) { return bits == 8 ? 4 : 8; }
+// llama.cpp's IQ4_NL values plus 128, as one 16-byte shuffle table.
+inline uint8_t iq4_unsigned(int index) { return static_cast<uint8_t>(kIq4NlValues[index] + 128); }
 
 // A packed weight as the kernels read it.
 struct Problem {
   const uint8_t* codes;  // [blocks, block_bytes]
-  const half* scales;    // [blocks, groups, 16]
-  const half* offsets;   // same, or null
+  const half* scales;    // [blocks, groups, 16], or null where factored:
+  const half* offsets;   // like scales, or null
   int64_t n, k, kp;      // output rows, input columns, input columns padded (multiple of 32)
   int64_t group, groups; // columns per scale, kp / group
-  int bits;              // 8, 6, 5 or 4
-  int64_t block_bytes() const { return kBlockRows * kp * bits / 8; }
-  // 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its nibbles).
+  int bits;              // 8, 6, 5, 4 or kIq4NlBits
+  const int8_t* sub_scales = nullptr;   // factored scales: [blocks, groups, 16]
+  const half* super_scales = nullptr;   // times [blocks, groups / super_groups, 16]
+  int64_t super_groups = 0;
+  // Where group g's 16 scales of block nb are: (its own, its super-block's).
+  int64_t scale_at(int64_t nb, int64_t g) const { return (nb * groups + g) * kBlockRows; }
+  int64_t super_at(int64_t nb, int64_t g) const {
+    return (nb * (groups / super_groups) + g / super_groups) * kBlockRows;
+  }
+  float scale(int64_t nb, int64_t g, int64_t lane) const {
+    if (scales) return static_cast<float>(scales[scale_at(nb, g) + lane]);
+    return static_cast<float>(sub_scales[scale_at(nb, g) + lane]) *
+           static_cast<float>(super_scales[super_at(nb, g) + lane]);
+  }
+  int64_t block_bytes() const { return kBlockRows * kp * stored_bits(bits) / 8; }
+  // 3-, 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its base).
   const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
-    return block + kBlockRows * kp / 2 + chunk * 16 * (bits - 4);
+    return block + kBlockRows * kp * base_bits(bits) / 8 + chunk * 16 * (bits - base_bits(bits));
   }
 };
 
 Problem problem_of(const PackedWeight& w) {
-  return Problem{static_cast<const uint8_t*>(w.data), w.scales, w.offsets, w.n, w.k, w.k_pad,
-                 w.group, w.k_pad / w.group, w.bits};
+  Problem p{static_cast<const uint8_t*>(w.data), w.scales, w.offsets, w.n, w.k, w.k_pad,
+            w.group, w.k_pad / w.group, w.bits};
+  p.sub_scales = w.sub_scales;
+  p.super_scales = w.super_scales;
+  p.super_groups = w.super_groups;
+  return p;
+}
+
+// The scales of group g for the 16 rows of block nb (AVX-512) or 8 of them from `lane0`.
+TM_AVX512 inline __m512 scales16(const Problem& p, int64_t nb, int64_t g) {
+  if (p.scales)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + p.scale_at(nb, g))));
+  const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sub_scales + p.scale_at(nb, g)))));
+  return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(p.super_scales + p.super_at(nb, g)))));
+}
+
+TM_AVX2 inline __m256 scales8(const Problem& p, int64_t nb, int64_t g, int64_t lane0) {
+  if (p.scales)
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.scales + p.scale_at(nb, g) + lane0)));
+  const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + p.scale_at(nb, g) + lane0))));
+  return _mm256_mul_ps(sub, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                p.super_scales + p.super_at(nb, g) + lane0))));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -135,12 +191,20 @@ void group_sums(const QuantInput& a, int64_t row, float* out) {
 inline int code_at(const Problem& p, const uint8_t* block, int64_t lane, int64_t col) {
   if (p.bits == 8) return block[(col / 4) * 64 + lane * 4 + col % 4] - 128;
   const int64_t within = col % 8, at = lane * 4 + within % 4;
-  const uint8_t byte = block[(col / 8) * 64 + at];
-  int code = within < 4 ? byte & 0x0F : byte >> 4;
-  const uint8_t* high = p.bits > 4 ? p.high_bits(block, col / 8) : nullptr;
-  for (int h = 0; h < p.bits - 4; ++h) {
+  const int base = base_bits(p.bits);
+  int code;
+  if (base == 2) {
+    const uint8_t byte = block[(col / 16) * 64 + at];
+    code = (byte >> (2 * ((col % 16) / 4))) & 3;
+  } else {
+    const uint8_t byte = block[(col / 8) * 64 + at];
+    code = within < 4 ? byte & 0x0F : byte >> 4;
+  }
+  if (p.bits == kIq4NlBits) return kIq4NlValues[code];
+  const uint8_t* high = has_high_bits(p.bits) ? p.high_bits(block, col / 8) : nullptr;
+  for (int h = 0; h < p.bits - base; ++h) {
     const uint8_t* mask = high + 16 * h + (within < 4 ? 0 : 8);
-    code |= ((mask[at / 8] >> (at % 8)) & 1) << (4 + h);
+    code |= ((mask[at / 8] >> (at % 8)) & 1) << (base + h);
   }
   return code - center_of(p.bits);
 }
@@ -158,12 +222,22 @@ void block_portable(const Problem& p, const QuantInput& a, int64_t nb, int64_t m
         for (int64_t col = g * p.group; col < (g + 1) * p.group; ++col)
           dot += static_cast<float>(code_at(p, block, lane, col)) * x[col];
         const int64_t at = (nb * p.groups + g) * kBlockRows + lane;
-        total += static_cast<float>(p.scales[at]) * dot;
+        total += p.scale(nb, g, lane) * dot;
         if (p.offsets) total += static_cast<float>(p.offsets[at]) * sums[g];
       }
       out[r * kBlockRows + lane] = total;
     }
   }
+}
+
+// llama.cpp's IQ4_NL values plus 128 (`center_of(kIq4NlBits)`), one byte per index.
+TM_AVX2 inline __m128i iq4_table_sse() {
+  alignas(16) static const std::array<uint8_t, 16> table = [] {
+    std::array<uint8_t, 16> t{};
+    for (int i = 0; i < 16; ++i) t[i] = iq4_unsigned(i);
+    return t;
+  }();
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(table.data()));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -184,18 +258,33 @@ TM_AVX2 inline __m256i expand_bits_avx2(uint32_t mask) {
 template <int BITS>
 TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int64_t chunk,
                                     int half_index, __m256i& lo, __m256i& hi) {
-  const __m256i raw = _mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half_index));
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  lo = _mm256_and_si256(raw, low_nibbles);
-  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
-  if constexpr (BITS > 4) {
+  if constexpr (base_bits(BITS) == 2) {
+    // Bit pairs: this 8-column chunk is half (chunk % 2) of a 16-column byte chunk.
+    const __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(block + (chunk / 2) * 64 + 32 * half_index));
+    const __m256i pair = _mm256_set1_epi8(0x03);
+    const int shift = 4 * static_cast<int>(chunk % 2);
+    lo = _mm256_and_si256(_mm256_srli_epi16(raw, shift), pair);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, shift + 2), pair);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half_index));
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(raw, low_nibbles);
+    hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+  }
+  if constexpr (BITS == kIq4NlBits) {
+    const __m256i table = _mm256_broadcastsi128_si256(iq4_table_sse());
+    lo = _mm256_shuffle_epi8(table, lo);
+    hi = _mm256_shuffle_epi8(table, hi);
+  }
+  if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
-    for (int h = 0; h < BITS - 4; ++h) {
+    for (int h = 0; h < BITS - base_bits(BITS); ++h) {
       uint32_t masks[2];
       std::memcpy(&masks[0], high + 16 * h + 4 * half_index, 4);
       std::memcpy(&masks[1], high + 16 * h + 8 + 4 * half_index, 4);
-      const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << h));
+      const __m256i add = _mm256_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
       lo = _mm256_add_epi8(lo, _mm256_and_si256(expand_bits_avx2(masks[0]), add));
       hi = _mm256_add_epi8(hi, _mm256_and_si256(expand_bits_avx2(masks[1]), add));
     }
@@ -240,8 +329,7 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
       }
     }
     const int64_t at = (nb * p.groups + g) * kBlockRows + 8 * half_index;
-    __m256 scale =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.scales + at)));
+    __m256 scale = scales8(p, nb, g, 8 * half_index);
     __m256 offset = p.offsets ? _mm256_cvtph_ps(_mm_loadu_si128(
                                     reinterpret_cast<const __m128i*>(p.offsets + at)))
                               : _mm256_setzero_ps();
@@ -265,17 +353,31 @@ TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, 
 template <int BITS>
 TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block, int64_t chunk,
                                          __m512i& lo, __m512i& hi) {
-  const __m512i raw = _mm512_loadu_si512(block + chunk * 64);
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(raw, low_nibbles);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
-  if constexpr (BITS > 4) {
+  if constexpr (base_bits(BITS) == 2) {
+    // Bit pairs: this 8-column chunk is half (chunk % 2) of a 16-column byte chunk.
+    const __m512i raw = _mm512_loadu_si512(block + (chunk / 2) * 64);
+    const __m512i pair = _mm512_set1_epi8(0x03);
+    const unsigned shift = 4 * static_cast<unsigned>(chunk % 2);
+    lo = _mm512_and_si512(_mm512_srli_epi16(raw, shift), pair);
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, shift + 2), pair);
+  } else {
+    const __m512i raw = _mm512_loadu_si512(block + chunk * 64);
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(raw, low_nibbles);
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+  }
+  if constexpr (BITS == kIq4NlBits) {
+    const __m512i table = _mm512_broadcast_i32x4(iq4_table_sse());
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  }
+  if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
 #pragma GCC unroll 2
-    for (int h = 0; h < BITS - 4; ++h) {
+    for (int h = 0; h < BITS - base_bits(BITS); ++h) {
       uint64_t masks[2];
       std::memcpy(masks, high + 16 * h, 16);
-      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << h));
+      const __m512i add = _mm512_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
       lo = _mm512_mask_add_epi8(lo, masks[0], lo, add);
       hi = _mm512_mask_add_epi8(hi, masks[1], hi, add);
     }
@@ -316,8 +418,7 @@ TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, i
       }
     }
     const int64_t at = (nb * p.groups + g) * kBlockRows;
-    __m512 scale =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    __m512 scale = scales16(p, nb, g);
     __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                     reinterpret_cast<const __m256i*>(p.offsets + at)))
                               : _mm512_setzero_ps();
@@ -387,7 +488,6 @@ TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb,
   __m512 total[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  const half* scales = p.scales + nb * p.groups * kBlockRows;
   const half* offsets = p.offsets ? p.offsets + nb * p.groups * kBlockRows : nullptr;
   for (int64_t g = 0; g < p.groups; ++g) {
     __m512 dot[R];
@@ -406,8 +506,7 @@ TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb,
     }
     // The codes were stored plus `center`: their dot products carry center x the group's
     // activation sum, which the offset term takes back off (offset - center x scale).
-    __m512 scale = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockRows)));
+    __m512 scale = scales16(p, nb, g);
     __m512 offset = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                   reinterpret_cast<const __m256i*>(offsets + g * kBlockRows)))
                             : _mm512_setzero_ps();
@@ -489,8 +588,7 @@ TM_AVX512 void dequantize_block_pairs(const Problem& p, int64_t nb, uint32_t* ou
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t at = (nb * p.groups + g) * kBlockRows;
-    const __m512 scale = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scales + at)));
+    const __m512 scale = scales16(p, nb, g);
     __m512 offset = p.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                     reinterpret_cast<const __m256i*>(p.offsets + at)))
                               : _mm512_setzero_ps();
@@ -531,8 +629,11 @@ void quant_gemm_amx(const PackedWeight& w, const QuantInput& in, const GemmOut& 
       uint32_t* into = scratch.data() + b * block_lanes;
       switch (w.bits) {
         case 8: dequantize_block_pairs<8>(p, c + b, into); break;
+        case kIq4NlBits: dequantize_block_pairs<kIq4NlBits>(p, c + b, into); break;
         case 6: dequantize_block_pairs<6>(p, c + b, into); break;
         case 5: dequantize_block_pairs<5>(p, c + b, into); break;
+        case 3: dequantize_block_pairs<3>(p, c + b, into); break;
+        case 2: dequantize_block_pairs<2>(p, c + b, into); break;
         default: dequantize_block_pairs<4>(p, c + b, into);
       }
     }
@@ -649,8 +750,11 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
       const int tile = static_cast<int>(std::min<int64_t>(kMaxTile, in.rows - m0));
       switch (p.bits) {
         case 8: tile_dispatch<8>(p, in, nb, m0, tile, tile_out, isa); break;
+        case kIq4NlBits: tile_dispatch<kIq4NlBits>(p, in, nb, m0, tile, tile_out, isa); break;
         case 6: tile_dispatch<6>(p, in, nb, m0, tile, tile_out, isa); break;
         case 5: tile_dispatch<5>(p, in, nb, m0, tile, tile_out, isa); break;
+        case 3: tile_dispatch<3>(p, in, nb, m0, tile, tile_out, isa); break;
+        case 2: tile_dispatch<2>(p, in, nb, m0, tile, tile_out, isa); break;
         default: tile_dispatch<4>(p, in, nb, m0, tile, tile_out, isa);
       }
       store_tile(tile_out, tile, nb, m0, out);
@@ -660,17 +764,22 @@ void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out,
 
 PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
-                        int64_t n, int64_t k) {
-  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4,
-              "quantized weight: bits must be 8, 6, 5 or 4");
+                        int64_t n, int64_t k, const c10::optional<at::Tensor>& super_scales) {
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4 || bits == 3 || bits == 2 ||
+                  bits == kIq4NlBits,
+              "quantized weight: bits must be 8, 6, 5, 4, 3, 2 or ", kIq4NlBits, " (IQ4 codes)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
               "quantized weight: codes must be contiguous uint8 [blocks, block bytes]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3,
-              "quantized weight: scales must be contiguous float16 [blocks, groups, 16]");
+  const bool factored = super_scales.has_value() && super_scales->defined();
+  TORCH_CHECK(scales.scalar_type() == (factored ? at::kChar : at::kHalf) &&
+                  scales.is_contiguous() && scales.dim() == 3,
+              "quantized weight: scales must be contiguous float16 [blocks, groups, 16] (int8 "
+              "with super_scales)");
   const int64_t blocks = codes.size(0), groups = scales.size(1), kp = groups * group;
   TORCH_CHECK(group % 16 == 0 && kp % kActBlock == 0 && kp >= k && kp - k < kActBlock + group,
               "quantized weight: group size and padded width do not fit its in_features");
-  TORCH_CHECK(codes.size(1) == kBlockRows * kp * bits / 8 && scales.size(0) == blocks &&
+  TORCH_CHECK(codes.size(1) == kBlockRows * kp * stored_bits(static_cast<int>(bits)) / 8 &&
+                  scales.size(0) == blocks &&
                   scales.size(2) == kBlockRows && blocks * kBlockRows >= n &&
                   (blocks - 1) * kBlockRows < n,
               "quantized weight: codes and scales do not fit the shape");
@@ -681,7 +790,21 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                 "quantized weight: offsets must be like scales");
   PackedWeight w{codes.data_ptr(), n, k, blocks * kBlockRows, kp, false};
   w.bits = static_cast<int>(bits);
-  w.scales = scales.data_ptr<at::Half>();
+  if (factored) {
+    const int64_t super_groups = kSuperCols / group;
+    TORCH_CHECK(kSuperCols % group == 0 && groups % super_groups == 0 &&
+                    super_scales->scalar_type() == at::kHalf && super_scales->is_contiguous() &&
+                    super_scales->dim() == 3 && super_scales->size(0) == blocks &&
+                    super_scales->size(1) == groups / super_groups &&
+                    super_scales->size(2) == kBlockRows,
+                "quantized weight: super_scales must be float16 [blocks, k_pad / ", kSuperCols,
+                ", 16] with groups dividing ", kSuperCols);
+    w.sub_scales = scales.data_ptr<int8_t>();
+    w.super_scales = super_scales->data_ptr<at::Half>();
+    w.super_groups = super_groups;
+  } else {
+    w.scales = scales.data_ptr<at::Half>();
+  }
   w.offsets = has_offsets ? offsets->data_ptr<at::Half>() : nullptr;
   w.group = group;
   return w;
@@ -689,13 +812,16 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
 
 PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, int64_t bits,
-                              int64_t group, int64_t n, int64_t k) {
+                              int64_t group, int64_t n, int64_t k,
+                              const c10::optional<at::Tensor>& super_scales) {
   std::vector<at::Tensor> tensors = {codes, scales};
   if (offsets.has_value() && offsets->defined()) tensors.push_back(*offsets);
+  if (super_scales.has_value() && super_scales->defined()) tensors.push_back(*super_scales);
   const auto product = [](const at::Tensor& x, const PackedWeight& w,
                           const std::vector<at::Tensor>&, const c10::optional<at::Tensor>& bias,
                           bool float32_out) { return quant_linear(x, w, bias, float32_out); };
-  return PackedLinear(quant_view(codes, scales, offsets, bits, group, n, k), std::move(tensors),
+  return PackedLinear(quant_view(codes, scales, offsets, bits, group, n, k, super_scales),
+                      std::move(tensors),
                       product);
 }
 

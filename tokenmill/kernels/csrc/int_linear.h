@@ -10,11 +10,24 @@
 // - AMX (level 4, `kQuantAmxMinRows` rows or more): each chunk of blocks dequantized into the
 //   dense bf16 packed layout in a per-thread scratch (L2-sized), multiplied by packed_gemm's
 //   AMX tiles with bf16 rows; the weight is never dequantized whole.
+//
+// Scales are float16 per group, or (factored: GGUF's K-quants and IQ4_XS as stored) an int8
+// per group [blocks, groups, 16] times a float16 per super-block of kSuperCols columns
+// [blocks, k_pad / kSuperCols, 16]: the bytes of the file's scales, not 16 bits a group.
 #pragma once
 
 #include "linear.h"
 
 namespace tokenmill {
+
+// The `bits` of a weight whose 4-bit codes are indices into llama.cpp's IQ4_NL table (GGUF's
+// IQ4_NL / IQ4_XS blocks as stored): nibbles as int4's, each looked up in `kIq4NlValues`.
+constexpr int kIq4NlBits = 14;
+constexpr int8_t kIq4NlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+
+// Columns per factored scale's float16 part (a K-quant's super-block).
+constexpr int64_t kSuperCols = 256;
 
 // Rows from which a quantized product runs on AMX tiles where the CPU has them.
 constexpr int64_t kQuantAmxMinRows = 32;
@@ -54,18 +67,21 @@ void prepare_quant_rows(const PackedWeight& w, const void* x, bool x_bf16, int64
 void quant_gemm(const PackedWeight& w, const QuantInput& in, const GemmOut& out, int64_t b0,
                 int64_t b1, int isa);
 
+// `scales` float16, or int8 with `super_scales` (factored scales).
 PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t bits, int64_t group,
-                        int64_t n, int64_t k);
+                        int64_t n, int64_t k,
+                        const c10::optional<at::Tensor>& super_scales = c10::nullopt);
 
 // x @ W.T + bias on the worker pool, in x's dtype or float32.
 at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
                         const c10::optional<at::Tensor>& bias, bool float32_out);
 
 // This format's PackedLinear (Python: `PackedLinear.quantized`): packed codes of `bits` (8, 6,
-// 5 or 4) with float16 scales (and offsets) per group of `group` k, viewed and kept alive.
+// 5, 4 or kIq4NlBits) with float16 scales (and offsets) per group of `group` k, viewed and kept alive.
 PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, int64_t bits,
-                              int64_t group, int64_t n, int64_t k);
+                              int64_t group, int64_t n, int64_t k,
+                              const c10::optional<at::Tensor>& super_scales);
 
 }  // namespace tokenmill

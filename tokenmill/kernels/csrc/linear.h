@@ -30,6 +30,11 @@ struct PackedWeight {
   const c10::Half* scales = nullptr;
   const c10::Half* offsets = nullptr;
   int64_t group = 0;
+  // Scales as GGUF's K-quants store them (int_linear.h): int8 per group times a float16 per
+  // `super_groups` groups (256 columns); `scales` is then null.
+  const int8_t* sub_scales = nullptr;
+  const c10::Half* super_scales = nullptr;
+  int64_t super_groups = 0;
   bool quantized() const { return bits != 0; }
   int64_t blocks() const { return n_pad / 16; }
 };
