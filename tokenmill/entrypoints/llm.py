@@ -13,15 +13,20 @@ from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.intake import EngineRequest, PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
+from tokenmill.entrypoints.pooling_llm import PoolingMethods
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling.config import resolve_task
+from tokenmill.pooling.service import build_pooling_service
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
 
 
-class LLM:
-    """Generates for many prompts at once; every prompt shares each forward pass."""
+class LLM(PoolingMethods):
+    """Generates for many prompts at once; every prompt shares each forward pass. A pooling
+    model (`task`, or `auto` from the checkpoint) embeds and scores instead (`embed`,
+    `score`: entrypoints/pooling_llm.py)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         unknown = set(engine_args) - EngineConfig.field_names()
@@ -31,7 +36,12 @@ class LLM:
             engine_args["speculative_config"] = SpeculativeConfig.parse(
                 engine_args["speculative_config"]
             )
-        self.engine = LLMEngine(with_default_models(EngineConfig(model=model, **engine_args)))
+        config = EngineConfig(model=model, **engine_args)
+        task = resolve_task(config.task, config.model)
+        if task != "generate":
+            self.pooling = build_pooling_service(config, task)
+            return
+        self.engine = LLMEngine(with_default_models(config))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
