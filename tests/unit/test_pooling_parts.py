@@ -117,3 +117,18 @@ def test_engine_refuses_empty_input() -> None:
     engine = PoolingEngine(_RecordingRunner(), 10, 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one token"):
         engine.add(PoolingRequest("x", PoolingInput([])))
+
+
+def test_attention_buckets_bound_padding_and_cover_every_token() -> None:
+    from tokenmill.models.bert import MAX_PADDING_SHARE, attention_buckets
+
+    lengths = sorted([3, 3, 3, 5, 8, 16, 17, 17, 40, 120, 128])
+    buckets = attention_buckets(lengths, torch.device("cpu"))
+    assert buckets[0].valid is None and buckets[0].count == 3  # equal lengths: no padding
+    assert [b.start for b in buckets[1:]] == [b.end for b in buckets[:-1]]
+    assert buckets[-1].end == sum(lengths) and sum(b.count for b in buckets) == len(lengths)
+    for b in buckets:
+        real = b.end - b.start
+        assert b.count * b.longest <= (1 + MAX_PADDING_SHARE) * real
+        if b.valid is not None:
+            assert int(b.valid.sum()) == real

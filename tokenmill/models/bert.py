@@ -1,9 +1,9 @@
 """Encoder-only BERT-family models (BERT, XLM-RoBERTa) for pooling: embedders and
 cross-encoders.
 
-The encoder attends bidirectionally within each sequence and keeps no KV cache: a batch is
-padded to its longest sequence (`[batch, length]`), a key-padding mask hides the padding, and
-the hidden states come back flat (`[num_tokens, hidden]`, padding dropped) for the poolers.
+The encoder attends bidirectionally within each sequence and keeps no KV cache. A step's
+tokens stay flat (`[num_tokens, hidden]`) through every linear, so no product is spent on
+padding; attention alone takes the sequences apart, in buckets of similar length.
 Parameter names follow the Hugging Face checkpoints, so loading is a name-for-name copy.
 """
 
@@ -78,11 +78,52 @@ class _Embeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
         self.position_offset = shape.position_offset
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         hidden = hidden + self.position_embeddings(positions + self.position_offset)
         return self.LayerNorm(hidden)
+
+
+# A bucket of sequences attends as one padded batch while its padding stays within this
+# share of its real tokens.
+MAX_PADDING_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    start: int  # its first token in the flat rows
+    end: int
+    valid: torch.Tensor | None  # [count, longest] real positions; None: no padding
+    count: int
+    longest: int
+
+
+def attention_buckets(lengths: list[int], device: torch.device) -> list[_Bucket]:
+    """A step's sequences (sorted by length: the runner sorts them) in buckets of similar
+    length. Attention is the only part that needs sequences apart; each bucket attends as one
+    batch, padded to its longest with a key mask, so padding costs at most a quarter more
+    attention, and few calls. (All padded to the step's longest, attention was half the
+    forward; one call per sequence, the calls' overhead cost more on a loaded machine.)"""
+    buckets: list[_Bucket] = []
+    first, tokens, members = 0, 0, []
+    for length in [*lengths, None]:
+        if members and (
+            length is None
+            or (len(members) + 1) * length > (1 + MAX_PADDING_SHARE) * (tokens + length)
+        ):
+            longest = max(members)
+            valid = None
+            if min(members) != longest:
+                row_lengths = torch.tensor(members, device=device)
+                valid = torch.arange(longest, device=device)[None, :] < row_lengths[:, None]
+            buckets.append(_Bucket(first, first + tokens, valid, len(members), longest))
+            first, tokens, members = first + tokens, 0, []
+        if length is not None:
+            members.append(length)
+            tokens += length
+    return buckets
 
 
 class _SelfAttention(nn.Module):
@@ -109,15 +150,43 @@ class _Attention(nn.Module):
         self.self = _SelfAttention(shape)
         self.output = _Output(shape.hidden_size, shape)
         self.num_heads = shape.num_heads
+        # Q, K and V as one product, set once the weights are in (`fuse_qkv`).
+        self.qkv: nn.Linear | None = None
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        batch, length, width = hidden.shape
-        heads = [
-            proj(hidden).view(batch, length, self.num_heads, -1).transpose(1, 2)
-            for proj in (self.self.query, self.self.key, self.self.value)
-        ]
-        context = F.scaled_dot_product_attention(*heads, attn_mask=mask)
-        return self.output(context.transpose(1, 2).reshape(batch, length, width), hidden)
+    def fuse_qkv(self) -> None:
+        parts = (self.self.query, self.self.key, self.self.value)
+        fused = nn.Linear(parts[0].in_features, 3 * parts[0].out_features)
+        fused.to(parts[0].weight.device, parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv = fused.requires_grad_(False)
+        self.self = nn.Module()  # the three parts' weights are the fused one's now
+
+    def forward(self, hidden: torch.Tensor, buckets: list[_Bucket]) -> torch.Tensor:
+        """`hidden`: flat `[num_tokens, width]`."""
+        num_tokens, width = hidden.shape
+        if self.qkv is not None:
+            qkv = self.qkv(hidden)
+        else:
+            parts = (self.self.query, self.self.key, self.self.value)
+            qkv = torch.cat([p(hidden) for p in parts], dim=1)
+        qkv = qkv.view(num_tokens, 3, self.num_heads, -1)
+        context = torch.empty_like(qkv[:, 0])
+        for b in buckets:
+            rows = qkv[b.start : b.end]
+            if b.valid is None:
+                part = rows.view(b.count, b.longest, *rows.shape[1:])
+            else:
+                part = rows.new_zeros(b.count, b.longest, *rows.shape[1:])
+                part[b.valid] = rows
+            q, k, v = part.permute(2, 0, 3, 1, 4)  # each [count, heads, longest, head_dim]
+            mask = None if b.valid is None else b.valid[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+            context[b.start : b.end] = (
+                out.reshape(-1, *out.shape[2:]) if b.valid is None else out[b.valid]
+            )
+        return self.output(context.view(num_tokens, width), hidden)
 
 
 class _Intermediate(nn.Module):
@@ -137,8 +206,8 @@ class _Layer(nn.Module):
         self.intermediate = _Intermediate(shape)
         self.output = _Output(shape.intermediate_size, shape)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        hidden = self.attention(hidden, mask)
+    def forward(self, hidden: torch.Tensor, buckets: list[_Bucket]) -> torch.Tensor:
+        hidden = self.attention(hidden, buckets)
         return self.output(self.intermediate(hidden), hidden)
 
 
@@ -191,18 +260,24 @@ class BertEncoder(nn.Module):
             self.classifier = _RobertaClassifier(shape.hidden_size, self.num_labels)
 
     def forward(
-        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, lengths: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
     ) -> torch.Tensor:
-        """`[batch, length]` padded ids (each row's first `lengths[i]` real) -> the real
-        tokens' last hidden states, flat `[num_tokens, hidden]` in row order."""
-        length = input_ids.shape[1]
-        valid = torch.arange(length, device=input_ids.device)[None, :] < lengths[:, None]
-        # No mask where nothing is padded: SDPA then takes its fastest kernel.
-        mask = None if bool(valid.all()) else valid[:, None, None, :]
-        hidden = self.embeddings(input_ids, token_type_ids)
+        """Flat `[num_tokens]` ids of sequences of `lengths` (each one's tokens consecutive,
+        `positions` from 0 in each) -> their last hidden states, flat `[num_tokens, hidden]`."""
+        buckets = attention_buckets(lengths.tolist(), input_ids.device)
+        hidden = self.embeddings(input_ids, token_type_ids, positions)
         for layer in self.encoder.layer:
-            hidden = layer(hidden, mask)
-        return hidden[valid]
+            hidden = layer(hidden, buckets)
+        return hidden
+
+    def fuse_qkv(self) -> None:
+        """One QKV product per layer instead of three (after loading)."""
+        for layer in self.encoder.layer:
+            layer.attention.fuse_qkv()
 
     def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
         """The classification head's logits `[batch, num_labels]` from each sequence's first

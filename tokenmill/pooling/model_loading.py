@@ -85,14 +85,14 @@ def load_pooling_model(
     except Exception as e:  # transformers raises several types for a bad config
         raise ModelLoadError(f"{path / 'config.json'} could not be read: {e}") from e
     if architecture in ENCODER_ARCHITECTURES:
-        encoder = _load_encoder(path, hf_config, architecture, settings.dtype, device)
+        encoder = _load_encoder(path, hf_config, architecture, settings, device)
         return PoolingModel(hf_config, architecture, encoder=encoder)
     decoder = _load_decoder(path, hf_config, DECODER_ARCHITECTURES[architecture], settings, device)
     return PoolingModel(hf_config, architecture, decoder=decoder)
 
 
 def _load_encoder(
-    path: Path, hf_config: Any, architecture: str, dtype: torch.dtype, device: torch.device
+    path: Path, hf_config: Any, architecture: str, settings: LoadSettings, device: torch.device
 ) -> BertEncoder:
     try:
         with torch.device(device):
@@ -120,7 +120,13 @@ def _load_encoder(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"the checkpoint at {path} lacks tensors for {missing}")
-    return model.to(dtype=dtype).eval().requires_grad_(False)
+    model = model.to(dtype=settings.dtype).eval().requires_grad_(False)
+    model.fuse_qkv()
+    # The dense linears as the decoders have them (the native packed layout on the CPU).
+    plan = LinearPlan.online(settings.dtype, device, settings.linear_backend, None, False)
+    replace_linears(model, plan.choose)
+    process_linears_after_loading(model)
+    return model
 
 
 def _load_decoder(

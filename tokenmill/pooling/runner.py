@@ -77,17 +77,15 @@ class PoolingRunner:
         ]
 
     def _encode(self, inputs: list[PoolingInput], lengths: torch.Tensor) -> torch.Tensor:
-        assert self.model.encoder is not None
-        width = int(lengths.max())
-        ids = torch.zeros(len(inputs), width, dtype=torch.long)
-        types = torch.zeros(len(inputs), width, dtype=torch.long)
-        for row, item in enumerate(inputs):
-            ids[row, : len(item.token_ids)] = torch.tensor(item.token_ids)
-            if item.token_type_ids is not None:
-                types[row, : len(item.token_type_ids)] = torch.tensor(item.token_type_ids)
-        return self.model.encoder(
-            ids.to(self.device), types.to(self.device), lengths.to(self.device)
+        encoder = self.model.encoder
+        assert encoder is not None
+        ids = torch.tensor([t for item in inputs for t in item.token_ids])
+        types = torch.tensor(
+            [t for item in inputs for t in (item.token_type_ids or [0] * len(item.token_ids))]
         )
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        device = self.device
+        return encoder(ids.to(device), types.to(device), positions.to(device), lengths.to(device))
 
     def _decode(self, inputs: list[PoolingInput], lengths: torch.Tensor) -> torch.Tensor:
         decoder = self.model.decoder
