@@ -132,8 +132,9 @@ def pooling_checkpoint(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 ) -> Callable[..., Path]:
     """Factory `pooling_checkpoint(builder, **kwargs) -> Path`, cached by its arguments:
-    builder "sentence_transformer" or "cross_encoder" of tokenmill_testing/pooling_checkpoints.py
-    (a Qwen3 embedder uses the session tokenizer). Treat the directory as read-only."""
+    builder "sentence_transformer", "cross_encoder" or "yes_no_reranker" of
+    tokenmill_testing/pooling_checkpoints.py (Qwen3 ones use the session tokenizer). Treat
+    the directory as read-only."""
     from tokenmill_testing import pooling_checkpoints
 
     cache: dict[str, Path] = {}
@@ -142,7 +143,9 @@ def pooling_checkpoint(
         key = repr((builder, sorted(kwargs.items())))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"pooling-{builder}") / "model"
-            if builder == "sentence_transformer" and kwargs.get("kind") == "qwen3":
+            if builder == "yes_no_reranker" or (
+                builder == "sentence_transformer" and kwargs.get("kind") == "qwen3"
+            ):
                 kwargs = {**kwargs, "tokenizer_dir": tokenizer_dir}
             cache[key] = getattr(pooling_checkpoints, f"save_{builder}")(path, **kwargs)
         return cache[key]

@@ -143,5 +143,17 @@ def save_cross_encoder(
     return save_dir
 
 
+def save_yes_no_reranker(save_dir: Path, tokenizer_dir: Path) -> Path:
+    """A Qwen3-Reranker-style checkpoint: a Qwen3 causal LM whose tokenizer has the single
+    tokens "yes" and "no" (the score is P(yes) against P(no) after the pair)."""
+    from transformers import AutoTokenizer
+
+    words = save_dir.with_name(save_dir.name + "-tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens(["yes", "no"])
+    tokenizer.save_pretrained(words)
+    return save_random_checkpoint(save_dir, architecture="qwen3", tokenizer_dir=words)
+
+
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())

@@ -128,3 +128,30 @@ def test_too_long_input_and_truncation(pooling_checkpoint: Callable[..., Path]) 
 def test_generate_model_refuses_embed(random_llm: LLM) -> None:
     with pytest.raises(ValueError, match="pooling model"):
         random_llm.embed("hello")
+
+
+def test_yes_no_reranker_equals_transformers(pooling_checkpoint: Callable[..., Path]) -> None:
+    """Qwen3-Reranker's scoring: P(yes) against P(no) at the pair's last token, the texts
+    read one after the other."""
+    import torch
+    import transformers
+
+    path = pooling_checkpoint("yes_no_reranker")
+    query = "query: what is the capital of france? document: "
+    llm = LLM(str(path), dtype="float32", task="score")
+    outputs = llm.score(query, SAMPLE_TEXTS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    expected = []
+    for text, output in zip(SAMPLE_TEXTS, outputs):
+        ids = tokenizer(query)["input_ids"] + tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert output.prompt_token_ids == ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        expected.append(torch.softmax(logits[[no, yes]], 0)[1].item())
+    ours = [o.outputs.score for o in outputs]
+    np.testing.assert_allclose(ours, expected, atol=1e-4)
+    assert np.ptp(ours) > 1e-3
+    with pytest.raises(ValueError, match="pooling model"):
+        LLM(str(path), dtype="float32").embed("x")  # auto: a causal LM generates

@@ -41,6 +41,9 @@ class PoolingConfig:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     score_activation: str = "sigmoid"
+    # A decoder reranker's (no, yes) token ids (Qwen3-Reranker): its score is
+    # sigmoid(logit(yes) - logit(no)) at the pair's last token, P(yes) of the two.
+    yes_no_tokens: tuple[int, int] | None = None
 
 
 def _read_json(path: Path) -> Any:

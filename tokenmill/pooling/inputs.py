@@ -93,6 +93,14 @@ class PoolingPrompts:
         """A cross-encoder's input: the pair as its tokenizer joins them, with the segment
         ids BERT tells them apart by."""
         keep = self.truncation(truncate_prompt_tokens)
+        if self.config.yes_no_tokens is not None:
+            # A decoder reranker reads the two texts one after the other (the caller writes
+            # its prompt format into them, as for Qwen3-Reranker under vLLM).
+            token_ids = self._encode(query, None, None, True)["input_ids"]
+            token_ids += self._encode(document, None, None, False)["input_ids"]
+            token_ids = token_ids[-keep:] if keep is not None else token_ids
+            check_prompt_tokens(token_ids, self.vocab_size, self.max_model_len, param)
+            return PoolingInput(token_ids, task="score")
         encoded = self._encode(query, document, keep, True)
         token_ids = encoded["input_ids"]
         check_prompt_tokens(token_ids, self.vocab_size, self.max_model_len, param)

@@ -19,7 +19,7 @@ from tokenmill.models.config_checks import ModelLoadError
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.loader import LoadSettings, load_weights
-from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors
+from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.quantization.selection import LinearPlan
 
 # Decoder architectures whose hidden states can be pooled -> the Llama-family member they are.
@@ -132,9 +132,11 @@ def _load_encoder(
 def _load_decoder(
     path: Path, hf_config: Any, architecture: str, settings: LoadSettings, device: torch.device
 ) -> LlamaForCausalLM:
-    """As models/loader.py's `load_model` for a float checkpoint, with the LM head tied to the
-    embedding: a pooled decoder never computes logits, and sentence-transformers saves none."""
-    hf_config.tie_word_embeddings = True
+    """As models/loader.py's `load_model` for a float checkpoint. Without an LM head in the
+    checkpoint (sentence-transformers saves none: an embedder never computes logits) the head
+    is tied to the embedding; a yes/no reranker keeps its own."""
+    if "lm_head.weight" not in tensor_shapes(path):
+        hf_config.tie_word_embeddings = True
     with torch.device(device):
         model = LlamaForCausalLM(
             hf_config,
@@ -159,6 +161,4 @@ def _tensors(path: Path) -> Any:
     for file in checkpoint_files(path):
         with open_safetensors(file) as f:
             for name in f.keys():  # noqa: SIM118
-                if name == "lm_head.weight":
-                    continue
                 yield name, (lambda part, f=f, name=name: f.get_tensor(name))

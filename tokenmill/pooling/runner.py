@@ -63,11 +63,7 @@ class PoolingRunner:
     def _scores_and_embeddings(
         self, inputs: list[PoolingInput], hidden: torch.Tensor, lengths: torch.Tensor
     ) -> list[torch.Tensor]:
-        encoder = self.model.encoder
-        if encoder is None or encoder.classifier is None:
-            raise ValueError("this model has no classification head to score with")
-        first = pool(hidden, lengths, "cls").to(hidden.dtype)
-        scores = score_from_logits(encoder.classify(first), self.config.score_activation)
+        scores = self._scores(hidden, lengths)
         pooled = pool(hidden, lengths, self.config.pooling_type)
         return [
             scores[i].cpu()
@@ -75,6 +71,19 @@ class PoolingRunner:
             else self._embeddings([item], pooled[i : i + 1])[0][0]
             for i, item in enumerate(inputs)
         ]
+
+    def _scores(self, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's head on each sequence's first token, or a yes/no reranker's two
+        logits at its last."""
+        encoder, decoder = self.model.encoder, self.model.decoder
+        if encoder is not None and encoder.classifier is not None:
+            first = pool(hidden, lengths, "cls").to(hidden.dtype)
+            return score_from_logits(encoder.classify(first), self.config.score_activation)
+        if decoder is not None and self.config.yes_no_tokens is not None:
+            last = pool(hidden, lengths, "last").to(hidden.dtype)
+            logits = decoder.compute_logits(last)[:, list(self.config.yes_no_tokens)]
+            return torch.sigmoid(logits[:, 1] - logits[:, 0])
+        raise ValueError("this model has no classification head to score with")
 
     def _encode(self, inputs: list[PoolingInput], lengths: torch.Tensor) -> torch.Tensor:
         encoder = self.model.encoder

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,8 +42,11 @@ class PoolingService:
 
     @property
     def is_cross_encoder(self) -> bool:
-        """Scores come from a classification head (else from embeddings' cosine)."""
-        return self.model.encoder is not None and self.model.encoder.classifier is not None
+        """Scores come from a classification head or a reranker's yes/no logits (else from
+        embeddings' cosine)."""
+        encoder = self.model.encoder
+        has_head = encoder is not None and encoder.classifier is not None
+        return has_head or self.config.yes_no_tokens is not None
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -90,9 +93,11 @@ def build_pooling_service(config: EngineConfig, task: str) -> PoolingService:
         raise ConfigError(
             f"max_model_len {max_model_len} is more than the model's {model.max_tokens} positions"
         )
-    if task == "score" and (model.encoder is None or model.encoder.classifier is None):
-        logger.info("--task score with an embedding model: scores are cosine similarities")
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    if task == "score" and model.architecture.endswith("ForCausalLM"):
+        pooling = replace(pooling, yes_no_tokens=yes_no_tokens(tokenizer))
+    elif task == "score" and (model.encoder is None or model.encoder.classifier is None):
+        logger.info("--task score with an embedding model: scores are cosine similarities")
     hidden = model.hf_config.hidden_size
     prompts = PoolingPrompts(tokenizer, pooling, model.hf_config.vocab_size, max_model_len, hidden)
     engine = PoolingEngine(
@@ -111,3 +116,14 @@ def build_pooling_service(config: EngineConfig, task: str) -> PoolingService:
         max_model_len,
     )
     return PoolingService(task, model_dir, model, pooling, prompts, engine)
+
+
+def yes_no_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """A Qwen3-Reranker-style scorer's ("no", "yes") token ids; a clear error without them."""
+    ids = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ConfigError(
+            "--task score with a causal LM scores by the logits of the tokens 'yes' and 'no' "
+            "(Qwen3-Reranker); this tokenizer has no such single tokens"
+        )
+    return ids[0], ids[1]
