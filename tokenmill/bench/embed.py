@@ -109,17 +109,21 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="embedding model (default: bge-small-shaped random)"
     )
-    parser.add_argument("--num-texts", type=int, default=1000)
-    parser.add_argument("--min-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--num-texts", type=int, default=1000, help="texts each round embeds")
+    parser.add_argument(
+        "--min-tokens", type=int, default=16, help="shortest text, in tokens (specials included)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="longest text, in tokens")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each, interleaved")
     parser.add_argument("--dtype", default="float32", help="tokenmill's compute dtype")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokenmill's token budget a step"
+    )
     parser.add_argument(
         "--st-batch-size", type=int, default=32, help="sentence-transformers' batch"
     )
     parser.add_argument("--no-sentence-transformers", action="store_true", help="tokenmill alone")
-    parser.add_argument("--output-json", type=Path, default=None)
+    parser.add_argument("--output-json", type=Path, default=None, help="also write the report here")
 
 
 def run_embed(args: argparse.Namespace) -> int:
