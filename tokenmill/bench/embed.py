@@ -127,13 +127,19 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_embed(args: argparse.Namespace) -> int:
-    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.config import EngineConfig
+    from tokenmill.pooling.service import build_pooling_service
 
     model = Path(args.model) if args.model else random_embedder()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     texts = random_texts(args.num_texts, args.min_tokens, args.max_tokens, vocab)
-    llm = LLM(str(model), dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
-    runs: dict[str, Any] = {"tokenmill": lambda batch: llm.embed(batch)}
+    config = EngineConfig(
+        model=str(model), dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    service = build_pooling_service(config, "embed")
+    runs: dict[str, Any] = {
+        "tokenmill": lambda batch: service.run([service.prompts.embed(t) for t in batch])
+    }
     if not args.no_sentence_transformers:
         from sentence_transformers import SentenceTransformer
 
