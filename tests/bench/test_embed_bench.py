@@ -29,6 +29,6 @@ def test_bench_embed_reports_both_engines(
     )  # fmt: skip
     assert run_embed(args) == 0
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"tokenmill", "sentence-transformers"}
-    assert report["results"]["tokenmill"]["texts_per_s"] > 0
-    assert report["speedup_vs_sentence_transformers"] > 0
+    assert set(report["results"]) == {"tokenmill (float32)", "sentence-transformers"}
+    assert report["results"]["tokenmill (float32)"]["texts_per_s"] > 0
+    assert report["speedup_vs_sentence_transformers"]["tokenmill (float32)"] > 0

@@ -115,7 +115,12 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="longest text, in tokens")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each, interleaved")
-    parser.add_argument("--dtype", default="float32", help="tokenmill's compute dtype")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        help="tokenmill's compute dtype(s), each measured (auto: what `serve` picks)",
+    )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="tokenmill's token budget a step"
     )
@@ -133,13 +138,15 @@ def run_embed(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else random_embedder()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     texts = random_texts(args.num_texts, args.min_tokens, args.max_tokens, vocab)
-    config = EngineConfig(
-        model=str(model), dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens
-    )
-    service = build_pooling_service(config, "embed")
-    runs: dict[str, Any] = {
-        "tokenmill": lambda batch: service.run([service.prompts.embed(t) for t in batch])
-    }
+    runs: dict[str, Any] = {}
+    for dtype in args.dtype:
+        config = EngineConfig(
+            model=str(model), dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens
+        )
+        service = build_pooling_service(config, "embed")
+        runs[f"tokenmill ({dtype})"] = lambda batch, service=service: service.run(
+            [service.prompts.embed(t) for t in batch]
+        )
     if not args.no_sentence_transformers:
         from sentence_transformers import SentenceTransformer
 
@@ -174,9 +181,13 @@ def run_embed(args: argparse.Namespace) -> int:
             for name in runs
         },
     }
-    if len(runs) == 2:
-        ours, theirs = (report["results"][n]["texts_per_s"] for n in runs)
-        report["speedup_vs_sentence_transformers"] = ours / theirs
+    if "sentence-transformers" in runs:
+        theirs = report["results"]["sentence-transformers"]["texts_per_s"]
+        report["speedup_vs_sentence_transformers"] = {
+            name: report["results"][name]["texts_per_s"] / theirs
+            for name in runs
+            if name != "sentence-transformers"
+        }
     print(json.dumps(report, indent=2))
     if args.output_json is not None:
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")
