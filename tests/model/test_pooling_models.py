@@ -155,3 +155,10 @@ def test_yes_no_reranker_equals_transformers(pooling_checkpoint: Callable[..., P
     assert np.ptp(ours) > 1e-3
     with pytest.raises(ValueError, match="pooling model"):
         LLM(str(path), dtype="float32").embed("x")  # auto: a causal LM generates
+
+
+def test_pooling_model_refuses_generate(pooling_checkpoint: Callable[..., Path]) -> None:
+    llm = LLM(str(pooling_checkpoint("sentence_transformer")), dtype="float32")
+    assert llm.get_tokenizer().sep_token_id is not None
+    with pytest.raises(ValueError, match="pooling model"):
+        llm.generate("hello")

@@ -45,7 +45,7 @@ class LLM(PoolingMethods):
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.pooling.tokenizer if self.pooling is not None else self.engine.tokenizer
 
     def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """What `generate` uses without sampling params: the model's generation_config.json
@@ -72,6 +72,11 @@ class LLM(PoolingMethods):
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single string or token-id list is one prompt.
         `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`."""
+        if self.pooling is not None:
+            raise ValueError(
+                f"this LLM serves a pooling model (task {self.pooling.task!r}): use embed() "
+                "or score(), or task='generate' for a model that generates"
+            )
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
