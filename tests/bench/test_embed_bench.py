@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tokenmill.bench.embed import add_embed_args, random_texts, run_embed
 
 
@@ -16,6 +18,7 @@ def test_random_texts_have_the_asked_token_counts() -> None:
     assert len(set(texts)) == 20
 
 
+@pytest.mark.slow(reason="timed rounds of two engines (about 10 s)")
 def test_bench_embed_reports_both_engines(
     pooling_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
