@@ -127,6 +127,32 @@ def tiny_checkpoint(
     return build
 
 
+@pytest.fixture(scope="session")
+def pooling_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[..., Path]:
+    """Factory `pooling_checkpoint(builder, **kwargs) -> Path`, cached by its arguments:
+    builder "sentence_transformer", "cross_encoder" or "yes_no_reranker" of
+    tokenmill_testing/pooling_checkpoints.py (Qwen3 ones use the session tokenizer). Treat
+    the directory as read-only."""
+    from tokenmill_testing import pooling_checkpoints
+
+    cache: dict[str, Path] = {}
+
+    def build(builder: str, **kwargs: Any) -> Path:
+        key = repr((builder, sorted(kwargs.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"pooling-{builder}") / "model"
+            if builder == "yes_no_reranker" or (
+                builder == "sentence_transformer" and kwargs.get("kind") == "qwen3"
+            ):
+                kwargs = {**kwargs, "tokenizer_dir": tokenizer_dir}
+            cache[key] = getattr(pooling_checkpoints, f"save_{builder}")(path, **kwargs)
+        return cache[key]
+
+    return build
+
+
 @pytest.fixture(params=["float", "int8"], ids=lambda path: f"{path}-activations")
 def activation_tolerance(request: pytest.FixtureRequest):
     """Runs the test with the quantized kernels' float or int8 (VNNI) activations; the value

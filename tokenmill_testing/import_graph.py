@@ -37,6 +37,7 @@ LAYERS: tuple[str, ...] = (
     "spec_decode",  # proposers and verification
     "worker",  # the model runner (which calls proposers), tensor-parallel workers
     "engine",  # the step loop, its assembly, the output processor, the async engine
+    "pooling",  # embeddings and scores: pooling configs, poolers, the lean pooling engine
     "demo",  # the built-in demo models: where they are, their corpus, their eval
     "bench",  # load generators and measurements (given an engine or a server)
     "entrypoints",  # the offline LLM, the CLI, the HTTP server, the router, the dashboard

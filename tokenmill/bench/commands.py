@@ -1,4 +1,4 @@
-"""The `tokenmill bench serve | sweep | compare | itl | make-model` subcommands: parsers and
+"""The `tokenmill bench serve | sweep | compare | itl | embed | make-model` subcommands: parsers and
 error handling.
 
 Kept apart from the command modules so that `tokenmill --help` stays cheap and each command's
@@ -16,7 +16,7 @@ from tokenmill.bench.server_process import ServerStartError
 
 
 def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
-    from tokenmill.bench import compare, itl_command, random_model, serve, sweep
+    from tokenmill.bench import compare, embed, itl_command, random_model, serve, sweep
 
     _add(
         kinds,
@@ -45,6 +45,13 @@ def add_serving_benchmarks(kinds: argparse._SubParsersAction) -> None:
         "inter-token latency of decoding streams while a long prompt arrives",
         itl_command.add_itl_args,
         itl_command.run_itl_command,
+    )
+    _add(
+        kinds,
+        "embed",
+        "embedding throughput and latency against sentence-transformers",
+        embed.add_embed_args,
+        embed.run_embed,
     )
     _add(
         kinds,

@@ -58,6 +58,13 @@ class EngineConfig:
         None, "local Hugging Face model directory or GGUF file (default: the built-in demo model)"
     )
     tokenizer: str | None = config_field(None, "tokenizer directory (default: the model's)")
+    task: str = config_field(
+        "auto",
+        "generate, or a pooling task: embed (embeddings), score (cross-encoder scores); "
+        "auto: from the checkpoint (a sentence-transformers directory or a *Model: embed, "
+        "*ForSequenceClassification: score, else generate)",
+        choices=("auto", "generate", "embed", "score"),
+    )
     dtype: str = config_field(
         "auto",
         "compute dtype; auto: the checkpoint's, but bfloat16 for float32 checkpoints on CPUs "

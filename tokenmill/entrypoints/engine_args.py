@@ -19,6 +19,7 @@ ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
     "model": (
         "model",
         "tokenizer",
+        "task",
         "dtype",
         "device",
         "seed",

@@ -13,15 +13,20 @@ from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.intake import EngineRequest, PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
+from tokenmill.entrypoints.pooling_llm import PoolingMethods
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling.config import resolve_task
+from tokenmill.pooling.service import build_pooling_service
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
 
 
-class LLM:
-    """Generates for many prompts at once; every prompt shares each forward pass."""
+class LLM(PoolingMethods):
+    """Generates for many prompts at once; every prompt shares each forward pass. A pooling
+    model (`task`, or `auto` from the checkpoint) embeds and scores instead (`embed`,
+    `score`: entrypoints/pooling_llm.py)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         unknown = set(engine_args) - EngineConfig.field_names()
@@ -31,11 +36,16 @@ class LLM:
             engine_args["speculative_config"] = SpeculativeConfig.parse(
                 engine_args["speculative_config"]
             )
-        self.engine = LLMEngine(with_default_models(EngineConfig(model=model, **engine_args)))
+        config = EngineConfig(model=model, **engine_args)
+        task = resolve_task(config.task, config.model)
+        if task != "generate":
+            self.pooling = build_pooling_service(config, task)
+            return
+        self.engine = LLMEngine(with_default_models(config))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.pooling.tokenizer if self.pooling is not None else self.engine.tokenizer
 
     def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """What `generate` uses without sampling params: the model's generation_config.json
@@ -62,6 +72,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single string or token-id list is one prompt.
         `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`."""
+        if self.pooling is not None:
+            raise ValueError(
+                f"this LLM serves a pooling model (task {self.pooling.task!r}): use embed() "
+                "or score(), or task='generate' for a model that generates"
+            )
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

@@ -32,6 +32,7 @@ from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.http.app import build_app
 from tokenmill.entrypoints.http.context import ServerContext
+from tokenmill.entrypoints.http.pooling.server import run_pooling_server
 from tokenmill.entrypoints.http.replies.reply_parsing import reply_parsing_from_args
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys, api_keys_from_args
 from tokenmill.entrypoints.http.transport.connections import (
@@ -40,6 +41,7 @@ from tokenmill.entrypoints.http.transport.connections import (
     rate_limit_accept_errors,
 )
 from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.pooling.config import resolve_task
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -49,6 +51,9 @@ ERROR_FLUSH_SECONDS = 2.0
 
 
 def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
+    task = resolve_task(args.task, args.model)
+    if task != "generate":  # embeddings and scores: the pooling engine and its routes
+        return run_pooling_server(args, listener, task)
     slos = parse_slo(args.slo)
     reply_parsing = reply_parsing_from_args(args)  # checked before the model loads
     api_keys = api_keys_from_args(args)

@@ -1,0 +1,299 @@
+"""Encoder-only BERT-family models (BERT, XLM-RoBERTa) for pooling: embedders and
+cross-encoders.
+
+The encoder attends bidirectionally within each sequence and keeps no KV cache. A step's
+tokens stay flat (`[num_tokens, hidden]`) through every linear, so no product is spent on
+padding; attention alone takes the sequences apart, in buckets of similar length.
+Parameter names follow the Hugging Face checkpoints, so loading is a name-for-name copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Architectures this module builds: name -> (checkpoint prefix, classification head kind).
+ENCODER_ARCHITECTURES: dict[str, tuple[str, str | None]] = {
+    "BertModel": ("", None),
+    "XLMRobertaModel": ("", None),
+    "RobertaModel": ("", None),
+    "BertForSequenceClassification": ("bert.", "bert"),
+    "XLMRobertaForSequenceClassification": ("roberta.", "roberta"),
+    "RobertaForSequenceClassification": ("roberta.", "roberta"),
+}
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class EncoderShape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    # RoBERTa-style positions start after the padding index (padding_idx + 1, ...).
+    position_offset: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> EncoderShape:
+        roberta = getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta")
+        kind = getattr(hf_config, "position_embedding_type", "absolute") or "absolute"
+        if kind != "absolute":
+            raise ValueError(f"position_embedding_type {kind!r} is unsupported (absolute only)")
+        if hf_config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is unsupported")
+        return cls(
+            hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=hf_config.num_attention_heads,
+            intermediate_size=hf_config.intermediate_size,
+            vocab_size=hf_config.vocab_size,
+            max_position=hf_config.max_position_embeddings,
+            type_vocab_size=max(int(getattr(hf_config, "type_vocab_size", 1) or 1), 1),
+            layer_norm_eps=hf_config.layer_norm_eps,
+            hidden_act=hf_config.hidden_act,
+            position_offset=(int(hf_config.pad_token_id or 0) + 1) if roberta else 0,
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the position table covers."""
+        return self.max_position - self.position_offset
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, shape: EncoderShape) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.position_embeddings = nn.Embedding(shape.max_position, shape.hidden_size)
+        self.token_type_embeddings = nn.Embedding(shape.type_vocab_size, shape.hidden_size)
+        self.LayerNorm = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
+        self.position_offset = shape.position_offset
+
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        hidden = hidden + self.position_embeddings(positions + self.position_offset)
+        return self.LayerNorm(hidden)
+
+
+# A bucket of sequences attends as one padded batch while its padding stays within this
+# share of its real tokens.
+MAX_PADDING_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    start: int  # its first token in the flat rows
+    end: int
+    valid: torch.Tensor | None  # [count, longest] real positions; None: no padding
+    count: int
+    longest: int
+
+
+def attention_buckets(lengths: list[int], device: torch.device) -> list[_Bucket]:
+    """A step's sequences (sorted by length: the runner sorts them) in buckets of similar
+    length. Attention is the only part that needs sequences apart; each bucket attends as one
+    batch, padded to its longest with a key mask, so padding costs at most a quarter more
+    attention, and few calls. (All padded to the step's longest, attention was half the
+    forward; one call per sequence, the calls' overhead cost more on a loaded machine.)"""
+    buckets: list[_Bucket] = []
+    first, tokens, members = 0, 0, []
+    for length in [*lengths, None]:
+        if members and (
+            length is None
+            or (len(members) + 1) * length > (1 + MAX_PADDING_SHARE) * (tokens + length)
+        ):
+            longest = max(members)
+            valid = None
+            if min(members) != longest:
+                row_lengths = torch.tensor(members, device=device)
+                valid = torch.arange(longest, device=device)[None, :] < row_lengths[:, None]
+            buckets.append(_Bucket(first, first + tokens, valid, len(members), longest))
+            first, tokens, members = first + tokens, 0, []
+        if length is not None:
+            members.append(length)
+            tokens += length
+    return buckets
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, shape: EncoderShape) -> None:
+        super().__init__()
+        self.query = nn.Linear(shape.hidden_size, shape.hidden_size)
+        self.key = nn.Linear(shape.hidden_size, shape.hidden_size)
+        self.value = nn.Linear(shape.hidden_size, shape.hidden_size)
+
+
+class _Output(nn.Module):
+    def __init__(self, in_features: int, shape: EncoderShape) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, shape.hidden_size)
+        self.LayerNorm = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(hidden) + residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, shape: EncoderShape) -> None:
+        super().__init__()
+        self.self = _SelfAttention(shape)
+        self.output = _Output(shape.hidden_size, shape)
+        self.num_heads = shape.num_heads
+        # Q, K and V as one product, set once the weights are in (`fuse_qkv`).
+        self.qkv: nn.Linear | None = None
+
+    def fuse_qkv(self) -> None:
+        parts = (self.self.query, self.self.key, self.self.value)
+        fused = nn.Linear(parts[0].in_features, 3 * parts[0].out_features)
+        fused.to(parts[0].weight.device, parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv = fused.requires_grad_(False)
+        self.self = nn.Module()  # the three parts' weights are the fused one's now
+
+    def forward(self, hidden: torch.Tensor, buckets: list[_Bucket]) -> torch.Tensor:
+        """`hidden`: flat `[num_tokens, width]`."""
+        num_tokens, width = hidden.shape
+        if self.qkv is not None:
+            qkv = self.qkv(hidden)
+        else:
+            parts = (self.self.query, self.self.key, self.self.value)
+            qkv = torch.cat([p(hidden) for p in parts], dim=1)
+        qkv = qkv.view(num_tokens, 3, self.num_heads, -1)
+        context = torch.empty_like(qkv[:, 0])
+        for b in buckets:
+            rows = qkv[b.start : b.end]
+            if b.valid is None:
+                part = rows.view(b.count, b.longest, *rows.shape[1:])
+            else:
+                part = rows.new_zeros(b.count, b.longest, *rows.shape[1:])
+                part[b.valid] = rows
+            q, k, v = part.permute(2, 0, 3, 1, 4)  # each [count, heads, longest, head_dim]
+            mask = None if b.valid is None else b.valid[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+            context[b.start : b.end] = (
+                out.reshape(-1, *out.shape[2:]) if b.valid is None else out[b.valid]
+            )
+        return self.output(context.view(num_tokens, width), hidden)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, shape: EncoderShape) -> None:
+        super().__init__()
+        self.dense = nn.Linear(shape.hidden_size, shape.intermediate_size)
+        self.act = _ACTIVATIONS[shape.hidden_act]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(hidden))
+
+
+class _Layer(nn.Module):
+    def __init__(self, shape: EncoderShape) -> None:
+        super().__init__()
+        self.attention = _Attention(shape)
+        self.intermediate = _Intermediate(shape)
+        self.output = _Output(shape.intermediate_size, shape)
+
+    def forward(self, hidden: torch.Tensor, buckets: list[_Bucket]) -> torch.Tensor:
+        hidden = self.attention(hidden, buckets)
+        return self.output(self.intermediate(hidden), hidden)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, shape: EncoderShape) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(shape) for _ in range(shape.num_layers))
+
+
+class _BertPooler(nn.Module):
+    """BERT's pooler (dense + tanh over the first token), the input of its classifier."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first))
+
+
+class _RobertaClassifier(nn.Module):
+    """RoBERTa's classification head: dense + tanh + out_proj over the first token."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(first)))
+
+
+class BertEncoder(nn.Module):
+    """The encoder, and for `*ForSequenceClassification` its head (`classify`). Names are
+    the checkpoint's without its prefix (`bert.`, `roberta.`), heads' names as stored."""
+
+    def __init__(self, hf_config: Any, architecture: str) -> None:
+        super().__init__()
+        self.shape = shape = EncoderShape.from_hf_config(hf_config)
+        self.prefix, self.head_kind = ENCODER_ARCHITECTURES[architecture]
+        self.embeddings = _Embeddings(shape)
+        self.encoder = _Encoder(shape)
+        self.num_labels = int(getattr(hf_config, "num_labels", 1)) if self.head_kind else 0
+        self.pooler: _BertPooler | None = None
+        self.classifier: nn.Module | None = None
+        if self.head_kind == "bert":
+            self.pooler = _BertPooler(shape.hidden_size)
+            self.classifier = nn.Linear(shape.hidden_size, self.num_labels)
+        elif self.head_kind == "roberta":
+            self.classifier = _RobertaClassifier(shape.hidden_size, self.num_labels)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """Flat `[num_tokens]` ids of sequences of `lengths` (each one's tokens consecutive,
+        `positions` from 0 in each) -> their last hidden states, flat `[num_tokens, hidden]`."""
+        buckets = attention_buckets(lengths.tolist(), input_ids.device)
+        hidden = self.embeddings(input_ids, token_type_ids, positions)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, buckets)
+        return hidden
+
+    def fuse_qkv(self) -> None:
+        """One QKV product per layer instead of three (after loading)."""
+        for layer in self.encoder.layer:
+            layer.attention.fuse_qkv()
+
+    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """The classification head's logits `[batch, num_labels]` from each sequence's first
+        token's hidden state."""
+        if self.classifier is None:
+            raise ValueError("this encoder has no classification head")
+        if self.pooler is not None:
+            return self.classifier(self.pooler(first_tokens))
+        return self.classifier(first_tokens)
+
+    def parameter_name(self, checkpoint_name: str) -> str | None:
+        """This module's name for a checkpoint tensor; None for tensors it has no use for
+        (position id buffers, an MLM head)."""
+        name = checkpoint_name.removeprefix(self.prefix)
+        if name.startswith(("pooler.", "classifier.")) and self.head_kind is None:
+            return None  # a base model's pooler: sentence-transformers does not use it
+        if name.endswith("position_ids") or name.startswith(("cls.", "lm_head.")):
+            return None
+        return name.replace(".gamma", ".weight").replace(".beta", ".bias")
