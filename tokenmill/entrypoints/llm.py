@@ -13,6 +13,7 @@ from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.intake import EngineRequest, PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -59,9 +60,12 @@ class LLM:
         use_tqdm: bool = True,
         add_special_tokens: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single string or token-id list is one prompt.
-        `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`."""
+        `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), as in vLLM; needs `enable_lora=True`."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -73,8 +77,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = _broadcast_lora(lora_request, len(prompts))
         request_ids = []
-        for prompt, params, request_priority in zip(prompts, params_list, priorities):
+        for prompt, params, request_priority, lora in zip(prompts, params_list, priorities, loras):
             request_id = str(next(self._request_counter))
             self.engine.add(
                 EngineRequest(
@@ -84,6 +89,7 @@ class LLM:
                     add_special_tokens=add_special_tokens,
                     priority=request_priority,
                     output_kind=RequestOutputKind.FINAL_ONLY,
+                    lora_request=lora,
                 )
             )
             request_ids.append(request_id)
@@ -148,3 +154,13 @@ def _broadcast(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _broadcast_lora(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} LoRA requests for {count} prompts")
+    return list(lora)

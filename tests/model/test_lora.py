@@ -1,0 +1,197 @@
+"""Multi-LoRA serving against transformers + peft (each adapter merged, float32): greedy
+tokens of the base and several adapters sent together in one batch, adapters swapped through
+fewer slots than adapters, the prefix cache kept apart per adapter, and clear errors for
+adapters the engine cannot serve."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.sampling_params import InvalidRequestError
+from tokenmill_testing.engines import make_llm
+from tokenmill_testing.lora_adapters import merged_reference, save_random_adapter
+from tokenmill_testing.transformers_reference import greedy_reference
+
+MAX_TOKENS = 8
+PROMPT_LENS = (5, 19, 34)
+# name -> the adapter's peft settings: every target at rank 8; rslora on three targets at
+# rank 4; the MLP alone at rank 16.
+ADAPTERS: dict[str, dict] = {
+    "all": {"rank": 8, "alpha": 16.0, "seed": 1},
+    "rslora": {
+        "rank": 4,
+        "alpha": 8.0,
+        "use_rslora": True,
+        "targets": ("q_proj", "v_proj", "down_proj"),
+        "seed": 2,
+    },
+    "mlp": {"rank": 16, "alpha": 8.0, "targets": ("gate_proj", "up_proj", "down_proj"), "seed": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: LoRARequest(name, index, str(save_random_adapter(base, root / name, **kwargs)))
+        for index, (name, kwargs) in enumerate(ADAPTERS.items(), start=1)
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def expected(
+    base: Path, adapters: dict[str, LoRARequest], prompts: list[list[int]]
+) -> dict[str | None, list[list[int]]]:
+    """Greedy tokens per adapter name (None: the base) from the merged reference."""
+    result: dict[str | None, list[list[int]]] = {}
+    for name, request in [(None, None), *adapters.items()]:
+        model = merged_reference(base, None if request is None else request.lora_path)
+        result[name] = greedy_reference(model, prompts, MAX_TOKENS)[0]
+    return result
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def generate_mixed(
+    llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]
+) -> dict[str | None, list[list[int]]]:
+    """Every prompt under every adapter (and the base), all sent in one call."""
+    batch = [(p, lora) for lora in loras for p in prompts]
+    outputs = llm.generate(
+        [p for p, _ in batch], greedy(), use_tqdm=False, lora_request=[r for _, r in batch]
+    )
+    got: dict[str | None, list[list[int]]] = {}
+    for (_, lora), output in zip(batch, outputs):
+        got.setdefault(None if lora is None else lora.lora_name, []).append(
+            list(output.outputs[0].token_ids)
+        )
+    return got
+
+
+def test_adapters_change_the_reference(expected) -> None:
+    """The test adapters matter: each one's tokens differ from the base's."""
+    for name in ADAPTERS:
+        assert expected[name] != expected[None]
+
+
+def test_base_and_adapters_in_one_batch_equal_transformers_peft(
+    base: Path, adapters: dict[str, LoRARequest], prompts, expected
+) -> None:
+    llm = make_llm(base, enable_lora=True, max_loras=3, max_lora_rank=16)
+    got = generate_mixed(llm, prompts, [None, *adapters.values()])
+    assert got == expected
+
+
+def test_more_adapters_than_slots_swap_through_the_lru(
+    base: Path, adapters: dict[str, LoRARequest], prompts, expected
+) -> None:
+    """Two slots for three adapters: the scheduler holds back a third adapter's requests
+    until a slot frees; the slot is then rewritten with the newcomer."""
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=16)
+    assert generate_mixed(llm, prompts, [*adapters.values(), None]) == expected
+    manager = llm.engine.runner.lora
+    assert manager is not None and len(manager.resident_ids) == 2
+
+
+def test_prefix_cache_is_keyed_by_adapter(
+    base: Path, adapters: dict[str, LoRARequest], prompts, expected
+) -> None:
+    """The long prompt under one adapter, then the base and another adapter: neither reuses
+    the first one's KV (their tokens stay right); the same adapter again does."""
+    llm = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=16)
+    long_prompt = prompts[-1]
+    cached = []
+    for name in ("all", None, "rslora", "all"):
+        request = None if name is None else adapters[name]
+        output = llm.generate([long_prompt], greedy(), use_tqdm=False, lora_request=request)[0]
+        assert list(output.outputs[0].token_ids) == expected[name][-1]
+        cached.append(output.num_cached_tokens)
+    # Only the repeat of "all" finds cached blocks: 2 full blocks of 16 of its 34 tokens.
+    assert cached == [0, 0, 0, 32]
+
+
+@pytest.fixture(scope="module")
+def lora_llm(base: Path) -> LLM:
+    return make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"targets": ("q_proj", "lm_head")}, "LM head"),
+        ({"targets": ("q_proj", "embed_tokens")}, "embeddings"),
+        ({"rank": 32}, "above --max-lora-rank 16"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"use_dora": True}, "DoRA"),
+    ],
+    ids=["lm_head", "embed_tokens", "rank", "modules_to_save", "dora"],
+)
+def test_unsupported_adapters_are_refused_clearly(
+    base: Path, lora_llm: LLM, prompts, expected, tmp_path: Path, kwargs: dict, message: str
+) -> None:
+    """Refused at the request, naming why; the engine goes on serving."""
+    path = save_random_adapter(base, tmp_path / "bad", **kwargs)
+    with pytest.raises(InvalidRequestError, match=message):
+        lora_llm.generate(
+            prompts, greedy(), use_tqdm=False, lora_request=LoRARequest("b", 9, str(path))
+        )
+    outputs = lora_llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected[None]
+
+
+def test_an_adapter_of_another_base_is_refused(
+    tiny_checkpoint: Callable[..., Path], lora_llm: LLM, prompts, tmp_path: Path
+) -> None:
+    other = tiny_checkpoint("llama", hidden_size=32, intermediate_size=64)
+    path = save_random_adapter(other, tmp_path / "other")
+    with pytest.raises(InvalidRequestError, match="another base model"):
+        lora_llm.generate(
+            prompts, greedy(), use_tqdm=False, lora_request=LoRARequest("o", 8, str(path))
+        )
+
+
+def test_a_missing_adapter_directory_is_refused(lora_llm: LLM, prompts, tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
+        lora_llm.generate(
+            prompts, greedy(), use_tqdm=False, lora_request=LoRARequest("m", 7, str(tmp_path))
+        )
+
+
+def test_lora_requests_need_enable_lora(base: Path, adapters, prompts) -> None:
+    llm = make_llm(base)
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        llm.generate(prompts, greedy(), use_tqdm=False, lora_request=adapters["all"])
+
+
+def test_base_only_steps_keep_the_fused_stack(
+    base: Path, adapters: dict[str, LoRARequest], prompts, expected
+) -> None:
+    """A step with adapter rows runs the layer modules; the next base-only step is back on
+    the fused native stack."""
+    llm = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=16)
+    model = llm.engine.runner.model
+    stack = model.decoder_stack
+    assert stack is not None
+    llm.generate(prompts[:1], greedy(), use_tqdm=False, lora_request=adapters["mlp"])
+    assert model.decoder_stack is None
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert model.decoder_stack is stack
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected[None]
