@@ -195,3 +195,70 @@ def test_base_only_steps_keep_the_fused_stack(
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert model.decoder_stack is stack
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected[None]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_adapter_on_a_quantized_base_matches_its_merged_dequantized_reference(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, scheme: str
+) -> None:
+    """QLoRA-style: the base's linears quantized, the adapter float. The reference is
+    transformers on the dequantized base with the adapter merged (what the engine computes:
+    the quantized product plus the float adapter's); scored teacher-forced, float
+    activations."""
+    from tokenmill.quantization.int4 import quantize_int4
+    from tokenmill.quantization.int8 import quantize_int8
+    from tokenmill_testing.quantized_checkpoints import (
+        TOLERANCE,
+        activation_path,
+        compare_with_reference,
+        random_prompts,
+        save_dequantized_checkpoint,
+    )
+
+    round_trips = {
+        "int8": lambda name, w: quantize_int8(w).dequantize(),
+        "int4": lambda name, w: quantize_int4(w, 32).dequantize(),
+    }
+    checkpoint = tiny_checkpoint("llama", hidden_size=128, intermediate_size=256)
+    adapter = save_random_adapter(checkpoint, tmp_path / "adapter", rank=8, seed=5)
+    dequantized = save_dequantized_checkpoint(
+        checkpoint,
+        tmp_path / "dequantized",
+        round_trips[scheme],
+        lambda w: quantize_int8(w).dequantize(),
+    )
+    merged_reference(dequantized, adapter).save_pretrained(tmp_path / "reference")
+    llm = make_llm(checkpoint, quantization=scheme, enable_lora=True, max_model_len=128)
+    request = LoRARequest("q", 1, str(adapter))
+
+    class WithAdapter:
+        def generate(self, *args, **kwargs):
+            return llm.generate(*args, lora_request=request, **kwargs)
+
+    with activation_path("float"):
+        max_diff = compare_with_reference(
+            WithAdapter(),
+            tmp_path / "reference",
+            random_prompts(llm.engine.vocab_size),
+            TOLERANCE["float"],
+        )
+    assert max_diff < TOLERANCE["float"]
+
+
+def test_the_store_keeps_max_cpu_loras_least_recently_used_first(
+    lora_llm: LLM, adapters: dict[str, LoRARequest]
+) -> None:
+    """Two kept in host memory (max_cpu_loras defaults to max_loras = 2): a third load drops
+    the least recently used; one still held is served without reading the disk again."""
+    from tokenmill.lora.adapter_store import LoRAAdapterStore
+
+    engine_store = lora_llm.engine.parts.lora_store
+    assert engine_store is not None and engine_store.max_cpu_loras == 2
+    store = LoRAAdapterStore(engine_store.base, 16, max_cpu_loras=2)
+    first = store.get(adapters["all"])
+    store.get(adapters["rslora"])
+    assert store.get(adapters["all"]) is first and len(store.load_seconds) == 2
+    store.get(adapters["mlp"])  # drops "rslora", the least recently used
+    assert store.loaded_ids == [adapters["all"].lora_int_id, adapters["mlp"].lora_int_id]
+    store.get(adapters["rslora"])
+    assert len(store.load_seconds) == 4

@@ -1,8 +1,9 @@
 """`LoRALinear`: a decoder linear (any weight format: float, int8, int4, GGUF) with the
 adapters of the step added after its product. It holds every slot's A and B stacked
-(`a: [slots, parts * R, in]`, `b: [slots, out, parts * R]`, R = --max-lora-rank): a fused
-layer (q/k/v, gate/up) keeps each part's A in its own rows and its B in its own block of
-rows and columns, so one shrink and one expand serve every part."""
+(`a: [slots, parts * R, in]`, `bt: [slots, parts * R, out]`, B transposed so that the expand
+reads outputs in order; R = --max-lora-rank): a fused layer (q/k/v, gate/up) keeps each part's
+A in its own rows and its B in its own block of rows and columns, so one shrink and one expand
+serve every part."""
 
 from __future__ import annotations
 
@@ -54,18 +55,18 @@ class LoRALinear(nn.Module):
         out_features = sum(p.out_size for p in parts)
         width = len(parts) * max_rank
         self.register_buffer("a", torch.zeros(max_loras, width, in_features, dtype=dtype))
-        self.register_buffer("b", torch.zeros(max_loras, out_features, width, dtype=dtype))
+        self.register_buffer("bt", torch.zeros(max_loras, width, out_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.mapping.segments:
-            add_lora_(y, x, self.a, self.b, self.mapping.segments, self.mapping.segment_tensor)
+            add_lora_(y, x, self.a, self.bt, self.mapping.segments, self.mapping.segment_tensor)
         return y
 
     def set_slot(self, slot: int, adapter: PeftAdapter) -> None:
         """Write `adapter`'s weights for this layer into `slot` (zeros where it has none)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         for index, part in enumerate(self.parts):
             pair = adapter.pairs.get((self.layer_index, part.module))
             if pair is None:
@@ -73,5 +74,5 @@ class LoRALinear(nn.Module):
             a, b = pair
             rank, column = a.shape[0], index * self.max_rank
             self.a[slot, column : column + rank] = a
-            rows = slice(part.out_start, part.out_start + part.out_size)
-            self.b[slot, rows, column : column + rank] = b
+            outputs = slice(part.out_start, part.out_start + part.out_size)
+            self.bt[slot, column : column + rank, outputs] = b.T
