@@ -198,6 +198,7 @@ def test_base_only_steps_keep_the_fused_stack(
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.slow(reason="a dequantized checkpoint, its reference and an engine per scheme")
 def test_adapter_on_a_quantized_base_matches_its_merged_dequantized_reference(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path, scheme: str
 ) -> None:
@@ -262,3 +263,75 @@ def test_the_store_keeps_max_cpu_loras_least_recently_used_first(
     assert store.loaded_ids == [adapters["all"].lora_int_id, adapters["mlp"].lora_int_id]
     store.get(adapters["rslora"])
     assert len(store.load_seconds) == 4
+
+
+@pytest.fixture(scope="module")
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves, so the n-gram proposer finds drafts (a seed whose
+    greedy continuations never reach EOS, which the reference cannot pick)."""
+    rng = random.Random(8)
+    prompts = []
+    for length in (6, 9, 5):
+        pattern = [rng.randrange(3, 1000) for _ in range(length)]
+        prompts.append(pattern * 3)
+    return prompts
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.slow(reason="three references and an engine per preemption mode")
+def test_chunked_prefill_preemption_and_ngram_drafts_keep_each_adapter(
+    base: Path,
+    adapters: dict[str, LoRARequest],
+    repetitive_prompts: list[list[int]],
+    preemption_mode: str,
+) -> None:
+    """Prompts cut into chunks of 7 tokens, blocks of 4 and few of them (preemption), n-gram
+    drafts verified in the adapter's rows: the tokens stay transformers + peft's."""
+    loras = [None, adapters["all"], adapters["rslora"]]
+    expected = {}
+    for lora in loras:
+        model = merged_reference(base, None if lora is None else lora.lora_path)
+        expected[None if lora is None else lora.lora_name] = greedy_reference(
+            model, repetitive_prompts, MAX_TOKENS
+        )[0]
+    llm = make_llm(
+        base,
+        enable_lora=True,
+        max_loras=3,
+        block_size=4,
+        num_kv_blocks=12,
+        max_model_len=48,
+        max_num_batched_tokens=7,
+        preemption_mode=preemption_mode,
+        swap_space=0.01,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+    )
+    assert generate_mixed(llm, repetitive_prompts, loras) == expected
+    stats = llm.get_stats().scheduler
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode is not None and stats.spec_decode.num_draft_tokens > 0
+
+
+def test_structured_outputs_with_an_adapter(lora_llm: LLM, adapters, prompts) -> None:
+    """The grammar's mask applies to the adapter's logits: every reply is one of the choices,
+    and the adapters pick differently from the base somewhere."""
+    from tokenmill import StructuredOutputsParams
+
+    choices = ["alpha", "beta", "gamma", "delta"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    picks = {}
+    for name in (None, "all", "rslora", "mlp"):
+        lora = None if name is None else adapters[name]
+        outputs = lora_llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        picks[name] = [o.outputs[0].text for o in outputs]
+        assert all(text in choices for text in picks[name])
+    assert any(picks[name] != picks[None] for name in ("all", "rslora", "mlp"))
+
+
+def test_tensor_parallelism_is_refused_clearly() -> None:
+    from tokenmill.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="enable_lora needs tensor_parallel_size 1"):
+        EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2)
