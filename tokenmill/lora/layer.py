@@ -45,6 +45,7 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         mapping: StepLoRAMapping,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.base = base
@@ -54,8 +55,9 @@ class LoRALinear(nn.Module):
         self.mapping = mapping
         out_features = sum(p.out_size for p in parts)
         width = len(parts) * max_rank
-        self.register_buffer("a", torch.zeros(max_loras, width, in_features, dtype=dtype))
-        self.register_buffer("bt", torch.zeros(max_loras, width, out_features, dtype=dtype))
+        shapes = ((max_loras, width, in_features), (max_loras, width, out_features))
+        self.register_buffer("a", torch.zeros(shapes[0], dtype=dtype, device=device))
+        self.register_buffer("bt", torch.zeros(shapes[1], dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -43,6 +43,7 @@ class LoRAModelManager:
 
     def _install(self) -> None:
         shapes, dtype = self.base_shapes.modules, _model_dtype(self.model)
+        device = self.model.layers[0].input_layernorm.weight.device
         for index, decoder_layer in enumerate(self.model.layers):
             attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
             fused = {
@@ -66,6 +67,7 @@ class LoRAModelManager:
                     self.max_lora_rank,
                     dtype,
                     self.mapping,
+                    device,
                 )
                 setattr(parent, attribute, wrapper)
                 self.layers.append(wrapper)
