@@ -12,6 +12,7 @@ from tokenmill.version import __version__ as __version__
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.entrypoints.llm import LLM
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.structured_output import StructuredOutputsParams
@@ -20,6 +21,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -29,6 +31,7 @@ __all__ = [
 _LAZY = {
     "LLM": "tokenmill.entrypoints.llm",
     "EngineConfig": "tokenmill.config",
+    "LoRARequest": "tokenmill.lora.request",
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",

@@ -30,6 +30,7 @@ LAYERS: tuple[str, ...] = (
     "layers",  # KV-cache tensors, attention/, Linear and the dense methods, rotary, sampler
     "quantization",  # the weight formats, which method each linear gets; their checkpoints
     "models",  # the model code and its loader
+    "lora",  # peft adapters, the adapter store, LoRA layers around the model's linears
     "structured_output",  # grammars: validation, compiles, a request's matcher, the bitmask
     "step",  # a step's vocabulary: requests as scheduler and runner see them, the seam values
     "kv_transfer",  # KV connectors, which the scheduler and the runner call

@@ -33,6 +33,9 @@ class FakeContext:
     async def prepare_structured_outputs(self, params) -> None:
         await asyncio.Event().wait()
 
+    async def lora_request(self, model: str | None) -> None:
+        return None  # the base model
+
 
 class GoneClient:
     async def receive(self) -> dict[str, str]:

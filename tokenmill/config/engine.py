@@ -209,6 +209,15 @@ class EngineConfig:
         '"kv_connector_extra_config": {"shared_storage_path": DIR}}\' (docs/scale_out.md)',
     )
 
+    enable_lora: bool = config_field(
+        False, "serve LoRA adapters (peft) on the base model, mixed in one step (docs/lora.md)"
+    )
+    max_loras: int = config_field(1, "LoRA adapters resident at once: the most in one step")
+    max_lora_rank: int = config_field(16, "the highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = config_field(
+        None, "LoRA adapters kept loaded in host memory (default: max_loras)"
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.metadata["choices"] is not None and getattr(self, f.name) is not None:
@@ -240,6 +249,18 @@ class EngineConfig:
         self._check_tensor_parallel()
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self._check_kv_transfer()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora needs tensor_parallel_size 1 (not built yet)")
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:

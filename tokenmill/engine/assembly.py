@@ -20,6 +20,7 @@ from tokenmill.core.feedback.prefill_budget import PrefillLimits
 from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
 from tokenmill.core.kv.cache_manager import KVCacheManager
 from tokenmill.core.kv.sizing import kv_cache_size, num_swap_blocks
+from tokenmill.core.sched.lora_admission import limit_lora_adapters
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
 from tokenmill.kv_transfer.factory import create_connector_pair
@@ -27,6 +28,8 @@ from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_finger
 from tokenmill.layers.attention.selector import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.parallel import SINGLE
+from tokenmill.lora.adapter_store import LoRAAdapterStore
+from tokenmill.lora.model_manager import LoRAModelManager
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     LoadSettings,
@@ -80,6 +83,7 @@ class EngineParts:
     kv_connectors: KVConnectorPair | None
     scheduler: Scheduler
     structured_output: StructuredOutputManager
+    lora_store: LoRAAdapterStore | None = None  # the loaded LoRA adapters (--enable-lora)
 
 
 def assemble(config: EngineConfig) -> EngineParts:
@@ -107,6 +111,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
         config, model, settings, device, executor, kv_spec, max_model_len
     )
+    lora_store = _lora(config, model, runner)
     kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
     if kv_connectors is not None:
         runner.use_kv_connector(kv_connectors.worker)
@@ -118,6 +123,8 @@ def assemble(config: EngineConfig) -> EngineParts:
         spec_lookahead=draft_has_kv,
         kv_connector=kv_connectors.scheduler if kv_connectors else None,
     )
+    if config.enable_lora:
+        limit_lora_adapters(scheduler, config.max_loras)
     vocab_size = model.shape.vocab_size
     eos_ids = eos_token_ids(model_dir, hf_config)
     parts = EngineParts(
@@ -140,6 +147,7 @@ def assemble(config: EngineConfig) -> EngineParts:
         structured_output=StructuredOutputManager(
             tokenizer, vocab_size, eos_ids, config.structured_outputs_config
         ),
+        lora_store=lora_store,
     )
     _log_start(parts, kv_spec, kv_cache_manager.num_blocks, config.block_size, kv_size_reason)
     return parts
@@ -178,7 +186,7 @@ def _runner(
     proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
     spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
-    if config.captures_decode(device):
+    if config.captures_decode(device) and not config.enable_lora:  # LoRA steps run eager
         runner.use_captured_decode(config.max_num_seqs, max_model_len)
     return runner, kv_cache_manager, draft_spec is not None, kv_size.reason
 
@@ -224,6 +232,19 @@ def _scheduler(
         prefill_limits=_prefill_limits(config, runner, kv_cache_manager.num_blocks, max_model_len),
         kv_connector=kv_connector,
     )
+
+
+def _lora(
+    config: EngineConfig, model: LlamaForCausalLM, runner: ModelRunner
+) -> LoRAAdapterStore | None:
+    """With --enable-lora: the model's decoder linears wrapped for adapters (the runner maps
+    each step's rows to them) and the store the intake loads adapters into."""
+    if not config.enable_lora:
+        return None
+    manager = LoRAModelManager(model, config.max_loras, config.max_lora_rank)
+    runner.use_lora(manager)
+    max_cpu_loras = config.max_cpu_loras or config.max_loras
+    return LoRAAdapterStore(manager.base_shapes, config.max_lora_rank, max_cpu_loras)
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.kv_transfer.base import KVConnectorBase
+from tokenmill.lora.adapter_store import LoRAAdapterStore
+from tokenmill.lora.peft_adapter import LoRAAdapterError, PeftAdapter
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import (
     InvalidRequestError,
     RequestOutputKind,
@@ -47,6 +50,7 @@ class EngineRequest:
     priority: int = 0  # lower runs first, under the priority policy
     cache_salt: str | None = None  # isolates a tenant's prefix-cache entries
     output_kind: RequestOutputKind | None = None  # None: as `params` says
+    lora_request: LoRARequest | None = None  # the LoRA adapter to run with; None: the base
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -130,6 +134,7 @@ class ResolvedRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    lora: PeftAdapter | None = None  # its LoRA adapter, loaded; None: the base model
 
     def sample_ids(self) -> list[str]:
         """The ids the scheduler and the runner know the `n` samples by (`sample_id`)."""
@@ -163,14 +168,17 @@ class RequestIntake:
         eos_token_ids: set[int],
         structured_output: StructuredOutputManager,
         kv_connector: KVConnectorBase | None = None,
+        lora_store: LoRAAdapterStore | None = None,
     ) -> None:
-        """`kv_connector`: the scheduler half of the engine's, if any."""
+        """`kv_connector`: the scheduler half of the engine's, if any; `lora_store`: the
+        loaded LoRA adapters (None: LoRA is off)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.structured_output = structured_output
         self.kv_connector = kv_connector
+        self.lora_store = lora_store
 
     def resolve(self, request: EngineRequest) -> ResolvedRequest:
         """Raises `InvalidRequestError` naming the field for anything the engine can't take."""
@@ -183,6 +191,7 @@ class RequestIntake:
         check_token_ids(params.logit_bias or (), self.vocab_size, "logit_bias")
         check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
         check_cache_salt(request.cache_salt)
+        lora = self._lora(request.lora_request)
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -200,7 +209,19 @@ class RequestIntake:
             time.time() if arrival_time is None else arrival_time,
             request.priority,
             request.cache_salt,
+            lora,
         )
+
+    def _lora(self, lora_request: LoRARequest | None) -> PeftAdapter | None:
+        """The adapter, loaded (read from disk here unless the store holds it)."""
+        if lora_request is None:
+            return None
+        if self.lora_store is None:
+            raise InvalidRequestError("lora_request", "LoRA is not enabled (enable_lora)")
+        try:
+            return self.lora_store.get(lora_request)
+        except LoRAAdapterError as e:
+            raise InvalidRequestError("lora_request", str(e)) from None
 
     def _tokenize(
         self, prompt: PromptType, add_special_tokens: bool

@@ -17,6 +17,7 @@ from tokenmill.engine.assembly import assemble
 from tokenmill.engine.intake import EngineRequest, PromptType, RequestIntake, ResolvedRequest
 from tokenmill.engine.kv_connectors import kv_transfer_stats, record_transfers, transfer_ring
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import EngineStats, KVBlockStates
 from tokenmill.openmp import forget_openmp_wait_policy
 from tokenmill.outputs import RequestOutput
@@ -42,6 +43,7 @@ class LLMEngine:
             parts.eos_token_ids,
             parts.structured_output,
             parts.kv_connectors.scheduler if parts.kv_connectors else None,
+            parts.lora_store,
         )
         self.kv_transfers = transfer_ring(parts.kv_connectors)  # each request's, recently
         self.output_processor = OutputProcessor(parts.tokenizer)
@@ -92,6 +94,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         output_kind: RequestOutputKind | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request given as its fields (vLLM's `add_request` shape); `add` takes it
         as one `EngineRequest`."""
@@ -105,6 +108,7 @@ class LLMEngine:
                 priority,
                 cache_salt,
                 output_kind,
+                lora_request,
             )
         )
 
@@ -135,6 +139,7 @@ class LLMEngine:
                         priority=request.priority,
                         cache_salt=request.cache_salt,
                         grammar=grammar,
+                        lora=request.lora,
                     )
                 )
         except Exception:  # none of it is queued then: the caller's error is the caller's alone

@@ -51,6 +51,7 @@ ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
     ),
     "decoding": ("speculative_config", "structured_outputs_config"),
     "parallel": ("tensor_parallel_size", "nnodes", "distributed_timeout", "kv_transfer_config"),
+    "lora": ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
 }
 
 

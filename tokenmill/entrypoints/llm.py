@@ -14,6 +14,7 @@ from tokenmill.engine.intake import EngineRequest, PromptType
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.pooling_llm import PoolingMethods
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling.config import resolve_task
@@ -69,9 +70,12 @@ class LLM(PoolingMethods):
         use_tqdm: bool = True,
         add_special_tokens: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single string or token-id list is one prompt.
-        `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`."""
+        `priority` (one per prompt, lower first) matters under `scheduling_policy="priority"`.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), as in vLLM; needs `enable_lora=True`."""
         if self.pooling is not None:
             raise ValueError(
                 f"this LLM serves a pooling model (task {self.pooling.task!r}): use embed() "
@@ -88,8 +92,9 @@ class LLM(PoolingMethods):
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = _broadcast_lora(lora_request, len(prompts))
         request_ids = []
-        for prompt, params, request_priority in zip(prompts, params_list, priorities):
+        for prompt, params, request_priority, lora in zip(prompts, params_list, priorities, loras):
             request_id = str(next(self._request_counter))
             self.engine.add(
                 EngineRequest(
@@ -99,6 +104,7 @@ class LLM(PoolingMethods):
                     add_special_tokens=add_special_tokens,
                     priority=request_priority,
                     output_kind=RequestOutputKind.FINAL_ONLY,
+                    lora_request=lora,
                 )
             )
             request_ids.append(request_id)
@@ -163,3 +169,13 @@ def _broadcast(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _broadcast_lora(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} LoRA requests for {count} prompts")
+    return list(lora)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.lora.peft_adapter import PeftAdapter
     from tokenmill.structured_output.request_grammar import RequestGrammar
 
 
@@ -70,6 +71,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         grammar: RequestGrammar | None = None,
+        lora: PeftAdapter | None = None,
     ) -> None:
         self.sample_id = sample_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,6 +92,7 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache, once scheduled
         self.first_scheduled_time: float | None = None
         self.grammar = grammar  # structured outputs: the matcher its output must follow
+        self.lora = lora  # the LoRA adapter it runs with; None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,6 +117,11 @@ class Request:
         computed, or that its KV is to be handed to another engine."""
         extra = self.sampling_params.extra_args
         return None if extra is None else extra.get("kv_transfer_params")
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model (as vLLM's `lora_int_id`)."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -12,6 +12,8 @@ from tokenmill.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.lora.peft_adapter import PeftAdapter
+
 
 @dataclass
 class CachedRequestState:
@@ -30,6 +32,7 @@ class CachedRequestState:
     draft_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
     token_array: array = field(default_factory=lambda: array("i"))
+    lora: PeftAdapter | None = None  # its LoRA adapter; None: the base model
 
     def __post_init__(self) -> None:
         self.token_array = array("i", self.token_ids)

@@ -4,9 +4,13 @@ blocks, what to copy, what to verify."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.bitmask import GrammarBitmask
+
+if TYPE_CHECKING:
+    from tokenmill.lora.peft_adapter import PeftAdapter
 
 
 @dataclass
@@ -20,6 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora: PeftAdapter | None = None  # its LoRA adapter; None: the base model
 
 
 @dataclass

@@ -18,6 +18,7 @@ from tokenmill.layers.sampler import (
     greedy_tokens,
     takes_argmax,
 )
+from tokenmill.lora.model_manager import LoRAModelManager
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
@@ -39,6 +40,7 @@ from tokenmill.worker.runner_spec import RunnerSpec
 
 class ModelRunner:
     kv_connector: KVConnectorBase | None = None  # the worker half of a KV connector
+    lora: LoRAModelManager | None = None  # LoRA adapters' slots and per-step rows
 
     def __init__(self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device) -> None:
         kv_cache_spec, num_kv_blocks, num_swap_blocks = (
@@ -80,6 +82,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return self._with_kv_transfers(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs = self._prepare_inputs(scheduler_output)
+        if self.lora is not None:
+            self.lora.prepare_step(inputs.states, inputs.row_starts, len(inputs.input_ids))
         start = time.perf_counter()
         hidden = self._forward(inputs)
         rows = inputs.logits_indices
@@ -119,6 +123,10 @@ class ModelRunner:
         one drafting from the target's hidden states gets them after every step."""
         self.proposer = proposer
         self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
+
+    def use_lora(self, manager: LoRAModelManager) -> None:
+        """Run each request's LoRA adapter (the model's linears wrapped by `manager`)."""
+        self.lora = manager
 
     def use_kv_connector(self, connector: KVConnectorBase) -> None:
         """Load and save KV blocks around each step's forward through `connector`."""
@@ -189,6 +197,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                lora=new.lora,
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]

@@ -112,6 +112,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         num_full = request.num_tokens // self.block_size
         salt = (request.cache_salt or "").encode()
+        if request.lora_int_id:  # two adapters (or an adapter and the base) never share KV
+            salt += f"\0lora:{request.lora_int_id}".encode()
         while len(hashes) < num_full:
             start = len(hashes) * self.block_size
             tokens = request.all_token_ids[start : start + self.block_size]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tokenmill.core.kv.cache_manager import KVCacheManager
 from tokenmill.step.request import Request
@@ -34,6 +34,9 @@ class RequestQueue:
         self._queue: deque[Request] = deque()
         self._sequence = itertools.count()
         self._keys: dict[str, tuple[int, int]] = {}
+        # Whether a request may be admitted now beyond its grammar (LoRA: its adapter gets a
+        # slot; core/sched/lora_admission.py); one that may not is passed over in place.
+        self.admissible: Callable[[Request], bool] | None = None
 
     def add(self, request: Request) -> None:
         self._keys[request.sample_id] = (request.priority, next(self._sequence))
@@ -58,11 +61,12 @@ class RequestQueue:
         """The next request to admit: the head of the queue, unless one of the next few (of
         the same priority) has more of its prompt in the prefix cache. Serving it now, while
         its prefix is cached, saves recomputing that prefix after an eviction. Requests whose
-        grammar is still compiling are passed over (they keep their place)."""
-        holder = next((r for r in self._holding if _grammar_ready(r)), None)
+        grammar is still compiling, or that are not `admissible`, are passed over (they keep
+        their place)."""
+        holder = next((r for r in self._holding if self._ready(r)), None)
         if holder is not None:
             return holder
-        head = next((r for r in self._queue if _grammar_ready(r)), None)
+        head = next((r for r in self._queue if self._ready(r)), None)
         if (
             head is None
             or not manager.enable_caching
@@ -75,7 +79,7 @@ class RequestQueue:
             if (
                 candidate.priority != head.priority
                 or manager.is_swapped(candidate)
-                or not _grammar_ready(candidate)
+                or not self._ready(candidate)
             ):
                 continue
             num_hits = manager.get_computed_blocks(candidate)[1]
@@ -84,6 +88,9 @@ class RequestQueue:
         if best is not head:
             head.num_skips += 1
         return best
+
+    def _ready(self, request: Request) -> bool:
+        return _grammar_ready(request) and (self.admissible is None or self.admissible(request))
 
     def remove(self, request: Request) -> None:
         if request in self._holding:

@@ -431,6 +431,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.sample_id),
             num_computed_tokens=request.num_computed_tokens,
+            lora=request.lora,
         )
 
     def _free(self, request: Request) -> dict[str, Any] | None:

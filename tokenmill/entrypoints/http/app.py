@@ -28,6 +28,8 @@ from tokenmill.entrypoints.http.agent_routes import (
     response_store,
 )
 from tokenmill.entrypoints.http.context import ServerContext
+from tokenmill.entrypoints.http.lora_adapters import runtime_updating_allowed
+from tokenmill.entrypoints.http.lora_routes import lora_router
 from tokenmill.entrypoints.http.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -168,12 +170,14 @@ def _v1_router(ctx: ServerContext, keys: ApiKeys, store: ResponseStore) -> APIRo
 
     @_get_and_head(router, "/models", responses=auth)
     async def list_models() -> ModelList:
-        return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
+        cards = [_model_card(ctx, name) for name in ctx.model_names]
+        return ModelList(data=cards + adapter_cards(ctx))
 
     @router.get("/models/{model_id:path}", responses={**auth, **NOT_FOUND_RESPONSE})
     async def retrieve_model(model_id: str) -> ModelCard:
         ctx.check_model(model_id)
-        return _model_card(ctx, model_id)
+        card = next((c for c in adapter_cards(ctx) if c.id == model_id), None)
+        return card or _model_card(ctx, model_id)
 
     @router.post(
         "/completions",
@@ -194,6 +198,8 @@ def _v1_router(ctx: ServerContext, keys: ApiKeys, store: ResponseStore) -> APIRo
             return await create_chat_completion(ctx, request, raw_request)
 
     add_responses_routes(router, ctx, store, {**BAD_REQUEST, **auth, **SERVER_ERRORS})
+    if ctx.adapters is not None and runtime_updating_allowed():
+        router.include_router(lora_router(ctx.adapters, {**BAD_REQUEST, **auth}))
     return router
 
 
@@ -306,6 +312,21 @@ def _model_card(ctx: ServerContext, name: str) -> ModelCard:
         max_model_len=ctx.max_model_len,
         weight_format=ctx.weight_format,
     )
+
+
+def adapter_cards(ctx: ServerContext) -> list[ModelCard]:
+    """A card per LoRA adapter served: its path as `root`, its base model as `parent`."""
+    return [
+        ModelCard(
+            id=adapter.lora_name,
+            created=ctx.created,
+            root=adapter.lora_path,
+            parent=adapter.base_model_name or ctx.model_name,
+            max_model_len=ctx.max_model_len,
+            weight_format=ctx.weight_format,
+        )
+        for adapter in ctx.adapters or ()
+    ]
 
 
 def _prometheus_text() -> dict[str, Any]:

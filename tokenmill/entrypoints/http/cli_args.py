@@ -21,6 +21,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model name(s) clients use; the first is reported (default: the model argument)",
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (with --enable-lora): name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request\'s model field '
+        "picks one (docs/lora.md)",
+    )
     add_api_key_args(
         group,
         "on every route but /health, /version and /openapi.json: /v1/*, /metrics, "

@@ -14,6 +14,7 @@ from typing import Any, ParamSpec, TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStepError
+from tokenmill.entrypoints.http.lora_adapters import ServedAdapters
 from tokenmill.entrypoints.http.openai.inputs import PromptBuilder
 from tokenmill.entrypoints.http.openai.protocol import (
     FinishReason,
@@ -24,6 +25,7 @@ from tokenmill.entrypoints.http.openai.protocol import (
 from tokenmill.entrypoints.http.replies.reply_parsing import ReplyParsing
 from tokenmill.entrypoints.http.replies.structured_outputs import prepare
 from tokenmill.entrypoints.http.transport.errors import model_not_found
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -43,6 +45,7 @@ class ServerContext:
     slos: dict[str, float] = field(default_factory=dict)  # --slo, in seconds, for goodput
     stopping: bool = False  # set when shutdown begins: endless streams (the dashboard) end
     reply_parsing: ReplyParsing = field(default_factory=ReplyParsing)  # tools, reasoning
+    adapters: ServedAdapters | None = None  # LoRA adapters served by name (--enable-lora)
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(
@@ -103,8 +106,22 @@ class ServerContext:
 
     def check_model(self, model: str | None) -> None:
         """Clients name the model in every request; a name we do not serve is their error."""
-        if model is not None and model not in self.model_names:
-            raise model_not_found(model, self.model_names)
+        if model is None or model in self.model_names:
+            return
+        if self.adapters is None or model not in self.adapters:
+            adapters = [a.lora_name for a in self.adapters or ()]
+            raise model_not_found(model, self.model_names + adapters)
+
+    async def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names, loaded (off the loop); None for the base model."""
+        request = None if self.adapters is None else self.adapters.get(model)
+        if request is not None:
+            await self.adapters.loaded(request)
+        return request
+
+    def reported_model(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name, else the served name."""
+        return model if self.adapters is not None and model in self.adapters else self.model_name
 
 
 def log_ignored_fields(request: RequestModel, endpoint: str) -> None:

@@ -33,6 +33,7 @@ from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.http.app import build_app
 from tokenmill.entrypoints.http.context import ServerContext
 from tokenmill.entrypoints.http.pooling.server import run_pooling_server
+from tokenmill.entrypoints.http.lora_adapters import served_adapters
 from tokenmill.entrypoints.http.replies.reply_parsing import reply_parsing_from_args
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys, api_keys_from_args
 from tokenmill.entrypoints.http.transport.connections import (
@@ -63,6 +64,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         )
     engine = LLMEngine(with_default_models(engine_config_from_args(args)))
     model_names = args.served_model_name or [args.model or DEMO_TARGET_NAME]
+    adapters = served_adapters(engine, args.lora_modules, model_names[0])
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     async_engine = AsyncEngine(
@@ -77,6 +79,7 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         slos=slos,
         reply_parsing=reply_parsing,
+        adapters=adapters,
     )
     app = build_app(
         ctx,

@@ -10,6 +10,7 @@
 #include "decoder_stack.h"
 #include "int_linear.h"
 #include "linear.h"
+#include "lora.h"
 #include "paged_attention.h"
 
 namespace tokenmill {
@@ -78,6 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &PackedLinear::forward, "x @ weight.T + bias", no_gil);
   m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place",
         no_gil);
+  m.def("lora_shrink_expand", &lora_shrink_expand,
+        "y += (x A[slot]^T) B^T[slot] per segment of rows (multi-LoRA)", no_gil);
   m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,

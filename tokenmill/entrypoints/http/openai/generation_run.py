@@ -155,6 +155,7 @@ class GenerationRun(ABC, Generic[RequestT]):
         """Queue the engine requests once their constraint has compiled (None if the client
         left meanwhile); the stream of their outputs, for `collect` or `chunk_stream` (other
         protocols' adapters call these three themselves)."""
+        lora_request = await self.ctx.lora_request(self.request.model)
         engine_requests = [
             EngineRequest(
                 self._engine_request_id(i),
@@ -164,6 +165,7 @@ class GenerationRun(ABC, Generic[RequestT]):
                 priority=self.request.priority,
                 cache_salt=self.request.cache_salt,
                 output_kind=RequestOutputKind.DELTA,  # the run gathers and streams deltas
+                lora_request=lora_request,
             )
             for i, state in enumerate(self.prompts)
         ]

@@ -391,6 +391,7 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str = "tokenmill"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base
     max_model_len: int
     # tokenmill's extra (vLLM has no quantization field): how the linear weights are held,
     # e.g. "int4-g32 (120 linears), bfloat16 lm_head" (docs/quantization.md).

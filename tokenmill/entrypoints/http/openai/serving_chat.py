@@ -134,7 +134,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.ctx.reported_model(self.request.model),
             choices=choices,
             usage=self.usage(),
             kv_transfer_params=self.kv_transfer_params(),
@@ -196,7 +196,7 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
         return ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.ctx.reported_model(self.request.model),
             choices=choices,
             usage=usage,
         )

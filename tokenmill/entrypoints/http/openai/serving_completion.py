@@ -166,7 +166,7 @@ class CompletionRun(GenerationRun[CompletionRequest]):
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.ctx.model_name,
+            model=self.ctx.reported_model(self.request.model),
             choices=choices,
             usage=usage,
         )

@@ -1,0 +1,110 @@
+"""Multi-LoRA throughput: 8 adapters mixed across concurrent requests vs the base model alone,
+and the time to load an adapter.
+
+    python -m benchmarks.lora [--model PATH] [--adapters 8] [--requests 64] [--tokens 32]
+                              [--rounds 3] [--rank 16] [--dtype float32]
+
+With no model: the SmolLM2-135M-shaped random checkpoint (`tokenmill bench make-model
+--preset smollm`). Random peft adapters (every decoder target, --rank) are written to a
+temporary directory. Per round, in a shuffled order: all requests on the base model through
+an engine without --enable-lora, the same through the LoRA engine (base-only steps keep the
+fused stack), and the requests spread evenly over the adapters on the LoRA engine
+(--max-loras = --adapters). Output tokens/s, median over rounds. Adapter load time: reading
+and checking each adapter into a fresh store (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.bench.random_model import PRESETS
+from tokenmill.lora.adapter_store import LoRAAdapterStore
+
+
+def make_adapters(model: Path, count: int, rank: int, root: Path) -> list[LoRARequest]:
+    from tokenmill_testing.lora_adapters import save_random_adapter
+
+    return [
+        LoRARequest(
+            f"a{i}", i + 1, str(save_random_adapter(model, root / f"a{i}", rank=rank, seed=i))
+        )
+        for i in range(count)
+    ]
+
+
+def run(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    model = args.model or PRESETS["smollm"].model_dir()
+    settings = {"dtype": args.dtype, "max_model_len": 512, "max_num_seqs": args.requests}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = make_adapters(model, args.adapters, args.rank, Path(tmp))
+        lora_llm = LLM(
+            model=str(model),
+            enable_lora=True,
+            max_loras=args.adapters,
+            max_lora_rank=args.rank,
+            **settings,
+        )
+        base_llm = LLM(model=str(model), **settings)
+        store = LoRAAdapterStore(lora_llm.engine.parts.lora_store.base, args.rank, args.adapters)
+        for adapter in adapters:
+            store.get(adapter)
+        rng = random.Random(0)
+        prompts = [
+            [rng.randrange(3, 2000) for _ in range(args.prompt_tokens)]
+            for _ in range(args.requests)
+        ]
+        mixed = [adapters[i % len(adapters)] for i in range(args.requests)]
+        cases = {
+            "base, no --enable-lora": (base_llm, [None] * args.requests),
+            "base, LoRA engine": (lora_llm, [None] * args.requests),
+            f"{args.adapters} adapters mixed": (lora_llm, mixed),
+        }
+        for llm, loras in cases.values():  # warm-up: kernels, slots, caches
+            run(llm, prompts[:8], loras[:8], 4)
+        results: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.rounds):
+            for name in rng.sample(list(cases), len(cases)):
+                llm, loras = cases[name]
+                llm.reset_prefix_cache()
+                results[name].append(run(llm, prompts, loras, args.tokens))
+    print(
+        f"{model.name}, {args.dtype}, {args.requests} requests x {args.prompt_tokens} prompt + "
+        f"{args.tokens} output tokens, rank {args.rank}, {args.rounds} rounds"
+    )
+    baseline = statistics.median(results["base, no --enable-lora"])
+    for name, values in results.items():
+        median = statistics.median(values)
+        print(f"  {name:28s} {median:8.1f} output tok/s  ({median / baseline:.2f}x)  {values}")
+    loads = store.load_seconds
+    print(
+        f"  adapter load (read + check): median {statistics.median(loads) * 1e3:.1f} ms "
+        f"over {len(loads)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

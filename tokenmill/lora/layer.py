@@ -1,0 +1,80 @@
+"""`LoRALinear`: a decoder linear (any weight format: float, int8, int4, GGUF) with the
+adapters of the step added after its product. It holds every slot's A and B stacked
+(`a: [slots, parts * R, in]`, `bt: [slots, parts * R, out]`, B transposed so that the expand
+reads outputs in order; R = --max-lora-rank): a fused layer (q/k/v, gate/up) keeps each part's
+A in its own rows and its B in its own block of rows and columns, so one shrink and one expand
+serve every part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenmill.lora.peft_adapter import PeftAdapter
+from tokenmill.lora.punica import Segment, add_lora_
+
+
+@dataclass
+class StepLoRAMapping:
+    """Which rows of this step's tokens run with which slot: every `LoRALinear` of the model
+    reads the one instance, set by the manager before each forward. No segments: base only."""
+
+    segments: list[Segment] = field(default_factory=list)
+    segment_tensor: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    """One peft module inside a (maybe fused) layer: its name and its output rows."""
+
+    module: str
+    out_start: int
+    out_size: int
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Module,
+        layer_index: int,
+        parts: list[LoRAPart],
+        in_features: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        mapping: StepLoRAMapping,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.layer_index = layer_index
+        self.parts = parts
+        self.max_rank = max_rank
+        self.mapping = mapping
+        out_features = sum(p.out_size for p in parts)
+        width = len(parts) * max_rank
+        shapes = ((max_loras, width, in_features), (max_loras, width, out_features))
+        self.register_buffer("a", torch.zeros(shapes[0], dtype=dtype, device=device))
+        self.register_buffer("bt", torch.zeros(shapes[1], dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.mapping.segments:
+            add_lora_(y, x, self.a, self.bt, self.mapping.segments, self.mapping.segment_tensor)
+        return y
+
+    def set_slot(self, slot: int, adapter: PeftAdapter) -> None:
+        """Write `adapter`'s weights for this layer into `slot` (zeros where it has none)."""
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
+        for index, part in enumerate(self.parts):
+            pair = adapter.pairs.get((self.layer_index, part.module))
+            if pair is None:
+                continue
+            a, b = pair
+            rank, column = a.shape[0], index * self.max_rank
+            self.a[slot, column : column + rank] = a
+            outputs = slice(part.out_start, part.out_start + part.out_size)
+            self.bt[slot, column : column + rank, outputs] = b.T
