@@ -148,10 +148,7 @@ class ModelRunner:
         """Run decode-only steps through captured steps: CUDA graphs on a GPU, a compiled
         forward on the CPU, or `capture` (`worker/captured_step.py`)."""
         if self.model.traits.layer_windows is not None:  # its mask is the model's one window
-            raise ConfigError(
-                "captured decode steps (enforce_eager=False) do not support models whose "
-                "layers have windows of their own (Gemma 3): leave enforce_eager unset"
-            )
+            raise ConfigError("enforce_eager=False can't capture per-layer windows (Gemma 3)")
         self.decode_step = build_decode_step(
             lambda ids, positions, metadata: self.model(ids, positions, self.kv_caches, metadata),
             self.device,

@@ -32,8 +32,8 @@ from tokenmill.entrypoints.default_model import with_default_models
 from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.http.app import build_app
 from tokenmill.entrypoints.http.context import ServerContext
-from tokenmill.entrypoints.http.pooling.server import run_pooling_server
 from tokenmill.entrypoints.http.lora_adapters import served_adapters
+from tokenmill.entrypoints.http.pooling.server import run_pooling_server
 from tokenmill.entrypoints.http.replies.reply_parsing import reply_parsing_from_args
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys, api_keys_from_args
 from tokenmill.entrypoints.http.transport.connections import (
