@@ -160,8 +160,8 @@ def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
                 value = 1.0 + 0.1 * noise
             elif name.endswith(".bias"):
                 value = 0.1 * noise
-            elif param.ndim == 2:
-                value = noise / math.sqrt(param.shape[1])
+            elif param.ndim in (2, 3):  # a linear, or a stack of experts' linears
+                value = noise / math.sqrt(param.shape[-1])
             else:
                 raise ValueError(f"no init rule for parameter {name} {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))

@@ -190,12 +190,14 @@ class LlamaDecoderLayer(nn.Module):
         traits: ArchitectureTraits,
         tp: TensorParallel,
         attention_backend: str = "torch",
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp`: the layer's feed-forward block (None: a dense `LlamaMLP`)."""
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = LlamaAttention(shape, traits, tp, attention_backend)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = LlamaMLP(shape, traits, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(shape, traits, tp)
 
     def forward(
         self,
@@ -228,12 +230,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape = ModelShape.from_hf_config(hf_config)
         self.tp = tp
-        traits = architecture_traits(architecture, hf_config)
+        traits = self.architecture_traits(architecture, hf_config)
         positions = min(shape.max_position, max_model_len or shape.max_position)
         self.rotary = RotaryEmbedding(shape.head_dim, positions, rope_parameters(hf_config), dtype)
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits, tp, attention_backend) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(
+                shape, traits, tp, attention_backend, self.make_mlp(i, hf_config, traits)
+            )
+            for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         vocab_rows = self.embed_tokens.weight.shape[0]
@@ -242,6 +247,25 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The layers as one native call (models/llama_stack.py), set once the weights are in.
         self.decoder_stack: LlamaDecoderStack | None = None
+
+    @classmethod
+    def architecture_traits(cls, architecture: str, hf_config: Any) -> ArchitectureTraits:
+        return architecture_traits(architecture, hf_config)
+
+    def make_mlp(
+        self, layer_index: int, hf_config: Any, traits: ArchitectureTraits
+    ) -> nn.Module | None:
+        """Layer `layer_index`'s feed-forward block; None: the dense `LlamaMLP` (a family with
+        mixture-of-experts layers returns its own, models/moe.py)."""
+        return None
+
+    def intermediate_size_of(self, target: str) -> int:
+        """The whole (unsharded) width of the MLP that parameter `target` belongs to."""
+        return self.shape.intermediate_size
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this family's modules spell it."""
+        return name
 
     def forward(
         self,

@@ -59,6 +59,8 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     module = native_kernels()
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
+    if not getattr(model, "supports_fused_stack", True):
+        return None  # MoE layers (models/moe.py) run as modules
     layers = [_layer_tensors(layer) for layer in model.layers]
     linears = [_layer_linears(layer) for layer in model.layers]
     if any(tensors is None for tensors in layers) or any(part is None for part in linears):

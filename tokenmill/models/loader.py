@@ -25,6 +25,8 @@ from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
+from tokenmill.models.mixtral import MixtralForCausalLM
+from tokenmill.models.qwen_moe import QwenMoEForCausalLM
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
@@ -37,6 +39,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoEForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoEForCausalLM,
 }
 
 # Files that hold a tokenizer's vocabulary, in the formats transformers reads without extra
@@ -294,7 +299,7 @@ def load_weights(
     for name, read in tensors:
         if _is_ignored(name, model):
             continue
-        target, shard = _param_target(name)
+        target, shard = _param_target(model.checkpoint_name(name))
         if target in quantized:
             _load_into_linear(model, quantized[target], target, shard, read, name)
         elif target in params:
