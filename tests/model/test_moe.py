@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.models.config_checks import ModelLoadError
 from tokenmill.models.loader import load_hf_config
@@ -127,10 +128,17 @@ def test_greedy_equals_transformers_chunked_preempted_with_prefix_hits(
     assert tight.get_stats().scheduler.num_preemptions > 0
 
 
-def test_logprobs_close_to_transformers(checkpoint: Path, reference) -> None:
+@pytest.mark.parametrize("linear_backend", ["auto", "torch"])
+def test_logprobs_close_to_transformers(checkpoint: Path, reference, linear_backend: str) -> None:
+    """The CPU default runs the experts in the native MoE kernel; `linear_backend="torch"`
+    the torch reference: both as transformers."""
     prompts, expected, ref_logprobs = reference
-    llm = LLM(model=str(checkpoint), dtype="float32", max_model_len=64)
+    llm = LLM(
+        model=str(checkpoint), dtype="float32", max_model_len=64, linear_backend=linear_backend
+    )
     outputs = llm.generate(prompts, greedy(logprobs=2), use_tqdm=False)
+    native_expected = linear_backend == "auto" and native_kernels() is not None
+    assert all(block.uses_native_kernel == native_expected for block in moe_blocks(llm))
     for output, ref, tokens in zip(outputs, ref_logprobs, expected):
         completion = output.outputs[0]
         assert completion.token_ids == tokens

@@ -132,6 +132,12 @@ class FusedMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
 
+    @property
+    def uses_native_kernel(self) -> bool | None:
+        """Whether the routed experts run in the native kernel (None: not decided yet, before
+        the first forward)."""
+        return None if self._native is None else self._native is not False
+
     def routed_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
