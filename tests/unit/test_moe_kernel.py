@@ -90,7 +90,7 @@ def test_native_experts_match_the_torch_reference(isa: int, method: str, tokens:
 def test_only_the_chosen_experts_are_read() -> None:
     """An expert no token picked may hold anything (NaN here): the result does not see it,
     as a batch of one touches only its k experts' weights."""
-    fast, plain = make_experts("float32")
+    fast, _ = make_experts("float32")
     x, weights, ids = routed(1, seed=4)
     unused = next(e for e in range(NUM_EXPERTS) if e not in ids.tolist()[0])
     poisoned, _ = make_experts("float32")
