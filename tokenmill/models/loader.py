@@ -70,7 +70,8 @@ def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
     if is_gguf(path):
         gguf = GGUFCheckpoint(path)
         sizes = check_sizes(gguf.sizing_metadata(), gguf.tensor_shapes(), f"{path}'s metadata")
-        return gguf.hf_config(sizes), "LlamaForCausalLM"
+        config = gguf.hf_config(sizes)
+        return config, config.architectures[0]
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")

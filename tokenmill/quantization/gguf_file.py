@@ -28,11 +28,20 @@ from tokenmill.quantization.gguf_blocks import (
     dequantize,
     groups,
 )
+from tokenmill.quantization.gguf_moe import (
+    EXPERT_TENSORS,
+    MOE_BLOCK_NAMES,
+    is_moe,
+    moe_hf_config,
+    moe_linear_names,
+    permutes_qk,
+)
 from tokenmill.quantization.gguf_open import open_gguf
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# Mixture-of-experts files: gguf_moe.py (Mixtral is `llama` with `llama.expert_count`).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe")
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -88,21 +97,14 @@ class GGUFCheckpoint:
 
     @cached_property
     def architecture(self) -> str:
-        """`general.architecture`, if tokenmill runs it: a dense model of a supported
-        architecture (llama.cpp writes Mixtral as `llama` with `llama.expert_count`)."""
+        """`general.architecture`, if tokenmill runs it (llama.cpp writes Mixtral as `llama`
+        with `llama.expert_count`; `qwen2moe` and `qwen3moe` are MoE models only)."""
         architecture = self.field("general.architecture")
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported GGUF architecture {architecture!r} (general.architecture) in "
                 f"{self.path}; tokenmill reads GGUF files of the architectures: {supported}"
-            )
-        experts = self.field(f"{architecture}.expert_count", 0)
-        if experts:
-            raise ConfigError(
-                f"unsupported GGUF model in {self.path}: general.architecture {architecture!r} "
-                f"with {architecture}.expert_count={experts} (a mixture of experts, as Mixtral); "
-                f"tokenmill reads dense models of the architectures: {supported}"
             )
         return architecture
 
@@ -142,7 +144,7 @@ class GGUFCheckpoint:
             "rope_freqs.weight" in self.tensors
         ):
             raise ConfigError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
-        config = LlamaConfig(
+        common = dict(
             vocab_size=sizes["vocab_size"],
             hidden_size=sizes["hidden_size"],
             intermediate_size=sizes["intermediate_size"],
@@ -158,8 +160,20 @@ class GGUFCheckpoint:
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
         )
+        if is_moe(arch, self._meta):
+            if "blk.0.ffn_gate_inp.weight" not in self.tensors:
+                raise ConfigError(
+                    f"{self.path}: {arch}.expert_count={self._meta('expert_count')} but no "
+                    "router tensor (blk.0.ffn_gate_inp.weight): not a mixture-of-experts file "
+                    "llama.cpp wrote"
+                )
+            return moe_hf_config(arch, meta, sizes, common, self.tensors.__contains__)
+        config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
         return config
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.architecture}.{key}", default)
 
     def linear_formats(self) -> dict[str, str]:
         """tokenmill's layer name -> the format its method takes (`_format_of`), for the
@@ -170,10 +184,15 @@ class GGUFCheckpoint:
         output = self.tensors.get("output.weight")
         formats["embed_tokens"] = _format_of({embedding})
         formats["lm_head"] = _format_of({embedding if output is None else output.tensor_type})
+        num_experts = int(self._meta("expert_count", 0) or 0)
         for layer in range(self._num_blocks()):
-            for linear, parts in _LINEAR_PARTS.items():
+            linears = {f"layers.{layer}.{linear}": parts for linear, parts in _LINEAR_PARTS.items()}
+            if num_experts and f"blk.{layer}.ffn_gate.weight" not in self.tensors:
+                linears = {k: v for k, v in linears.items() if ".mlp." not in k}
+                linears.update(moe_linear_names(layer, num_experts, self.tensors.__contains__))
+            for linear, parts in linears.items():
                 types = {self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts}
-                formats[f"layers.{layer}.{linear}"] = fmt = _format_of(types)
+                formats[linear] = fmt = _format_of(types)
                 if fmt == "float" and not types <= set(_FLOAT_TYPES):
                     names = "/".join(parts)
                     dequantized.append(f"blk.{layer}.{names} ({'+'.join(t.name for t in types)})")
@@ -189,13 +208,24 @@ class GGUFCheckpoint:
     ) -> Iterator[tuple[str, Callable[[Any], object]]]:
         """(Hugging Face name, reader) per tensor; a reader takes the tensor-parallel slice,
         which must be None (GGUF files load on one rank)."""
+        permuted = permutes_qk(self.architecture)
         for name, tensor in self.tensors.items():
             hf_name = _hf_name(name)
             if hf_name is None:
                 raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
             heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else 0
-            quantized = formats.get(_layer_of(hf_name), "float") != "float"
-            yield hf_name, _reader(tensor, quantized, heads)
+            heads = heads if permuted else 0
+            if ".mlp.experts." not in hf_name:
+                quantized = formats.get(_layer_of(hf_name), "float") != "float"
+                read = _reader(tensor, quantized, heads)
+                if hf_name.endswith(".shared_expert_gate.weight"):  # [1, hidden], stored 1-D
+                    read = _as_row(read)
+                yield hf_name, read
+                continue
+            for expert in range(int(tensor.shape[-1])):  # stacked: one tensor per expert
+                expert_name = hf_name.replace(".mlp.experts.", f".mlp.experts.{expert}.")
+                quantized = formats.get(_layer_of(expert_name), "float") != "float"
+                yield expert_name, _reader(tensor, quantized, 0, expert)
 
     def _num_blocks(self) -> int:
         return int(self.field(f"{self.architecture}.block_count", 0))
@@ -228,10 +258,13 @@ def _hf_name(name: str) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     match = _BLOCK_NAME.match(name)
-    if match is None or match.group(2) not in _GGUF_TO_HF:
+    if match is None:
         return None
     layer, module, suffix = match.groups()
-    return f"model.layers.{layer}.{_GGUF_TO_HF[module]}.{suffix}"
+    hf_module = _GGUF_TO_HF.get(module) or MOE_BLOCK_NAMES.get(module)
+    if module in EXPERT_TENSORS:  # the experts' stack, without an expert's index
+        hf_module = f"mlp.experts.{EXPERT_TENSORS[module]}"
+    return None if hf_module is None else f"model.layers.{layer}.{hf_module}.{suffix}"
 
 
 def _layer_of(hf_name: str) -> str:
@@ -248,13 +281,19 @@ def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).flatten()
 
 
-def _reader(tensor: Any, quantized: bool, num_heads: int) -> Callable[[Any], object]:
+def _reader(
+    tensor: Any, quantized: bool, num_heads: int, expert: int | None = None
+) -> Callable[[Any], object]:
+    """Reads the tensor (or expert `expert`'s slice of a stack of experts)."""
+
     def read(part: Any) -> object:
         if part is not None:
             raise ConfigError("GGUF files load on one rank: use tensor_parallel_size 1")
         qtype = GGMLQuantizationType(tensor.tensor_type)
         data = np.asarray(tensor.data)
         shape = [int(n) for n in reversed(tensor.shape)]  # GGML lists the fastest dimension first
+        if expert is not None:
+            data, shape = data[expert], shape[1:]
         grouped = quantized and qtype in INT4_TYPES + INT8_TYPES
         if grouped:
             weight: Any = groups(data.reshape(shape[0], -1), qtype)
@@ -268,3 +307,7 @@ def _reader(tensor: Any, quantized: bool, num_heads: int) -> Callable[[Any], obj
         return weight
 
     return read
+
+
+def _as_row(read: Callable[[Any], object]) -> Callable[[Any], object]:
+    return lambda part: torch.as_tensor(read(part)).reshape(1, -1)
