@@ -1,6 +1,7 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them (Mixtral as `llama`
 with an expert count, `qwen2moe` with its shared expert, `qwen3moe`): the same greedy tokens
-as the Hugging Face checkpoint they were converted from, in float32; Q8_0 experts close."""
+as the Hugging Face checkpoint they were converted from, in float32; llama-quantize's Q8_0
+and Q4_K_M experts close."""
 
 from __future__ import annotations
 
@@ -67,16 +68,23 @@ def test_converted_gguf_gives_the_checkpoints_tokens(checkpoint: Path, gguf_f32:
     assert got == expected
 
 
+# llama-quantize's type -> the experts' format (Q4_K_M: rows this narrow fall back to Q4_0 /
+# Q5_0 and the like, blocks of 32, mixed per tensor as llama.cpp's `_M` recipes do).
+QUANTIZED = {"Q8_0": "int8", "Q4_K_M": "int"}
+
+
 @pytest.mark.skipif(not QUANTIZE.is_file(), reason="no llama-quantize build")
-def test_q8_0_experts_load_as_int8_and_stay_close(
-    checkpoint: Path, gguf_f32: Path, tmp_path: Path
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED))
+def test_quantized_experts_keep_their_blocks_and_stay_close(
+    checkpoint: Path, gguf_f32: Path, tmp_path: Path, qtype: str
 ) -> None:
-    """llama-quantize's Q8_0 experts keep their blocks (int8 codes, per-expert slices of the
+    """llama-quantize's experts keep their blocks (integer codes, per-expert slices of the
     stacked tensors); most greedy tokens stay the float file's."""
-    q8 = quantize(gguf_f32, tmp_path / "model-q8_0.gguf", "Q8_0")
+    quantized = quantize(gguf_f32, tmp_path / f"model-{qtype}.gguf", qtype)
     _, expected = generate(gguf_f32, checkpoint)
-    llm, got = generate(q8, checkpoint)
+    llm, got = generate(quantized, checkpoint)
     block = next(layer.mlp for layer in llm.engine.runner.model.layers)
-    assert block.experts[0].gate_up_proj.quant_method.weight_format.startswith("int8")
+    fmt = block.experts[0].gate_up_proj.quant_method.weight_format
+    assert fmt.startswith(QUANTIZED[qtype]), fmt
     same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
-    assert same >= 0.75 * MAX_TOKENS * len(expected)
+    assert same >= 0.5 * MAX_TOKENS * len(expected)
