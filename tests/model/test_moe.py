@@ -146,6 +146,26 @@ def test_logprobs_close_to_transformers(checkpoint: Path, reference, linear_back
             assert abs(logprobs[token_id].logprob - ref[position, token_id].item()) < 1e-4
 
 
+def test_bfloat16_stays_close_to_transformers_float32(checkpoint: Path, reference) -> None:
+    """bf16 weights and activations (float32 router logits and expert sums): the reference's
+    greedy token keeps a log-probability within 0.1 of float32's while the continuations
+    agree (near ties may part them)."""
+    prompts, expected, ref_logprobs = reference
+    llm = LLM(model=str(checkpoint), dtype="bfloat16", max_model_len=64)
+    outputs = llm.generate(prompts, greedy(logprobs=5), use_tqdm=False)
+    compared = 0
+    for output, ref, tokens in zip(outputs, ref_logprobs, expected):
+        completion = output.outputs[0]
+        for position, (got, want) in enumerate(zip(completion.token_ids, tokens)):
+            logprobs = completion.logprobs[position]
+            if want in logprobs:
+                assert abs(logprobs[want].logprob - ref[position, want].item()) < 0.1
+                compared += 1
+            if got != want:
+                break
+    assert compared >= len(prompts)
+
+
 def test_the_families_dense_and_sparse_layers(tiny_checkpoint) -> None:
     """Qwen3-MoE's layer 0 is dense by the sparse step, layer 2 by mlp_only_layers; Qwen2-MoE
     has a shared expert with a gate; the routers stay float under --quantization int8."""

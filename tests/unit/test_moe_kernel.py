@@ -11,7 +11,7 @@ from torch import nn
 
 from tokenmill.kernels import native
 from tokenmill.kernels.moe import native_moe_experts
-from tokenmill.layers.fused_moe import ExpertMLP, route, torch_experts
+from tokenmill.layers.fused_moe import ExpertMLP, RouterLinear, route, torch_experts
 from tokenmill.layers.linear import DenseLinearMethod, PackedLinearMethod, replace_linears
 from tokenmill.quantization.int8 import Int8LinearMethod
 
@@ -125,3 +125,14 @@ def test_torch_reference_equals_a_loop_over_tokens() -> None:
         ]
     )
     assert torch.allclose(torch_experts(x, weights, ids, plain), expected, atol=1e-5)
+
+
+def test_the_router_multiplies_in_float32() -> None:
+    """A bfloat16 router's logits are its weight times the input in float32 (torch's bf16
+    CPU product of a row was 11 ms for a 2048 x 64 router; float32 logits feed the softmax)."""
+    router = RouterLinear(64, 8).to(torch.bfloat16)
+    nn.init.normal_(router.weight)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    logits = router(x)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, F.linear(x.float(), router.weight.float()), atol=1e-5)

@@ -104,6 +104,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One call instead of six ops; bit-identical to transformers' LlamaRMSNorm in float32.
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            # torch's bfloat16 CPU kernel took 4.4 ms for 16 rows of 2048 (float32: 0.67 ms).
+            weight = self.weight.float()
+            return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
