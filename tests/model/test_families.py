@@ -258,7 +258,7 @@ class _CountingMLP(LlamaMLP):
 
     calls = 0
 
-    def __init__(self, shape, traits, tp, layer_index: int) -> None:
+    def __init__(self, shape, traits, tp, layer_index: int, hf_config) -> None:
         super().__init__(shape, traits, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
