@@ -47,3 +47,20 @@ def test_an_unknown_preset_is_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "make-model", "--preset", "nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_an_moe_preset_builds_its_architecture_in_its_dtype(tmp_path: Path) -> None:
+    """The `qwen3-moe` preset's recipe at a tiny size: a Qwen3-MoE checkpoint in bfloat16
+    (built in that dtype) that the engine serves with MoE blocks."""
+    shape = {**random_model.PRESETS["qwen3-moe"].shape}
+    shape.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 num_hidden_layers=2, vocab_size=4096)  # fmt: skip
+    built = random_model.make_random_model("test-tiny-moe-v1", shape, tmp_path / "moe")
+    llm = LLM(model=str(built), max_model_len=128)
+    model = llm.engine.runner.model
+    assert model.architecture == "Qwen3MoeForCausalLM"
+    assert type(model.layers[0].mlp).__name__ == "FusedMoE"
+    assert model.layers[0].mlp.experts[0].gate_up_proj.quant_method.weight_format == "bfloat16"
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 3000, 17, 900]], params)[0].outputs[0].token_ids) == 4

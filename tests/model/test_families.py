@@ -258,7 +258,7 @@ class _CountingMLP(LlamaMLP):
 
     calls = 0
 
-    def __init__(self, shape, traits, tp, layer_index: int) -> None:
+    def __init__(self, shape, traits, tp, layer_index: int, hf_config) -> None:
         super().__init__(shape, traits, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -293,3 +293,15 @@ def test_a_family_with_its_own_mlp_runs_its_layers_as_modules(
     assert _CountingMLP.calls > 0
     dense = LLM(model=str(source), dtype="float32", max_model_len=MAX_MODEL_LEN)
     assert dense.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
+def test_the_registry_tells_mixtral_gguf_files_from_dense_llama_by_their_experts() -> None:
+    """llama.cpp writes Mixtral as `llama` with `llama.expert_count`; qwen2moe / qwen3moe
+    files are mixtures of experts only."""
+    from tokenmill.models.registry import gguf_family
+
+    assert gguf_family("llama").name == "llama"
+    assert gguf_family("llama", experts=True).name == "mixtral"
+    assert gguf_family("qwen3moe", experts=True).name == "qwen_moe"
+    assert gguf_family("qwen3moe") is None
+    assert gguf_family("gemma3").name == "gemma3"

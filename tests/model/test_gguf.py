@@ -172,8 +172,12 @@ def test_a_truncated_gguf_is_one_config_error(checkpoint, tmp_path: Path) -> Non
 
 def test_an_unsupported_gguf_architecture_is_one_config_error(checkpoint, tmp_path) -> None:
     path = save_gguf(checkpoint, tmp_path / "model.gguf", Q.Q8_0, architecture="gpt2")
-    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'"):
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'") as error:
         LLM(model=str(path), max_model_len=64)
+    message = str(error.value)  # one line naming what the model registry's families read
+    assert "\n" not in message
+    for supported in ("llama", "gemma3", "phi3", "llama with llama.expert_count", "qwen3moe"):
+        assert supported in message
 
 
 def test_a_tensor_disagreeing_with_the_metadata_is_one_config_error(checkpoint, tmp_path) -> None:

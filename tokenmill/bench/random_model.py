@@ -6,6 +6,9 @@ download, the same files every time. Presets:
   pass, not HTTP streaming, dominates serving on a CPU; small enough to serve on two cores.
 - `smollm`: HuggingFaceTB/SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads, MLP 1536,
   vocabulary 49152, tied embeddings, RoPE theta 100000).
+- `qwen3-moe`: Qwen3-30B-A3B's ratios scaled to one CPU (hidden 2048, 32 / 4 heads of 128,
+  64 experts of width 768, 8 active, 6 layers, vocabulary 49152): 1.98B parameters, 0.35B
+  active per token, saved in bfloat16 (4 GB); a Qwen3-MoE checkpoint (`architecture`).
 - `1b`: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocabulary 49152,
   tied), saved in bfloat16 (2.5 GB); its widths are multiples of 256, so `llama-quantize`
   writes real K-quant blocks.
@@ -38,7 +41,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 @dataclass(frozen=True)
 class Preset:
     name: str  # the cache directory's name: bump its version when changing the recipe
-    shape: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, `dtype` by name
+    # Config fields (LlamaConfig's unless `architecture` names another), `dtype` by name.
+    shape: dict[str, Any] = field(default_factory=dict)
 
     def model_dir(self) -> Path:
         """The model's directory in the cache, built on first use."""
@@ -99,6 +103,25 @@ PRESETS = {
             dtype="bfloat16",
         ),
     ),
+    "qwen3-moe": Preset(
+        "bench-qwen3-30b-a3b-ratio-moe-v1",
+        dict(
+            architecture="Qwen3MoeForCausalLM",
+            hidden_size=2048,
+            num_hidden_layers=6,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            vocab_size=49152,
+            rope_theta=1000000.0,
+            dtype="bfloat16",
+        ),
+    ),
 }
 
 
@@ -138,14 +161,21 @@ def _write_checkpoint(directory: Path, shape: dict[str, Any]) -> None:
     tokens = {k: demo_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     dtype = shape.pop("dtype", "float32")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # a name, or a dtype
+    architecture = shape.pop("architecture", "LlamaForCausalLM")
     shape.setdefault("vocab_size", demo_config["vocab_size"])
     shape.setdefault("max_position_embeddings", 2048)
     shape["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.pop("rope_theta", 1e4)}
-    config = transformers.LlamaConfig(**tokens, **shape)
-    config.architectures = ["LlamaForCausalLM"]
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_class(**tokens, **shape)
+    config.architectures = [architecture]
+    default_dtype = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
+        torch.set_default_dtype(dtype)  # built in its dtype: a 2B model in float32 is 8 GB
+        try:
+            model = getattr(transformers, architecture)(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
     spread_weights(model, 0, config.tie_word_embeddings)
     with no_progress_bars():
         model.to(dtype).eval().save_pretrained(str(directory))
@@ -176,8 +206,8 @@ def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
                 value = 1.0 + 0.1 * noise
             elif name.endswith(".bias"):
                 value = 0.1 * noise
-            elif param.ndim == 2:
-                value = noise / math.sqrt(param.shape[1])
+            elif param.ndim in (2, 3):  # a linear, or a stack of experts' linears
+                value = noise / math.sqrt(param.shape[-1])
             else:
                 raise ValueError(f"no init rule for parameter {name} {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))

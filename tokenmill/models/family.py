@@ -17,8 +17,9 @@ from tokenmill.models.traits import ArchitectureTraits
 TensorReader = Callable[[Any], torch.Tensor]
 # (checkpoint name, reader) -> the (name, reader) pairs the shared loader expects.
 TensorSplitter = Callable[[str, TensorReader, Any], Iterator[tuple[str, TensorReader]]]
-# Builds a layer's MLP/FFN: (ModelShape, ArchitectureTraits, TensorParallel, layer index).
-MlpBuilder = Callable[[Any, ArchitectureTraits, Any, int], torch.nn.Module]
+# Builds a layer's MLP/FFN: (ModelShape, ArchitectureTraits, TensorParallel, layer index,
+# hf_config); None: that layer's MLP is the dense one (Qwen-MoE's `mlp_only_layers`).
+MlpBuilder = Callable[[Any, ArchitectureTraits, Any, int, Any], torch.nn.Module | None]
 
 
 @dataclass(frozen=True)
@@ -31,5 +32,8 @@ class Family:
     split_tensor: TensorSplitter | None = None
     # The MLP of each layer; None: the gated dense MLP (models/llama.py's LlamaMLP).
     mlp: MlpBuilder | None = None
+    # Its layers are mixtures of experts: a GGUF file of its gguf_architectures has
+    # `<architecture>.expert_count` (llama.cpp writes Mixtral as `llama` with experts).
+    mixture_of_experts: bool = False
     # The model class; None: the shared decoder (models/llama.py's LlamaForCausalLM).
     model_class: type | None = None

@@ -21,7 +21,6 @@ from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
-from tokenmill.models.family import MlpBuilder
 from tokenmill.models.registry import family_of
 from tokenmill.models.traits import ArchitectureTraits
 
@@ -194,8 +193,10 @@ class LlamaDecoderLayer(nn.Module):
         tp: TensorParallel,
         attention_backend: str = "torch",
         layer_index: int = 0,
-        mlp: MlpBuilder | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp`: the layer's feed-forward block, built by its family's `Family.mlp` (None: a
+        dense `LlamaMLP`)."""
         super().__init__()
         hidden, eps, offset = shape.hidden_size, shape.rms_norm_eps, traits.norm_offset
         windows = traits.layer_windows
@@ -207,10 +208,7 @@ class LlamaDecoderLayer(nn.Module):
         sandwich = traits.sandwich_norms
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset) if sandwich else None
-        if mlp is None:
-            self.mlp: nn.Module = LlamaMLP(shape, traits, tp)
-        else:
-            self.mlp = mlp(shape, traits, tp, layer_index)
+        self.mlp = mlp if mlp is not None else LlamaMLP(shape, traits, tp)
 
     def forward(
         self,
@@ -262,7 +260,14 @@ class LlamaForCausalLM(nn.Module):
             self.local_rotary = RotaryEmbedding(shape.head_dim, positions, traits.local_rope, dtype)
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, traits, tp, attention_backend, i, family.mlp)
+            LlamaDecoderLayer(
+                shape,
+                traits,
+                tp,
+                attention_backend,
+                i,
+                family.mlp(shape, traits, tp, i, hf_config) if family.mlp else None,
+            )
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, traits.norm_offset)
@@ -272,6 +277,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The layers as one native call (models/llama_stack.py), set once the weights are in.
         self.decoder_stack: LlamaDecoderStack | None = None
+
+    def intermediate_size_of(self, target: str) -> int:
+        """The whole (unsharded) width of the MLP that parameter `target` (`layers.{i}.mlp.
+        [experts.{e}.]gate_up_proj.weight`) belongs to: its module's slice times the ranks
+        (an MoE's experts and shared expert have their own widths)."""
+        owner = self.get_submodule(target.rsplit(".", 2)[0])
+        rank_width = getattr(owner, "intermediate_size", None)
+        return self.shape.intermediate_size if rank_width is None else rank_width * self.tp.size
 
     def forward(
         self,

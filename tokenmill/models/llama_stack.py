@@ -62,7 +62,7 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
     if family_of(model.architecture).mlp is not None:
-        return None  # a family's own MLP (an MoE's experts) runs in its module
+        return None  # a family's own MLP (an MoE's experts, models/moe.py) runs in its module
     linears = [_layer_linears(layer) for layer in model.layers]
     if any(part is None for part in linears):
         return None

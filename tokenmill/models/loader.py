@@ -23,9 +23,10 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
+from tokenmill.models.family import Family
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
-from tokenmill.models.registry import families, family_of, gguf_family
+from tokenmill.models.registry import families, family_of, gguf_architectures, gguf_family
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
@@ -65,10 +66,12 @@ def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
         raise ModelLoadError(f"{path} does not exist")
     if is_gguf(path):
         gguf = GGUFCheckpoint(path)
+        family = _gguf_family(gguf)
         sizes = check_sizes(gguf.sizing_metadata(), gguf.tensor_shapes(), f"{path}'s metadata")
-        family = gguf_family(gguf.architecture)  # the reader refused what no family reads
-        assert family is not None, gguf.architecture
-        return gguf.hf_config(sizes), family[1]
+        config = gguf.hf_config(sizes)
+        architecture = config.architectures[0]
+        assert architecture in family.architectures, (architecture, family.name)
+        return config, architecture
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")
@@ -86,6 +89,19 @@ def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
         raise ModelLoadError(f"{config_file} could not be read: {e}") from e
     check_sizes(hf_sizing(hf_config), tensor_shapes(path), str(config_file))
     return hf_config, architecture
+
+
+def _gguf_family(gguf: GGUFCheckpoint) -> Family:
+    """The registered family reading the GGUF file, or one line naming what the families read."""
+    architecture, experts = gguf.architecture, gguf.expert_count
+    family = gguf_family(architecture, experts > 0)
+    if family is None:
+        with_experts = f" with {architecture}.expert_count={experts}" if experts else ""
+        raise ConfigError(
+            f"unsupported GGUF architecture {architecture!r}{with_experts} (general.architecture)"
+            f" in {gguf.path}; tokenmill reads GGUF files of: {', '.join(gguf_architectures())}"
+        )
+    return family
 
 
 def _supported_architecture(architectures: Any, config_file: Path) -> str:

@@ -7,10 +7,10 @@ architecture.md, "Adding a model family"); a family defined elsewhere calls `reg
 
 from __future__ import annotations
 
-from tokenmill.models.families import gemma3, llama, phi3
+from tokenmill.models.families import gemma3, llama, mixtral, phi3, qwen_moe
 from tokenmill.models.family import Family
 
-_BUILTIN = (llama.FAMILY, phi3.FAMILY, gemma3.FAMILY)
+_BUILTIN = (llama.FAMILY, phi3.FAMILY, gemma3.FAMILY, mixtral.FAMILY, qwen_moe.FAMILY)
 _FAMILIES: dict[str, Family] = {}
 
 
@@ -35,13 +35,22 @@ def family_of(architecture: str) -> Family:
     raise KeyError(architecture)
 
 
-def gguf_family(gguf_architecture: str) -> tuple[Family, str] | None:
-    """The family reading a GGUF `general.architecture`, with the config.json architecture
-    name it stands for (the family's first); None if no family reads it."""
+def gguf_family(gguf_architecture: str, experts: bool = False) -> Family | None:
+    """The family reading a GGUF `general.architecture` (`experts`: the file has
+    `<architecture>.expert_count`); None if no family reads it."""
     for family in _FAMILIES.values():
-        if gguf_architecture in family.gguf_architectures:
-            return family, family.architectures[0]
+        if gguf_architecture in family.gguf_architectures and family.mixture_of_experts == experts:
+            return family
     return None
+
+
+def gguf_architectures() -> list[str]:
+    """What the families read from GGUF files, as an error message lists it."""
+    return [
+        f"{name} with {name}.expert_count" if family.mixture_of_experts else name
+        for family in _FAMILIES.values()
+        for name in family.gguf_architectures
+    ]
 
 
 for _family in _BUILTIN:

@@ -29,7 +29,7 @@ def fused_part_sizes(model: LlamaForCausalLM, target: str) -> list[int]:
         q = tp.split(shape.num_heads, "number of attention heads") * shape.head_dim
         kv = model.num_local_kv_heads * shape.head_dim
         return [q, kv, kv]
-    inter = tp.split(shape.intermediate_size, "intermediate_size")
+    inter = tp.split(model.intermediate_size_of(target), "intermediate_size")
     return [inter, inter]
 
 
@@ -47,7 +47,7 @@ def rank_slice(model: LlamaForCausalLM, target: str, part: int | None) -> RankSl
         return RankSlice(0, tp.rank * size, size)
     if target.endswith(_ROW_PARALLEL):
         total = shape.num_heads * shape.head_dim if ".o_proj." in target else None
-        size = tp.split(total or shape.intermediate_size, "input size of " + target)
+        size = tp.split(total or model.intermediate_size_of(target), "input size of " + target)
         return RankSlice(1, tp.rank * size, size)
     if target in _VOCAB_PARALLEL:
         start, per_rank = tp.vocab_range(shape.vocab_size)

@@ -31,11 +31,18 @@ from tokenmill.quantization.gguf_blocks import (
     dequantize,
     groups,
 )
+from tokenmill.quantization.gguf_moe import (
+    EXPERT_TENSORS,
+    MOE_BLOCK_NAMES,
+    is_moe,
+    moe_hf_config,
+    moe_linear_names,
+    permutes_qk,
+)
 from tokenmill.quantization.gguf_open import open_gguf
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", gguf_gemma3.ARCHITECTURE, gguf_phi3.ARCHITECTURE)
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -93,23 +100,15 @@ class GGUFCheckpoint:
 
     @cached_property
     def architecture(self) -> str:
-        """`general.architecture`, if tokenmill runs it: a dense model of a supported
-        architecture (llama.cpp writes Mixtral as `llama` with `llama.expert_count`)."""
-        architecture = self.field("general.architecture")
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported GGUF architecture {architecture!r} (general.architecture) in "
-                f"{self.path}; tokenmill reads GGUF files of the architectures: {supported}"
-            )
-        experts = self.field(f"{architecture}.expert_count", 0)
-        if experts:
-            raise ConfigError(
-                f"unsupported GGUF model in {self.path}: general.architecture {architecture!r} "
-                f"with {architecture}.expert_count={experts} (a mixture of experts, as Mixtral); "
-                f"tokenmill reads dense models of the architectures: {supported}"
-            )
-        return architecture
+        """`general.architecture`: the model registry (models/registry.py) says whether a
+        family reads it; dense ones here, mixtures of experts in gguf_moe.py (llama.cpp
+        writes Mixtral as `llama` with `llama.expert_count`)."""
+        return str(self.field("general.architecture"))
+
+    @cached_property
+    def expert_count(self) -> int:
+        """`<architecture>.expert_count`: 0 for a dense model."""
+        return int(self.field(f"{self.architecture}.expert_count", 0) or 0)
 
     @cached_property
     def tensors(self) -> dict[str, Any]:
@@ -160,7 +159,7 @@ class GGUFCheckpoint:
             return gguf_gemma3.hf_config(sizes, meta, tied, token_ids)
         if arch == gguf_phi3.ARCHITECTURE:
             return gguf_phi3.hf_config(sizes, meta, tied, token_ids, self._float_list)
-        config = LlamaConfig(
+        common = dict(
             vocab_size=sizes["vocab_size"],
             hidden_size=sizes["hidden_size"],
             intermediate_size=sizes["intermediate_size"],
@@ -174,8 +173,20 @@ class GGUFCheckpoint:
             tie_word_embeddings=tied,
             **token_ids,
         )
+        if is_moe(arch, self._meta):
+            if "blk.0.ffn_gate_inp.weight" not in self.tensors:
+                raise ConfigError(
+                    f"{self.path}: {arch}.expert_count={self._meta('expert_count')} but no "
+                    "router tensor (blk.0.ffn_gate_inp.weight): not a mixture-of-experts file "
+                    "llama.cpp wrote"
+                )
+            return moe_hf_config(arch, meta, sizes, common, self.tensors.__contains__)
+        config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
         return config
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.architecture}.{key}", default)
 
     def linear_formats(self) -> dict[str, str]:
         """tokenmill's layer name -> the format its method takes (`_format_of`), for the
@@ -186,11 +197,17 @@ class GGUFCheckpoint:
         output = self.tensors.get("output.weight")
         formats["embed_tokens"] = _format_of({embedding})
         formats["lm_head"] = _format_of({embedding if output is None else output.tensor_type})
+        num_experts = self.expert_count
         for layer in range(self._num_blocks()):
             phi3 = self.architecture == gguf_phi3.ARCHITECTURE
-            for linear, parts in (gguf_phi3.LINEAR_PARTS if phi3 else _LINEAR_PARTS).items():
+            dense = gguf_phi3.LINEAR_PARTS if phi3 else _LINEAR_PARTS
+            linears = {f"layers.{layer}.{linear}": parts for linear, parts in dense.items()}
+            if num_experts and f"blk.{layer}.ffn_gate.weight" not in self.tensors:
+                linears = {k: v for k, v in linears.items() if ".mlp." not in k}
+                linears.update(moe_linear_names(layer, num_experts, self.tensors.__contains__))
+            for linear, parts in linears.items():
                 types = {self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts}
-                formats[f"layers.{layer}.{linear}"] = fmt = _format_of(types)
+                formats[linear] = fmt = _format_of(types)
                 if fmt == "float" and not types <= set(_FLOAT_TYPES):
                     names = "/".join(parts)
                     dequantized.append(f"blk.{layer}.{names} ({'+'.join(t.name for t in types)})")
@@ -206,7 +223,7 @@ class GGUFCheckpoint:
     ) -> Iterator[tuple[str, Callable[[Any], object]]]:
         """(Hugging Face name, reader) per tensor; a reader takes the tensor-parallel slice,
         which must be None (GGUF files load on one rank)."""
-        permuted = self.architecture == "llama"  # llama.cpp's converter permutes llama's only
+        permuted = permutes_qk(self.architecture)
         gemma = self.architecture == gguf_gemma3.ARCHITECTURE
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
@@ -215,9 +232,19 @@ class GGUFCheckpoint:
             if hf_name is None:
                 raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
             heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else 0
-            quantized = formats.get(_layer_of(hf_name), "float") != "float"
-            shift = gguf_gemma3.norm_shift(hf_name) if gemma else 0.0
-            yield hf_name, _reader(tensor, quantized, heads if permuted else 0, shift)
+            heads = heads if permuted else 0
+            if ".mlp.experts." not in hf_name:
+                quantized = formats.get(_layer_of(hf_name), "float") != "float"
+                shift = gguf_gemma3.norm_shift(hf_name) if gemma else 0.0
+                read = _reader(tensor, quantized, heads, shift)
+                if hf_name.endswith(".shared_expert_gate.weight"):  # [1, hidden], stored 1-D
+                    read = _as_row(read)
+                yield hf_name, read
+                continue
+            for expert in range(int(tensor.shape[-1])):  # stacked: one tensor per expert
+                expert_name = hf_name.replace(".mlp.experts.", f".mlp.experts.{expert}.")
+                quantized = formats.get(_layer_of(expert_name), "float") != "float"
+                yield expert_name, _reader(tensor, quantized, 0, expert=expert)
 
     def _float_list(self, name: str) -> list[float] | None:
         """A small float tensor's values (LongRoPE's factors), None if the file has none."""
@@ -258,10 +285,13 @@ def _hf_name(name: str, names: Mapping[str, str]) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     match = _BLOCK_NAME.match(name)
-    if match is None or match.group(2) not in names:
+    if match is None:
         return None
     layer, module, suffix = match.groups()
-    return f"model.layers.{layer}.{names[module]}.{suffix}"
+    hf_module = names.get(module) or MOE_BLOCK_NAMES.get(module)
+    if module in EXPERT_TENSORS:  # the experts' stack, without an expert's index
+        hf_module = f"mlp.experts.{EXPERT_TENSORS[module]}"
+    return None if hf_module is None else f"model.layers.{layer}.{hf_module}.{suffix}"
 
 
 def _layer_of(hf_name: str) -> str:
@@ -279,9 +309,14 @@ def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
 
 
 def _reader(
-    tensor: Any, quantized: bool, num_heads: int, shift: float = 0.0
+    tensor: Any,
+    quantized: bool,
+    num_heads: int,
+    shift: float = 0.0,
+    expert: int | None = None,
 ) -> Callable[[Any], object]:
-    """`shift`: what the converter added to a float tensor (Gemma's norms), taken off."""
+    """Reads the tensor (or expert `expert`'s slice of a stack of experts); `shift`: what the
+    converter added to a float tensor (Gemma's norms), taken off."""
 
     def read(part: Any) -> object:
         if part is not None:
@@ -289,6 +324,8 @@ def _reader(
         qtype = GGMLQuantizationType(tensor.tensor_type)
         data = np.asarray(tensor.data)
         shape = [int(n) for n in reversed(tensor.shape)]  # GGML lists the fastest dimension first
+        if expert is not None:
+            data, shape = data[expert], shape[1:]
         grouped = quantized and qtype in INT4_TYPES + INT8_TYPES
         if grouped:
             weight: Any = groups(data.reshape(shape[0], -1), qtype)
@@ -302,3 +339,7 @@ def _reader(
         return weight
 
     return read
+
+
+def _as_row(read: Callable[[Any], object]) -> Callable[[Any], object]:
+    return lambda part: torch.as_tensor(read(part)).reshape(1, -1)

@@ -11,6 +11,7 @@
 #include "int_linear.h"
 #include "linear.h"
 #include "lora.h"
+#include "moe.h"
 #include "paged_attention.h"
 
 namespace tokenmill {
@@ -89,4 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, int64_t>())
       .def("set_family_options", &DecoderStack::set_family_options)
       .def("forward", &DecoderStack::forward, no_gil);
+  pybind11::class_<MoEExperts>(m, "MoEExperts")
+      .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t>())
+      .def("forward", &MoEExperts::forward, "an MoE block's routed experts", no_gil);
 }
