@@ -80,13 +80,25 @@ def test_max_spec_factor_bounds_drafts_by_match_length() -> None:
     assert _speculate(index, [0, 1], max_tokens=3, max_spec_factor=2.0).token_ids == [2, 3, 4]
 
 
-def test_context_indexed_leaves_out_the_uncontinued_occurrence() -> None:
+def test_own_sequence_leaves_out_the_uncontinued_occurrence() -> None:
     index = SuffixIndex(max_depth=4)
     sequence = [1, 2, 3, 9, 1, 2]  # "1 2" occurred once before, followed by 3
     index.extend(0, sequence)
     assert _speculate(index, sequence, max_tokens=1).probs == [pytest.approx(0.5)]
-    own = _speculate(index, sequence, max_tokens=1, context_indexed=True)
+    own = index.speculate_own(0, 1, max_spec_factor=4.0, min_token_prob=0.0)
     assert own.token_ids == [3] and own.probs == [pytest.approx(1.0)]
+
+
+def test_own_sequence_matches_are_the_nodes_walking_its_end_finds() -> None:
+    rng = random.Random(2)
+    index = SuffixIndex(max_depth=6)
+    sequence: list[int] = []
+    for _ in range(80):  # grown a token at a time, as a request's trie is
+        token = rng.randrange(4)
+        sequence.append(token)
+        index.extend(0, [token])
+        walked = [index._walk(sequence[-n:], 0) for n in range(1, min(len(sequence), 5) + 1)]
+        assert [node for node, _ in index._open[0]] == walked
 
 
 def test_removing_a_sequence_restores_the_index() -> None:

@@ -44,12 +44,11 @@ class SuffixDecodingProposer:
         proposals = {}
         for state in states:
             local = self._synced_local(state)
-            context = state.token_ids
-            draft = local.index.speculate(
-                context, num_tokens, self.max_spec_factor, self.min_token_prob, True
+            draft = local.index.speculate_own(
+                0, num_tokens, self.max_spec_factor, self.min_token_prob
             )
             shared = self.global_index.speculate(
-                context, num_tokens, self.max_spec_factor, self.min_token_prob
+                state.token_ids, num_tokens, self.max_spec_factor, self.min_token_prob
             )
             if shared.score > draft.score:
                 draft = shared

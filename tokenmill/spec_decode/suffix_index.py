@@ -11,7 +11,7 @@ subtracted and nodes no longer seen are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -96,30 +96,53 @@ class SuffixIndex:
         max_tokens: int,
         max_spec_factor: float,
         min_token_prob: float,
-        context_indexed: bool = False,
     ) -> SuffixDraft:
         """The best-scoring chain of up to `max_tokens` drafts to follow `context`.
 
         Every suffix of the context's last `max_depth` tokens that occurs in the index is a
         candidate; from its node the chain follows the most frequent child while the running
         probability stays >= `min_token_prob`, and is at most `match_len * max_spec_factor`
-        long (a short match is weak evidence: it speculates less). `context_indexed`: the
-        context itself is in the index (a request's own trie), so each matched substring's
-        count includes the occurrence at its end, which has no continuation yet: not counted.
+        long (a short match is weak evidence: it speculates less).
         """
-        best = SuffixDraft()
         if max_tokens <= 0 or not self.root.children:
-            return best
+            return SuffixDraft()
         pattern = context[-self.max_depth :]
-        for start in range(len(pattern)):
-            node = self._walk(pattern, start)
-            if node is None:
-                continue
-            match_len = len(pattern) - start
+        matches = (
+            (node, len(pattern) - start)
+            for start in range(len(pattern))
+            if (node := self._walk(pattern, start)) is not None
+        )
+        return self._best(matches, max_tokens, max_spec_factor, min_token_prob, 0)
+
+    def speculate_own(
+        self, key: Hashable, max_tokens: int, max_spec_factor: float, min_token_prob: float
+    ) -> SuffixDraft:
+        """`speculate` with sequence `key`'s own tokens as the context (a request's trie):
+        its open suffixes are the matches, no walk needed. Each matched substring's count
+        includes the occurrence at the sequence's end, which has no continuation yet: it is
+        left out of the probabilities."""
+        if max_tokens <= 0:
+            return SuffixDraft()
+        matches = ((node, depth) for node, depth in reversed(self._open.get(key, [])))
+        return self._best(matches, max_tokens, max_spec_factor, min_token_prob, 1)
+
+    def _best(
+        self,
+        matches: Iterable[tuple[_Node, int]],
+        max_tokens: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        uncontinued: int,
+    ) -> SuffixDraft:
+        """The best chain from `matches` (node, match length), longest match first."""
+        best = SuffixDraft()
+        for node, match_len in matches:
+            if node.count <= uncontinued or not node.children:
+                continue  # seen only where it has no continuation yet
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6))
             if limit <= 0:
                 continue
-            draft = self._follow(node, limit, min_token_prob, match_len, int(context_indexed))
+            draft = self._follow(node, limit, min_token_prob, match_len, uncontinued)
             if draft.score > best.score:  # ties: the longer match (seen first) wins
                 best = draft
         return best
