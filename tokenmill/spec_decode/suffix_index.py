@@ -107,10 +107,18 @@ class SuffixIndex:
         if max_tokens <= 0 or not self.root.children:
             return SuffixDraft()
         pattern = context[-self.max_depth :]
+        # Every suffix of an indexed substring is indexed: the suffixes that occur are those
+        # from some start on, found by bisection; then walked lazily, longest first.
+        low, high = 0, len(pattern)  # pattern[high:] (empty) occurs; find the smallest start
+        while low < high:
+            middle = (low + high) // 2
+            if self._walk(pattern, middle) is None:
+                low = middle + 1
+            else:
+                high = middle
         matches = (
-            (node, len(pattern) - start)
-            for start in range(len(pattern))
-            if (node := self._walk(pattern, start)) is not None
+            (self._walk(pattern, start), len(pattern) - start)
+            for start in range(high, len(pattern))
         )
         return self._best(matches, max_tokens, max_spec_factor, min_token_prob, 0)
 
@@ -128,7 +136,7 @@ class SuffixIndex:
 
     def _best(
         self,
-        matches: Iterable[tuple[_Node, int]],
+        matches: Iterable[tuple[_Node | None, int]],
         max_tokens: int,
         max_spec_factor: float,
         min_token_prob: float,
@@ -137,11 +145,11 @@ class SuffixIndex:
         """The best chain from `matches` (node, match length), longest match first."""
         best = SuffixDraft()
         for node, match_len in matches:
-            if node.count <= uncontinued or not node.children:
+            if node is None or node.count <= uncontinued or not node.children:
                 continue  # seen only where it has no continuation yet
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6))
-            if limit <= 0:
-                continue
+            if limit <= best.score:
+                break  # a score is at most its length, and shorter matches draft no more
             draft = self._follow(node, limit, min_token_prob, match_len, uncontinued)
             if draft.score > best.score:  # ties: the longer match (seen first) wins
                 best = draft
