@@ -20,11 +20,7 @@ from tokenmill.layers.sampler import (
 )
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import (
-    HiddenStateProposer,
-    Proposer,
-    RequestTrackingProposer,
-)
+from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer, RequestTrackingProposer
 from tokenmill.spec_decode.verification import verify
 from tokenmill.step.layout import attention_group_key, layout_step, to_device
 from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
