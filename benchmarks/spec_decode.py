@@ -1,7 +1,7 @@
 """Speculative decoding benchmark, offline, every configuration side by side in one run.
 
     python -m benchmarks.spec_decode [--model PATH] [--draft-model PATH] [--eagle-model PATH]
-        [--medusa-model PATH] [--methods ngram,draft,eagle,medusa] [--repeats 3]
+        [--medusa-model PATH] [--methods ngram,suffix,draft,eagle,medusa] [--repeats 3]
 
 `--eagle-model` given again adds another EAGLE configuration ("eagle#2", ...), to compare
 heads side by side in one run.
@@ -9,8 +9,8 @@ heads side by side in one run.
 With no model: the demo target, its draft and its EAGLE / Medusa heads (tokenmill.demo), on
 held-out demo prompts.
 1. Batch-1 decode tokens/s on prompts whose answer echoes the input (copy a passage) and on
-   the mix of all demo tasks: no speculation vs n-gram prompt lookup vs the draft model vs
-   EAGLE vs Medusa.
+   the mix of all demo tasks: no speculation vs n-gram prompt lookup vs suffix decoding vs
+   the draft model vs EAGLE vs Medusa.
 2. Throughput at concurrency 1, 8, 32, 64 (max_num_seqs = concurrency, 2x that many requests)
    on echo prompts: speculation off, then each method with a fixed k and with the adaptive
    policy.
@@ -131,7 +131,16 @@ def main() -> None:
         help="batch 1 per demo task instead of echo / all tasks, e.g. copy,story,lookup",
     )
     args = parser.parse_args()
-    methods = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
+    methods = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+        # The request's own trie only: repeats of the same prompts would otherwise draft
+        # from the cached outputs of the previous repeat.
+        "suffix": {
+            "method": "suffix",
+            "num_speculative_tokens": args.k,
+            "suffix_decoding_max_cached_requests": 0,
+        },
+    }
     # name -> (method, model); a None model is the demo target's default.
     with_models = [("draft", "draft_model", args.draft_model)]
     for i, model in enumerate(args.eagle_model or [None]):
@@ -175,7 +184,7 @@ def main() -> None:
     print("\n## throughput by concurrency, echo prompts, tokens/s (ratio to off)")
     names = [f"{m} {mode}" for m in methods for mode in ("fixed", "adaptive")]
     print(f"  {'concurrency':>11} {'off':>8} " + " ".join(f"{n:>16}" for n in names))
-    for concurrency in map(int, args.concurrency.split(",")):
+    for concurrency in map(int, filter(None, args.concurrency.split(","))):
         engines = {"off": engine(concurrency)}
         for name, spec in methods.items():
             engines[f"{name} fixed"] = engine(concurrency, {**spec, "adaptive": False})

@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--method",
         default="draft",
-        choices=("draft", "eagle", "medusa"),
-        help="draft: the draft model, by teacher forcing; eagle, medusa: the demo heads, "
-        "in the engine at a fixed k",
+        choices=("draft", "eagle", "medusa", "ngram", "suffix"),
+        help="draft: the draft model, by teacher forcing; eagle, medusa (the demo heads), "
+        "ngram, suffix: in the engine at a fixed k",
     )
     parser.add_argument("--k", type=int, default=4, help="drafts per step (eagle, medusa)")
     parser.add_argument("--heads", default=None, help="eagle, medusa: the heads' directory")

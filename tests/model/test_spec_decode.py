@@ -1,6 +1,7 @@
-"""Speculative decoding end to end: greedy outputs identical with and without it (n-gram and
-draft model) through chunked prefill, prefix hits and preemption; sampled outputs distributed
-as the target's (chi-square on a small-vocabulary model); seeded outputs reproducible."""
+"""Speculative decoding end to end: greedy outputs identical with and without it (n-gram,
+suffix decoding and draft model) through chunked prefill, prefix hits and preemption; sampled
+outputs distributed as the target's (chi-square on a small-vocabulary model); seeded outputs
+reproducible."""
 
 from __future__ import annotations
 
@@ -65,6 +66,16 @@ def reference(target, prompts) -> list[list[int]]:
 def spec_configs(target: str, other_draft: str) -> dict[str, dict]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        # Eager drafts (long from short matches, however unlikely): KV pressure, rollbacks;
+        # only the request's own trie (the shared cache: test_suffix_cache_drafts_are_lossless).
+        "suffix": {
+            "method": "suffix",
+            "num_speculative_tokens": 4,
+            "adaptive": False,
+            "suffix_decoding_max_spec_factor": 4.0,
+            "suffix_decoding_min_token_prob": 0.0,
+            "suffix_decoding_max_cached_requests": 0,
+        },
         "self-draft": {"method": "draft_model", "model": target, "num_speculative_tokens": 3},
         "other-draft": {
             "method": "draft_model",
@@ -84,7 +95,7 @@ ENGINE_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("method", ["ngram", "self-draft", "other-draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self-draft", "other-draft"])
 @pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
 def test_greedy_output_is_identical_with_speculation(
     target, other_draft, prompts, reference, method, variant
@@ -100,6 +111,15 @@ def test_greedy_output_is_identical_with_speculation(
         assert stats.num_preemptions > 0
     manager = llm.engine.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks, "rollback leaked blocks"
+
+
+def test_suffix_cache_drafts_are_lossless(target, prompts, reference) -> None:
+    """The second wave repeats the first's prompts: suffix decoding drafts their outputs from
+    its cache of finished requests (vLLM's defaults otherwise), all accepted."""
+    llm = make(target, {"method": "suffix", "adaptive": False}, block_size=4)
+    assert generate(llm, prompts, greedy()) == reference
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats is not None and stats.num_accepted_tokens >= 2 * (MAX_TOKENS // 2)
 
 
 def test_seeded_sampling_is_the_same_with_and_without_speculation(target, prompts) -> None:
@@ -183,7 +203,12 @@ def small_vocab_model(tiny_checkpoint) -> str:
 
 @pytest.mark.parametrize(
     ("method", "temperature", "top_p"),
-    [("draft_model", 1.5, 1.0), ("ngram", 2.0, 0.9), ("draft_model", 3.0, 0.8)],
+    [
+        ("draft_model", 1.5, 1.0),
+        ("ngram", 2.0, 0.9),
+        ("suffix", 2.0, 0.9),
+        ("draft_model", 3.0, 0.8),
+    ],
 )
 @pytest.mark.slow(reason="a statistical test: thousands of samples")
 def test_sampled_tokens_follow_the_target_distribution(
@@ -207,9 +232,10 @@ def test_sampled_tokens_follow_the_target_distribution(
     assert statistic < chi_square_critical(dof)
 
 
-def test_n_samples_with_speculation_match_without(target, prompts) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_n_samples_with_speculation_match_without(target, prompts, method) -> None:
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     plain = make(target, None).generate(prompts[:2], params, use_tqdm=False)
     fast = make(target, spec).generate(prompts[:2], params, use_tqdm=False)
     for a, b in zip(plain, fast):

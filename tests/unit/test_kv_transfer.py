@@ -86,7 +86,7 @@ def test_unsupported_combinations_are_rejected() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
         EngineConfig(kv_transfer_config=STORAGE, tensor_parallel_size=2)
     eagle = SpeculativeConfig(method="eagle", num_speculative_tokens=2)
-    with pytest.raises(ConfigError, match="only ngram"):
+    with pytest.raises(ConfigError, match="only ngram and suffix"):
         EngineConfig(kv_transfer_config=STORAGE, speculative_config=eagle)
 
 

@@ -43,7 +43,9 @@ def test_settings_tensor_parallelism_cannot_take_are_refused() -> None:
     with pytest.raises(ConfigError, match="distributed_timeout"):
         EngineConfig(distributed_timeout=0)
     draft = SpeculativeConfig.parse({"method": "draft_model", "model": "x"})
-    with pytest.raises(ConfigError, match="only ngram speculation"):
+    with pytest.raises(ConfigError, match="only ngram and suffix speculation"):
         EngineConfig(tensor_parallel_size=2, speculative_config=draft)
+    suffix = SpeculativeConfig.parse({"method": "suffix"})  # no model: a copy on each rank
+    assert EngineConfig(tensor_parallel_size=2, speculative_config=suffix).speculative_config
     with pytest.raises(ConfigError, match="enforce_eager"):
         EngineConfig(tensor_parallel_size=2, enforce_eager=False)

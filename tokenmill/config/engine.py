@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.config.base import ConfigError, check_choice, config_field
 from tokenmill.config.kv_transfer import KVTransferConfig
-from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.config.speculative import MODEL_FREE_METHODS, SpeculativeConfig
 from tokenmill.config.structured_outputs import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -275,8 +275,10 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         spec = self.speculative_config
-        if spec is not None and spec.method != "ngram":
-            raise ConfigError("with tensor_parallel_size > 1 only ngram speculation is supported")
+        if spec is not None and spec.method not in MODEL_FREE_METHODS:
+            raise ConfigError(
+                "with tensor_parallel_size > 1 only ngram and suffix speculation are supported"
+            )
         if self.enforce_eager is False:  # collectives inside a captured step: not built yet
             raise ConfigError("tensor_parallel_size > 1 runs eager steps: leave enforce_eager on")
 
@@ -286,8 +288,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:  # each rank would move its own shard: not built yet
             raise ConfigError("kv_transfer_config needs tensor_parallel_size 1 (not built yet)")
         spec = self.speculative_config
-        if spec is not None and spec.method != "ngram":  # a draft's own KV is not moved
-            raise ConfigError("kv_transfer_config supports only ngram speculation")
+        if spec is not None and spec.method not in MODEL_FREE_METHODS:  # a draft's KV stays
+            raise ConfigError("kv_transfer_config supports only ngram and suffix speculation")
 
     def _check_prefill_limits(self) -> None:
         if self.itl_target_ms is not None:

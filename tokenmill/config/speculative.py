@@ -8,8 +8,11 @@ from typing import Any
 
 from tokenmill.config.base import ConfigError, check_choice, json_config_fields
 
-# ngram: prompt lookup; draft_model: a smaller model; eagle / medusa: heads on the target.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+# ngram: prompt lookup; draft_model: a smaller model; eagle / medusa: heads on the target;
+# suffix: suffix tries over the request and recent outputs (no model).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa", "suffix")
+# Methods that draft without a model (no draft KV, nothing to load).
+MODEL_FREE_METHODS = ("ngram", "suffix")
 
 
 @dataclass
@@ -17,7 +20,8 @@ class SpeculativeConfig:
     """`--speculative-config` as vLLM takes it, e.g. `{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 5}`, `{"method": "draft_model",
     "model": PATH, "num_speculative_tokens": 4}`, or `{"method": "eagle"}` / `{"method":
-    "medusa"}` with `model` the heads' directory (default: the demo target's heads)."""
+    "medusa"}` with `model` the heads' directory (default: the demo target's heads), or
+    `{"method": "suffix", "num_speculative_tokens": 8}` with vLLM's suffix_decoding_* knobs."""
 
     method: str
     num_speculative_tokens: int
@@ -30,6 +34,14 @@ class SpeculativeConfig:
     # streams), "full" (the model's dtype), "auto" (int8 on the CPU in float32 where torch has
     # the kernel). Drafts only: verification is the target's, in its own dtype.
     draft_weights: str = "auto"
+    # suffix: substrings of up to this many tokens are indexed (and matched).
+    suffix_decoding_max_tree_depth: int = 24
+    # suffix: outputs of this many finished requests are kept for matching (0: none).
+    suffix_decoding_max_cached_requests: int = 10000
+    # suffix: at most match length * this many drafts.
+    suffix_decoding_max_spec_factor: float = 1.0
+    # suffix: stop drafting where the estimated probability falls below this.
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def parse(
@@ -56,6 +68,14 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         check_choice("speculative draft_weights", self.draft_weights, ("auto", "int8", "full"))
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ConfigError("suffix_decoding_max_tree_depth must be >= 1")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError("suffix_decoding_max_cached_requests must be >= 0")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ConfigError("suffix_decoding_max_spec_factor must be > 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
 
 
 # The JSON types each `--speculative-config` key takes (bool is not an int here).
@@ -67,8 +87,18 @@ SPECULATIVE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str, type(None)),
     "adaptive": (bool,),
     "draft_weights": (str,),
+    "suffix_decoding_max_tree_depth": (int,),
+    "suffix_decoding_max_cached_requests": (int,),
+    "suffix_decoding_max_spec_factor": (int, float),
+    "suffix_decoding_min_token_prob": (int, float),
 }
-_JSON_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", type(None): "null"}
+_JSON_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
 
 
 def _check_json_type(name: str, given: Any, allowed: tuple[type, ...]) -> None:

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
+from tokenmill.config.speculative import MODEL_FREE_METHODS
 from tokenmill.core.feedback.cost_model import StepCostModel
 from tokenmill.core.feedback.prefill_budget import PrefillLimits
 from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
@@ -48,6 +49,7 @@ from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
 from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.spec_decode.suffix import SuffixDecodingProposer
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.worker.calibration import calibrate
 from tokenmill.worker.model_runner import ModelRunner
@@ -298,7 +300,7 @@ def _load_draft(
 ) -> Draft | None:
     spec = config.speculative_config
     assert spec is not None
-    if spec.method == "ngram":
+    if spec.method in MODEL_FREE_METHODS:
         return None
     if spec.model is None:
         raise ConfigError(
@@ -340,6 +342,13 @@ def _proposer(
         return EagleProposer(draft, draft_spec, num_blocks, device)
     if draft is not None and draft_spec is not None:
         return DraftModelProposer(draft, draft_spec, num_blocks, device)
+    if spec.method == "suffix":
+        return SuffixDecodingProposer(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob,
+        )
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 

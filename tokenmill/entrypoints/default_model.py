@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
+from tokenmill.config.speculative import MODEL_FREE_METHODS
 from tokenmill.demo import DEMO_TARGET_NAME, default_draft_for, demo_model_path
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ def with_default_models(config: EngineConfig) -> EngineConfig:
         logger.info("no model given: using the built-in demo model %s (%s)", DEMO_TARGET_NAME, path)
         config = dataclasses.replace(config, model=str(path))
     spec = config.speculative_config
-    if spec is not None and spec.method != "ngram" and not spec.model:
+    if spec is not None and spec.method not in MODEL_FREE_METHODS and not spec.model:
         draft = default_draft_for(Path(config.model), spec.method)
         if draft is not None:
             config = dataclasses.replace(

@@ -17,6 +17,14 @@ class Proposer(Protocol):
 
 
 @runtime_checkable
+class RequestTrackingProposer(Proposer, Protocol):
+    """A proposer that keeps per-request state of its own (suffix decoding): the runner tells
+    it which requests it forgot at each step."""
+
+    def release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None: ...
+
+
+@runtime_checkable
 class HiddenStateProposer(Proposer, Protocol):
     """A proposer that drafts from the target's hidden states (EAGLE, Medusa): the runner
     hands it, after each step, the rows of every token the target verified."""

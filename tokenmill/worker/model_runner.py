@@ -21,7 +21,7 @@ from tokenmill.layers.sampler import (
 from tokenmill.lora.model_manager import LoRAModelManager
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer
+from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer, RequestTrackingProposer
 from tokenmill.spec_decode.verification import verify
 from tokenmill.step.layout import attention_group_key, layout_step, to_device
 from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
@@ -123,6 +123,7 @@ class ModelRunner:
         one drafting from the target's hidden states gets them after every step."""
         self.proposer = proposer
         self.hidden_consumer = proposer if isinstance(proposer, HiddenStateProposer) else None
+        self.request_tracker = proposer if isinstance(proposer, RequestTrackingProposer) else None
 
     def use_lora(self, manager: LoRAModelManager) -> None:
         """Run each request's LoRA adapter (the model's linears wrapped by `manager`)."""
@@ -184,6 +185,10 @@ class ModelRunner:
             destination[:, destination_ids.to(destination.device)] = blocks.to(destination.device)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        if self.request_tracker is not None:
+            self.request_tracker.release(
+                scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids
+            )
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
