@@ -14,7 +14,6 @@ from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.sampler import (
     Sampler,
     SamplingMetadata,
-    gather_logprobs,
     greedy_tokens,
     takes_argmax,
 )
@@ -24,7 +23,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer, RequestTrackingProposer
 from tokenmill.spec_decode.verification import verify
 from tokenmill.step.layout import attention_group_key, layout_step, to_device
-from tokenmill.step.runner_output import ModelRunnerOutput, PromptLogprobs
+from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
@@ -35,6 +34,7 @@ from tokenmill.worker.captured_step import (
     DecodeBatch,
     build_decode_step,
 )
+from tokenmill.worker.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from tokenmill.worker.runner_spec import RunnerSpec
 
 
@@ -108,7 +108,9 @@ class ModelRunner:
                 self._synchronize()
                 output.propose_seconds = time.perf_counter() - propose_start
         if inputs.prompt_logprob_rows:
-            output.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
+            output.prompt_logprobs = prompt_logprobs(
+                self.model, hidden, inputs.prompt_logprob_rows, self.device
+            )
         return self._with_kv_transfers(output)
 
     def _with_kv_transfers(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
@@ -259,7 +261,7 @@ class ModelRunner:
             logits_indices=self._to_device(np.array(logits_indices, dtype=np.int64)),
             sampling_states=[s for s, sample in zip(states, samples) if sample],
             sampling_drafts=[d for d, sample in zip(drafts, samples) if sample],
-            prompt_logprob_rows=self._prompt_logprob_rows(states, computed, seq_lens, starts),
+            prompt_logprob_rows=prompt_logprob_rows(states, computed, seq_lens, starts),
             states=states,
             row_starts=starts.tolist(),
             first_positions=computed.tolist(),
@@ -330,56 +332,6 @@ class ModelRunner:
         ):
             count = known_end - first + accepted.get(state.req_id, 0)
             consumer.record_hidden_states(state, first, hidden[start : start + count])
-
-    @staticmethod
-    def _prompt_logprob_rows(
-        states: list[CachedRequestState],
-        computed: np.ndarray,
-        seq_lens: np.ndarray,
-        starts: np.ndarray,
-    ) -> list[tuple[CachedRequestState, int, int]]:
-        """Rows whose next token is a prompt token, for requests that want prompt logprobs."""
-        rows = []
-        for state, c, end, start in zip(states, computed, seq_lens, starts):
-            if state.sampling_params.prompt_logprobs is None:
-                continue
-            count = min(int(end), state.num_prompt_tokens - 1) - int(c)
-            if count > 0:
-                rows.append((state, int(start), count))
-        return rows
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[tuple[CachedRequestState, int, int]]
-    ) -> dict[str, PromptLogprobs]:
-        """Raw log-probabilities of each scheduled prompt token given the tokens before it."""
-        indices = torch.cat([torch.arange(start, start + count) for _, start, count in rows])
-        targets = torch.tensor(
-            [
-                t
-                for state, start, count in rows
-                for t in state.token_ids[
-                    state.num_computed_tokens + 1 : state.num_computed_tokens + 1 + count
-                ]
-            ]
-        )
-        num_top = max(state.sampling_params.prompt_logprobs or 0 for state, _, _ in rows)
-        logits = self.model.compute_logits(hidden[indices.to(self.device)])
-        tensors = gather_logprobs(
-            torch.log_softmax(logits, dim=-1), targets.to(self.device), num_top
-        )
-        token_ids, logprobs = tensors.token_ids.tolist(), tensors.logprobs.tolist()
-        ranks = tensors.ranks.tolist()
-        result, offset = {}, 0
-        for state, _, count in rows:
-            span = slice(offset, offset + count)
-            result[state.req_id] = PromptLogprobs(
-                first_position=state.num_computed_tokens + 1,
-                token_ids=token_ids[span],
-                logprobs=logprobs[span],
-                ranks=ranks[span],
-            )
-            offset += count
-        return result
 
     def _sample(
         self,
