@@ -46,7 +46,7 @@ def test_each_format_name_gets_its_formats_method(fmt: str, method_type: type) -
     assert method.dequantize_on == CPU  # `--linear-backend torch`: torch's ops
 
 
-@pytest.mark.parametrize("fmt", ["int3-g32", "fp4", "int4"])
+@pytest.mark.parametrize("fmt", ["int9-g32", "int7-g32", "fp4", "int4"])
 def test_an_unregistered_format_name_is_a_config_error(fmt: str) -> None:
     with pytest.raises(ConfigError, match="unknown weight format"):
         plan_for(fmt).method(LAYER, 64, 256)
