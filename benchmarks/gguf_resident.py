@@ -38,6 +38,9 @@ def file_bytes_by_layer(path: Path) -> dict[str, tuple[int, set[str]]]:
 
 
 def held_bytes(layer: Linear) -> int:
+    parts = getattr(layer, "parts", None)  # a mixed layer's (quantization/mixed_parts.py)
+    if parts:
+        return sum(held_bytes(part) for part in parts)
     packed = getattr(layer, "packed", None)
     if packed is None:
         return sum(t.numel() * t.element_size() for t in layer.state_dict().values())
