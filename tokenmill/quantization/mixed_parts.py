@@ -12,6 +12,7 @@ run into its columns (`native_linear` returns the list).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,9 +37,15 @@ class MixedPartsMethod(LinearMethod):
 
     holds_float_weight = False
 
-    def __init__(self, part_formats: list[str], dequantize_on: torch.device | None) -> None:
+    def __init__(
+        self,
+        part_formats: list[str],
+        dequantize_on: torch.device | None,
+        find_format: Callable[[str], WeightFormat | None],
+    ) -> None:
         self.part_formats = part_formats
         self.dequantize_on = dequantize_on
+        self.find_format = find_format
         self.weight_format = SEPARATOR.join(part_formats)
 
     def create_weights(self, layer: Linear, weight: torch.nn.Parameter | None) -> None:
@@ -64,9 +71,7 @@ class MixedPartsMethod(LinearMethod):
         for fmt, run_starts in runs:
             pieces = [layer.loaded_parts[start] for start in run_starts]
             rows = sum(_rows(piece) for piece in pieces)
-            part = Linear(
-                layer.in_features, rows, _method(fmt, self.dequantize_on), dtype=layer.dtype
-            )
+            part = Linear(layer.in_features, rows, self._method(fmt), dtype=layer.dtype)
             offset = 0
             for piece in pieces:
                 part.quant_method.load_weight(part, piece, offset)
@@ -89,24 +94,25 @@ class MixedPartsMethod(LinearMethod):
         parts = [part.quant_method.native_linear(part) for part in layer.parts]
         return None if any(part is None for part in parts) else parts
 
+    def _method(self, fmt: str) -> LinearMethod:
+        found = self.find_format(fmt)
+        if found is None:
+            raise ValueError(f"unknown weight format {fmt!r} of a fused layer's part")
+        return found.method(fmt, self.dequantize_on)
+
 
 def _rows(piece: object) -> int:
     return int(piece.shape[0])  # type: ignore[attr-defined]
 
 
-def _method(fmt: str, dequantize_on: torch.device | None) -> LinearMethod:
-    from tokenmill.quantization.selection import find_format  # selection registers this one
-
-    found = find_format(fmt)
-    if found is None:
-        raise ValueError(f"unknown weight format {fmt!r} of a fused layer's part")
-    return found.method(fmt, dequantize_on)
-
-
 class MixedPartsFormat(WeightFormat):
-    """Fused layers whose parts' formats differ (`int4-g32+int4-g32+int6-g16`)."""
+    """Fused layers whose parts' formats differ (`int4-g32+int4-g32+int6-g16`). `find_format`:
+    the registry's lookup of a part's format (selection.py, which registers this one)."""
 
     family = "mixed"
+
+    def __init__(self, find_format: Callable[[str], WeightFormat | None]) -> None:
+        self.find_format = find_format
 
     def owns(self, name: str) -> bool:
         return SEPARATOR in name
@@ -115,10 +121,7 @@ class MixedPartsFormat(WeightFormat):
         return True  # each part's format is checked when its method is made
 
     def method(self, name: str, dequantize_on: torch.device | None) -> LinearMethod:
-        return MixedPartsMethod(name.split(SEPARATOR), dequantize_on)
+        return MixedPartsMethod(name.split(SEPARATOR), dequantize_on, self.find_format)
 
     def embedding_lookup(self) -> bool:
         return False
-
-
-MIXED_PARTS = MixedPartsFormat()
