@@ -400,16 +400,17 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     });
   };
   auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
-                        int64_t ld_out, const float* bias) {
+                        int64_t ld_out, const float* bias, bool prepare = true) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
     const GemmOut o{output, ld_out, false, bias, w.n};  // n: no column past the real ones
     if (w.quantized()) {  // its input rows prepared (quantized or widened) once, then products
       const QuantInput in = b.quant.view(w, tokens, isa);
-      job.add_phase(row_chunks, [=, &w](int64_t chunk, int) {
-        int64_t r0, r1;
-        rows_of(chunk, r0, r1);
-        prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
-      });
+      if (prepare)
+        job.add_phase(row_chunks, [=, &w](int64_t chunk, int) {
+          int64_t r0, r1;
+          rows_of(chunk, r0, r1);
+          prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
+        });
       job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
         quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
       });
@@ -423,9 +424,16 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   // A linear held in parts (each its own format): each part's product into its columns.
   auto gemm_parts = [&](const std::vector<PackedWeight>& parts, const void* input, int64_t ld_in,
                         float* output, int64_t ld_out, const float* bias) {
+    // A part after a quantized one reuses its prepared input where it reads the same: the
+    // input rows and their group sums depend on k, k_pad and the group only.
     int64_t column = 0;
+    const PackedWeight* prepared = nullptr;
     for (const PackedWeight& w : parts) {
-      gemm_phase(w, input, ld_in, output + column, ld_out, bias ? bias + column : nullptr);
+      const bool same_input = prepared && w.quantized() && w.k == prepared->k &&
+                              w.k_pad == prepared->k_pad && w.group == prepared->group;
+      gemm_phase(w, input, ld_in, output + column, ld_out, bias ? bias + column : nullptr,
+                 !same_input);
+      if (!same_input) prepared = w.quantized() ? &w : nullptr;
       column += w.n;
     }
   };
