@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from tokenmill import LLM
 from tokenmill.layers.linear import Linear
-from tokenmill.quantization.gguf_file import GGUFCheckpoint, _hf_name, _layer_of
+from tokenmill.quantization.gguf_file import GGUFCheckpoint, _layer_of
 
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
@@ -27,21 +27,25 @@ _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationTy
 def file_bytes_by_layer(path: Path) -> dict[str, tuple[int, set[str]]]:
     """tokenmill layer name -> (bytes in the file, GGML type names) of its quantized parts."""
     layers: dict[str, tuple[int, set[str]]] = {}
-    for name, tensor in GGUFCheckpoint(path).tensors.items():
+    checkpoint = GGUFCheckpoint(path)
+    for name, tensor in checkpoint.tensors.items():
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if qtype in _FLOAT or len(tensor.shape) < 2:
             continue
-        layer = _layer_of(_hf_name(name) or name)
+        layer = _layer_of(checkpoint._hf_name(name) or name)
         size, types = layers.get(layer, (0, set()))
         layers[layer] = (size + int(tensor.n_bytes), types | {qtype.name})
     return layers
 
 
 def held_bytes(layer: Linear) -> int:
+    parts = getattr(layer, "parts", None)  # a mixed layer's (quantization/mixed_parts.py)
+    if parts:
+        return sum(held_bytes(part) for part in parts)
     packed = getattr(layer, "packed", None)
     if packed is None:
         return sum(t.numel() * t.element_size() for t in layer.state_dict().values())
-    parts = (packed.codes, packed.scales, packed.offsets)
+    parts = (packed.codes, packed.scales, packed.offsets, packed.super_scales)
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 

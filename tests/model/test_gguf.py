@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import quants
+from gguf import GGUFReader, quants
 
 from tokenmill import LLM
 from tokenmill.config import ConfigError
@@ -106,38 +106,64 @@ def test_the_tokenizer_comes_from_the_gguf_metadata(checkpoint, tmp_path: Path) 
     assert from_gguf(text).input_ids == from_dir(text).input_ids
 
 
-def test_a_mixed_fused_layer_keeps_every_part_exactly(checkpoint, tmp_path: Path) -> None:
-    """q and k in Q4_K, v in Q6_K (llama.cpp's *_M mixes): the fused QKV is held as 6-bit
-    codes in groups of 16, which hold both types' blocks as they are; the engine computes the model
+def packed_bytes(layer: Linear) -> int:
+    """Bytes of a quantized layer's packed codes, scales and offsets (each part's, for a layer
+    of mixed parts)."""
+    packs = [part.packed for part in getattr(layer, "parts", None) or [layer]]
+    tensors = [(p.codes, p.scales, p.offsets, p.super_scales) for p in packs]
+    return sum(t.numel() * t.element_size() for ts in tensors for t in ts if t is not None)
+
+
+def file_bytes(path: Path, names: list[str]) -> int:
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    return sum(int(tensors[name].n_bytes) for name in names)
+
+
+@pytest.mark.parametrize(
+    ("base", "v_type", "qkv_format"),
+    [
+        (Q.Q4_K, Q.Q6_K, "int4-g32+int4-g32+int6-g16"),  # llama.cpp's *_M mixes
+        (Q.IQ4_XS, Q.Q5_K, "iq4nl-g32+iq4nl-g32+int5-g32"),
+    ],
+    ids=lambda value: value.name if isinstance(value, Q) else None,
+)
+def test_a_mixed_fused_layer_holds_each_part_in_its_own_format(
+    checkpoint, tmp_path: Path, base: Q, v_type: Q, qkv_format: str
+) -> None:
+    """q and k in one type, v in another: the fused QKV holds q and k in their layout and v in
+    its own (within 10 % of the parts' bytes in the file, not the widest part's width for
+    all), and the engine, through the fused native stack, computes the model
     `gguf.quants.dequantize` reads (float activations: to float32 rounding)."""
-    mixed = {f"blk.{i}.attn_v.weight": Q.Q6_K for i in range(2)}
-    path = save_gguf(checkpoint, tmp_path / "mixed.gguf", Q.Q4_K, mixed)
+    mixed = {f"blk.{i}.attn_v.weight": v_type for i in range(2)}
+    path = save_gguf(checkpoint, tmp_path / "mixed.gguf", base, mixed)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     model = llm.engine.runner.model
-    assert model.layers[0].self_attn.qkv_proj.quant_method.weight_format == "int6-g16"
-    assert isinstance(model.layers[0].mlp.down_proj.quant_method, Int4LinearMethod)
-    q4_k, q6_k = gguf_round_trip(Q.Q4_K, 4, 2), gguf_round_trip(Q.Q6_K, 4, 2)
+    assert model.decoder_stack is not None
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.weight_format == qkv_format
+    parts = [f"blk.0.attn_{p}.weight" for p in "qkv"]
+    assert packed_bytes(qkv) <= 1.1 * file_bytes(path, parts)
+    base_trip, v_trip = gguf_round_trip(base, 4, 2), gguf_round_trip(v_type, 4, 2)
     reference_dir = save_dequantized_checkpoint(
         checkpoint,
         tmp_path / "ref",
-        lambda name, w: (q6_k if ".v_proj." in name else q4_k)(name, w),
+        lambda name, w: (v_trip if ".v_proj." in name else base_trip)(name, w),
     )
     with activation_path("float") as tolerance:
         max_diff = compare_with_reference(llm, reference_dir, random_prompts(1024), tolerance)
     assert max_diff < tolerance
 
 
-def test_a_q3_k_m_mix_regroups_its_larger_groups_exactly(checkpoint, tmp_path: Path) -> None:
-    """llama.cpp's Q3_K_M mixes: v in Q5_K beside q and k in Q3_K (5-bit codes in groups of
-    16), up in Q4_K beside gate in Q3_K (int4 in groups of 16): Q4_K's and Q5_K's groups of
-    32 are held as two of 16 with one scale, and the engine computes the file's model."""
+def test_a_q3_k_m_mix_holds_each_part_in_its_own_format(checkpoint, tmp_path: Path) -> None:
+    """llama.cpp's Q3_K_M mixes: v in Q5_K beside q and k in Q3_K, up in Q4_K beside gate in
+    Q3_K: each part in its own layout, and the engine computes the file's model."""
     mixed = {f"blk.{i}.attn_v.weight": Q.Q5_K for i in range(2)}
     mixed |= {f"blk.{i}.ffn_up.weight": Q.Q4_K for i in range(2)}
     path = save_gguf(checkpoint, tmp_path / "mixed.gguf", Q.Q3_K, mixed)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     layer = llm.engine.runner.model.layers[0]
-    assert layer.self_attn.qkv_proj.quant_method.weight_format == "int5-g16"
-    assert layer.mlp.gate_up_proj.quant_method.weight_format == "int4-g16"
+    assert layer.self_attn.qkv_proj.quant_method.weight_format == "int3-g16+int3-g16+int5-g32"
+    assert layer.mlp.gate_up_proj.quant_method.weight_format == "int3-g16+int4-g32"
     trips = {t: gguf_round_trip(t, 4, 2) for t in (Q.Q3_K, Q.Q4_K, Q.Q5_K)}
 
     def round_trip(name: str, weight: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def test_mixed_formats_are_rejected_by_shape(checkpoint: Path) -> None:
     with pytest.raises(RuntimeError, match="a linear's shape"):
         module.DecoderStack(
             [[norm, None, None, None, None, norm, None, None]],
-            [[o_proj, qkv, o_proj, o_proj]],
+            [[[o_proj], [qkv], [o_proj], [o_proj]]],
             model.norm.weight.detach(),
             cos,
             sin,

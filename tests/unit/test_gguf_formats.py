@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from tokenmill.quantization.gguf_file import _format_of
+from tokenmill.quantization.gguf_file import _format_of, _fused_format
 from tokenmill.quantization.selection import find_format
 
 
@@ -30,3 +30,22 @@ from tokenmill.quantization.selection import find_format
 def test_mixed_parts_take_the_widest_codes_in_the_smallest_groups(types, expected) -> None:
     assert _format_of(types) == expected
     assert expected == "float" or find_format(expected) is not None  # a format owns the name
+
+
+@pytest.mark.parametrize(
+    ("part_types", "expected"),
+    [
+        ([Q.Q4_K, Q.Q4_K, Q.Q4_K], "int4-g32"),
+        ([Q.Q4_K, Q.Q4_0], "int4-g32"),  # one layout holds both as they are
+        ([Q.Q4_K, Q.Q4_K, Q.Q6_K], "int4-g32+int4-g32+int6-g16"),
+        ([Q.IQ4_XS, Q.IQ4_XS, Q.Q5_K], "iq4nl-g32+iq4nl-g32+int5-g32"),
+        ([Q.Q3_K, Q.Q4_K], "int3-g16+int4-g32"),
+        ([Q.Q4_K, Q.Q4_K, Q.F16], "float"),
+    ],
+    ids=lambda value: "+".join(t.name for t in value) if isinstance(value, list) else value,
+)
+def test_a_fused_layer_holds_each_part_in_its_own_format(part_types, expected) -> None:
+    """Parts of different layouts are held each in its own (mixed_parts.py), not all at the
+    widest part's width."""
+    assert _fused_format(part_types) == expected
+    assert expected == "float" or find_format(expected) is not None

@@ -101,14 +101,17 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
 
 
 def _layer_linears(layer: nn.Module) -> list[Any] | None:
-    """A `LlamaDecoderLayer`'s qkv, o, gate_up and down as native `PackedLinear`s; None if
-    one's method has none."""
+    """A `LlamaDecoderLayer`'s qkv, o, gate_up and down, each a list of native `PackedLinear`
+    parts (one, or one per format of a mixed layer: mixed_parts.py); None if one's method has
+    none."""
     attention, mlp = layer.self_attn, layer.mlp
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(linear, Linear) for linear in linears):
         return None
     native = [linear.quant_method.native_linear(linear) for linear in linears]
-    return None if any(part is None for part in native) else native
+    if any(part is None for part in native):
+        return None
+    return [part if isinstance(part, list) else [part] for part in native]  # lists of parts
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:

@@ -3,6 +3,8 @@ per rank and the quantized-weights benchmark sets beside the checkpoint file's s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenmill.kernels.int_linear import PackedWeight
@@ -22,11 +24,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for name, module in model.named_modules():
         if name.startswith("rotary") or ".rotary" in name:
             continue
-        for value in [*module.parameters(recurse=False), *vars(module).values()]:
-            if isinstance(value, torch.Tensor):
-                hold(value)
-            elif isinstance(value, PackedWeight):
-                for part in (value.codes, value.scales, value.offsets):
-                    if part is not None:
-                        hold(part)
+        # A mixed layer's parts (quantization/mixed_parts.py) are its own, not submodules.
+        parts = [p for p in getattr(module, "parts", ()) if isinstance(p, torch.nn.Module)]
+        for owner in (module, *parts):
+            _hold_weights(owner, hold)
     return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
+
+def _hold_weights(module: torch.nn.Module, hold: Callable[[torch.Tensor], None]) -> None:
+    """`hold` every weight tensor `module` itself holds."""
+    for value in [*module.parameters(recurse=False), *vars(module).values()]:
+        if isinstance(value, torch.Tensor):
+            hold(value)
+        elif isinstance(value, PackedWeight):
+            for part in (value.codes, value.scales, value.offsets):
+                if part is not None:
+                    hold(part)

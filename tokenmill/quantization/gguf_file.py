@@ -40,6 +40,7 @@ from tokenmill.quantization.gguf_moe import (
     permutes_qk,
 )
 from tokenmill.quantization.gguf_open import open_gguf
+from tokenmill.quantization.mixed_parts import mixed_format_name
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +207,9 @@ class GGUFCheckpoint:
                 linears = {k: v for k, v in linears.items() if ".mlp." not in k}
                 linears.update(moe_linear_names(layer, num_experts, self.tensors.__contains__))
             for linear, parts in linears.items():
-                types = {self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts}
-                formats[linear] = fmt = _format_of(types)
+                part_types = [self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts]
+                types = set(part_types)
+                formats[linear] = fmt = _fused_format(part_types)
                 if fmt == "float" and not types <= set(_FLOAT_TYPES):
                     names = "/".join(parts)
                     dequantized.append(f"blk.{layer}.{names} ({'+'.join(t.name for t in types)})")
@@ -275,6 +277,15 @@ def _format_of(types: set[GGMLQuantizationType]) -> str:
     if types <= set(IQ4_TYPES):
         return f"iq4nl-g{group}"
     return f"int{max(CODE_BITS[t] for t in types)}-g{group}"
+
+
+def _fused_format(part_types: list[GGMLQuantizationType]) -> str:
+    """A fused layer's format: each part held in its own type's (mixed_parts.py), floats if
+    any part has no int8/int4 form."""
+    part_formats = [_format_of({t}) for t in part_types]
+    if "float" in part_formats:
+        return "float"
+    return mixed_format_name(part_formats)
 
 
 def _hf_name(name: str, names: Mapping[str, str]) -> str | None:

@@ -32,13 +32,19 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.quantized_embedding import QuantizedEmbedding
 from tokenmill.quantization.int4 import INT4
 from tokenmill.quantization.int8 import INT8
+from tokenmill.quantization.mixed_parts import MixedPartsFormat
 from tokenmill.quantization.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
 
 # Every weight format, each one module of this package (weight_format.py): the one place a
 # format is registered.
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = (INT8, INT4)
+# A mixed name (a fused layer's parts in several formats) holds the others': looked up first.
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = (
+    MixedPartsFormat(lambda name: find_format(name)),
+    INT8,
+    INT4,
+)
 # `--quantization` values -> the weight format of the decoder's linears.
 ONLINE_FORMATS = {value: name for fmt in WEIGHT_FORMATS for value, name in fmt.online.items()}
 # The LM head's and embedding's format under `--quantization` (module docstring).

@@ -85,7 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
-                          const std::vector<std::vector<PackedLinear>>&, const at::Tensor&,
+                          const std::vector<std::vector<std::vector<PackedLinear>>>&,
+                          const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                           int64_t, double, int64_t>())
       .def("set_family_options", &DecoderStack::set_family_options)

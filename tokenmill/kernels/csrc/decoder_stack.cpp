@@ -191,7 +191,7 @@ at::Tensor float_copy(const c10::optional<at::Tensor>& t) {
 }  // namespace
 
 DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
-                           const std::vector<std::vector<PackedLinear>>& linears,
+                           const std::vector<std::vector<std::vector<PackedLinear>>>& linears,
                            const at::Tensor& final_norm, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t intermediate_size, double eps,
@@ -227,12 +227,14 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
                 "DecoderStack: 8 (or 10) tensors and 4 linears per layer");
     Layer layer;
     for (const auto& tensor : layers[li]) layer.tensors.push_back(float_copy(tensor));
-    layer.linears = linears[li];
+    for (size_t slot = 0; slot < 4; ++slot) {
+      TORCH_CHECK(!linears[li][slot].empty(), "DecoderStack: a linear of no parts");
+      for (const PackedLinear& part : linears[li][slot]) {
+        layer.linears.push_back(part);
+        layer.parts[slot].push_back(part.weight());
+      }
+    }
     const auto& t = layer.tensors;
-    layer.qkv = layer.linears[0].weight();
-    layer.o = layer.linears[1].weight();
-    layer.gate_up = layer.linears[2].weight();
-    layer.down = layer.linears[3].weight();
     const bool sandwich = t.size() == 10;
     layer.weights = LayerWeights{optional_data(t[0]),
                                  optional_data(t[1]),
@@ -248,15 +250,19 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
                                  shape_.sin,
                                  sliding_window};
     TORCH_CHECK(layer.weights.input_norm && layer.weights.post_norm, "DecoderStack: norms");
-    const std::pair<const PackedWeight*, std::array<int64_t, 2>> shapes[] = {
-        {&layer.qkv, {q_size + 2 * kv_size, hidden}},
-        {&layer.o, {hidden, q_size}},
-        {&layer.gate_up, {2 * intermediate_size, hidden}},
-        {&layer.down, {hidden, intermediate_size}}};
-    for (const auto& [w, nk] : shapes) {
-      TORCH_CHECK(w->n == nk[0] && w->k == nk[1], "DecoderStack: a linear's shape");
-      TORCH_CHECK(w->quantized() || w->is_bf16 == is_bf16_,
-                  "DecoderStack: dense weights in the model's dtype");
+    const std::array<int64_t, 2> shapes[] = {{q_size + 2 * kv_size, hidden},
+                                             {hidden, q_size},
+                                             {2 * intermediate_size, hidden},
+                                             {hidden, intermediate_size}};
+    for (size_t slot = 0; slot < 4; ++slot) {
+      int64_t rows = 0;
+      for (const PackedWeight& w : layer.parts[slot]) {
+        TORCH_CHECK(w.k == shapes[slot][1], "DecoderStack: a linear's shape");
+        TORCH_CHECK(w.quantized() || w.is_bf16 == is_bf16_,
+                    "DecoderStack: dense weights in the model's dtype");
+        rows += w.n;
+      }
+      TORCH_CHECK(rows == shapes[slot][0], "DecoderStack: a linear's shape");
     }
     layers_.push_back(std::move(layer));
   }
@@ -318,16 +324,24 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   shape.block_size = cache0.size(2);
   const int64_t num_cache_blocks = cache0.size(1);
 
-  const Layer& first = layers_[0];
   const auto act_type = is_bf16_ ? at::kBFloat16 : at::kFloat;
   // Linear inputs: as wide as the widest padding any layer's format reads.
   int64_t ld_x = 0, ld_attn = 0, ld_act = 0;
+  int64_t ld_qkv = 0, ld_gate_up = 0;
   for (const Layer& layer : layers_) {
-    ld_x = std::max({ld_x, layer.qkv.k_pad, layer.gate_up.k_pad});
-    ld_attn = std::max(ld_attn, layer.o.k_pad);
-    ld_act = std::max(ld_act, layer.down.k_pad);
+    for (size_t slot = 0; slot < 4; ++slot) {
+      int64_t& ld_in = slot == 1 ? ld_attn : slot == 3 ? ld_act : ld_x;
+      int64_t rows = 0;
+      for (const PackedWeight& w : layer.parts[slot]) {
+        ld_in = std::max(ld_in, w.k_pad);
+        rows += w.n;
+      }
+      // The last part's padding rows fit inside the row stride (its products may write them).
+      const int64_t padded = rows - layer.parts[slot].back().n + layer.parts[slot].back().n_pad;
+      if (slot == 0) ld_qkv = std::max(ld_qkv, padded);
+      if (slot == 2) ld_gate_up = std::max(ld_gate_up, padded);
+    }
   }
-  const int64_t ld_qkv = first.qkv.n_pad, ld_gate_up = first.gate_up.n_pad;
   Buffers& b = buffers_;
   b.ensure(tokens, hidden, ld_x, ld_qkv, ld_attn, ld_gate_up, ld_act, act_type);
   at::Tensor out = at::empty({tokens, hidden}, hidden_in.options());
@@ -349,8 +363,9 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   if (isa >= kAmx) amx_permitted();
   const int threads = team_size();
   for (const Layer& layer : layers_)  // before any view: growing moves the buffers
-    for (const PackedWeight* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      if (w->quantized()) b.quant.reserve(*w, tokens, isa);
+    for (const auto& slot : layer.parts)
+      for (const PackedWeight& w : slot)
+        if (w.quantized()) b.quant.reserve(w, tokens, isa);
   std::vector<float> scratch(scratch_floats * threads);
   float* residual = b.residual.data_ptr<float>();
   float* delta = b.delta.data_ptr<float>();
@@ -385,16 +400,17 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     });
   };
   auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
-                        int64_t ld_out, const float* bias) {
+                        int64_t ld_out, const float* bias, bool prepare = true) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
     const GemmOut o{output, ld_out, false, bias, w.n};  // n: no column past the real ones
     if (w.quantized()) {  // its input rows prepared (quantized or widened) once, then products
       const QuantInput in = b.quant.view(w, tokens, isa);
-      job.add_phase(row_chunks, [=, &w](int64_t chunk, int) {
-        int64_t r0, r1;
-        rows_of(chunk, r0, r1);
-        prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
-      });
+      if (prepare)
+        job.add_phase(row_chunks, [=, &w](int64_t chunk, int) {
+          int64_t r0, r1;
+          rows_of(chunk, r0, r1);
+          prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
+        });
       job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
         quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
       });
@@ -405,13 +421,29 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                   isa);
     });
   };
+  // A linear held in parts (each its own format): each part's product into its columns.
+  auto gemm_parts = [&](const std::vector<PackedWeight>& parts, const void* input, int64_t ld_in,
+                        float* output, int64_t ld_out, const float* bias) {
+    // A part after a quantized one reuses its prepared input where it reads the same: the
+    // input rows and their group sums depend on k, k_pad and the group only.
+    int64_t column = 0;
+    const PackedWeight* prepared = nullptr;
+    for (const PackedWeight& w : parts) {
+      const bool same_input = prepared && w.quantized() && w.k == prepared->k &&
+                              w.k_pad == prepared->k_pad && w.group == prepared->group;
+      gemm_phase(w, input, ld_in, output + column, ld_out, bias ? bias + column : nullptr,
+                 !same_input);
+      if (!same_input) prepared = w.quantized() ? &w : nullptr;
+      column += w.n;
+    }
+  };
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& layer = layers_[li];
     const LayerWeights& lw = layer.weights;
     void* cache = kv_caches[li].data_ptr();
     const float* previous_out_norm = li == 0 ? nullptr : layers_[li - 1].weights.mlp_out_norm;
     add_norm_phase(li == 0 ? nullptr : delta, previous_out_norm, lw.input_norm, x, ld_x, bf16_act);
-    gemm_phase(layer.qkv, x, ld_x, qkv, ld_qkv, lw.qkv_bias);
+    gemm_parts(layer.parts[0], x, ld_x, qkv, ld_qkv, lw.qkv_bias);
     job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &step, &lw](int64_t chunk, int) {
       const int64_t u0 = chunk * units_per_chunk, u1 = std::min(units, u0 + units_per_chunk);
       if (cache_bf16) {
@@ -429,9 +461,9 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                     a.window = lw.window;
                     attend(a, tasks[i], scratch.data() + participant * scratch_floats, isa);
                   });
-    gemm_phase(layer.o, attn, ld_attn, delta, hidden, lw.o_bias);
+    gemm_parts(layer.parts[1], attn, ld_attn, delta, hidden, lw.o_bias);
     add_norm_phase(delta, lw.attn_out_norm, lw.post_norm, x, ld_x, bf16_act);
-    gemm_phase(layer.gate_up, x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias);
+    gemm_parts(layer.parts[2], x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias);
     job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
       int64_t r0, r1;
       rows_of(chunk, r0, r1);
@@ -443,7 +475,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                 ld_act, r0, r1);
       }
     });
-    gemm_phase(layer.down, act, ld_act, delta, hidden, lw.down_bias);
+    gemm_parts(layer.parts[3], act, ld_act, delta, hidden, lw.down_bias);
   }
   // The final norm, into the output's dtype.
   add_norm_phase(delta, layers_.back().weights.mlp_out_norm, final_norm_.data_ptr<float>(),

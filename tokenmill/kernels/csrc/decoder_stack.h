@@ -1,6 +1,7 @@
 // The fused decoder stack of a model of the shared decoder's families (decoder_stack.cpp).
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "cpu_common.h"
@@ -50,10 +51,11 @@ struct LayerWeights {
 class DecoderStack {
  public:
   // `layers[i]`: input_norm, qkv_bias, q_norm, k_norm, o_bias, post_norm, gate_up_bias,
-  // down_bias, and optionally attn_out_norm, mlp_out_norm (Gemma); None where absent. `linears[i]`: qkv, o, gate_up, down, each dense or quantized
+  // down_bias, and optionally attn_out_norm, mlp_out_norm (Gemma); None where absent. `linears[i]`: qkv, o, gate_up, down, each dense or quantized, each a list of
+  // parts (row ranges in order; one unless the parts' formats differ)
   // (the layer's LinearMethod chose, at load time).
   DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers,
-               const std::vector<std::vector<PackedLinear>>& linears,
+               const std::vector<std::vector<std::vector<PackedLinear>>>& linears,
                const at::Tensor& final_norm, const at::Tensor& cos, const at::Tensor& sin,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                int64_t intermediate_size, double eps, int64_t sliding_window);
@@ -77,8 +79,9 @@ class DecoderStack {
  private:
   struct Layer {
     std::vector<at::Tensor> tensors;  // owns what the views below point into
-    std::vector<PackedLinear> linears;
-    PackedWeight qkv{}, o{}, gate_up{}, down{};
+    std::vector<PackedLinear> linears;  // owns the tensors the parts view
+    // qkv, o, gate_up, down: each one or more row ranges of its own format, in row order.
+    std::array<std::vector<PackedWeight>, 4> parts;
     LayerWeights weights{};
   };
   // Activations, kept between calls and grown to the largest step seen.
