@@ -152,11 +152,11 @@ def build_app(
     app.state.response_store = store
     app.include_router(_v1_router(ctx, keys, store))
     app.include_router(messages_router(ctx, keys))  # its own key check (x-api-key too)
-    app.include_router(_operations_router(ctx))
-    app.include_router(_metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
+    app.include_router(operations_router(lambda: ctx.engine.is_healthy))
+    app.include_router(metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
     app.include_router(_keyed_operations_router(ctx, keys))
     app.include_router(dashboard_router(ctx, keys))
-    app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
+    app.openapi = openapi_without_422(app)  # type: ignore[method-assign]
     return app
 
 
@@ -164,11 +164,11 @@ def _v1_router(ctx: ServerContext, keys: ApiKeys, store: ResponseStore) -> APIRo
     auth: Responses = UNAUTHORIZED if keys else {}
     router = APIRouter(
         prefix="/v1",
-        dependencies=[Depends(_api_key_check(keys))],
+        dependencies=[Depends(api_key_check(keys))],
         route_class=OffLoopBodyRoute,
     )
 
-    @_get_and_head(router, "/models", responses=auth)
+    @get_and_head(router, "/models", responses=auth)
     async def list_models() -> ModelList:
         cards = [_model_card(ctx, name) for name in ctx.model_names]
         return ModelList(data=cards + adapter_cards(ctx))
@@ -203,33 +203,34 @@ def _v1_router(ctx: ServerContext, keys: ApiKeys, store: ResponseStore) -> APIRo
     return router
 
 
-def _operations_router(ctx: ServerContext) -> APIRouter:
+def operations_router(is_healthy: Callable[[], bool]) -> APIRouter:
+    """`/health` (503 once the engine has stopped) and `/version`: every server kind's."""
     router = APIRouter()
 
-    @_get_and_head(
+    @get_and_head(
         router,
         "/health",
         response_class=Response,
         responses={200: {"description": "The engine is running"}, **ENGINE_DEAD},
     )
     async def health() -> Response:
-        if not ctx.engine.is_healthy:
+        if not is_healthy():
             return error_response(EngineDeadError("the engine is not running"))
         return Response(status_code=200)
 
-    @_get_and_head(router, "/version")
+    @get_and_head(router, "/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
     return router
 
 
-def _metrics_router(registry: CollectorRegistry, keys: ApiKeys) -> APIRouter:
+def metrics_router(registry: CollectorRegistry, keys: ApiKeys) -> APIRouter:
     """`/metrics`, behind `keys` unless there are none."""
     auth: Responses = UNAUTHORIZED if keys else {}
-    router = APIRouter(dependencies=[Depends(_api_key_check(keys))])
+    router = APIRouter(dependencies=[Depends(api_key_check(keys))])
 
-    @_get_and_head(
+    @get_and_head(
         router,
         "/metrics",
         response_class=Response,
@@ -244,7 +245,7 @@ def _metrics_router(registry: CollectorRegistry, keys: ApiKeys) -> APIRouter:
 def _keyed_operations_router(ctx: ServerContext, keys: ApiKeys) -> APIRouter:
     """vLLM's operational routes that mutate state or cost work: behind the keys, if any."""
     auth: Responses = UNAUTHORIZED if keys else {}
-    router = APIRouter(dependencies=[Depends(_api_key_check(keys))], route_class=OffLoopBodyRoute)
+    router = APIRouter(dependencies=[Depends(api_key_check(keys))], route_class=OffLoopBodyRoute)
 
     @router.post(
         "/reset_prefix_cache",
@@ -266,7 +267,7 @@ def _keyed_operations_router(ctx: ServerContext, keys: ApiKeys) -> APIRouter:
     return router
 
 
-def _get_and_head(router: APIRouter, path: str, **route: Any) -> Callable[[Endpoint], Endpoint]:
+def get_and_head(router: APIRouter, path: str, **route: Any) -> Callable[[Endpoint], Endpoint]:
     """A GET route that answers HEAD too (the same status and headers, no body: uvicorn drops
     it), for probes that check with HEAD first (aiperf). HEAD stays out of /openapi.json."""
 
@@ -278,7 +279,7 @@ def _get_and_head(router: APIRouter, path: str, **route: Any) -> Callable[[Endpo
     return register
 
 
-def _api_key_check(keys: ApiKeys) -> Callable[..., Any]:
+def api_key_check(keys: ApiKeys) -> Callable[..., Any]:
     """A dependency of every keyed route: a bearer token equal to one of the keys (compared in
     constant time), noted on the request (stored responses are the key's own); or no check
     at all without keys."""
@@ -336,7 +337,7 @@ def _prometheus_text() -> dict[str, Any]:
     }
 
 
-def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+def openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
     """Invalid input is answered 400 in OpenAI's error shape, never FastAPI's 422, so the
     generated document must not promise a 422 either."""
 

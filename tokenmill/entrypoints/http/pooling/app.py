@@ -8,23 +8,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 
 from tokenmill.entrypoints.http.app import (
     BAD_REQUEST,
     DEFAULT_MAX_BODY_BYTES,
-    ENGINE_DEAD,
     NOT_FOUND_RESPONSE,
     SERVER_ERRORS,
     UNAUTHORIZED,
     Responses,
-    _api_key_check,
-    _get_and_head,
-    _metrics_router,
-    _openapi_without_422,
+    api_key_check,
+    get_and_head,
+    metrics_router,
+    openapi_without_422,
+    operations_router,
 )
-from tokenmill.entrypoints.http.openai.protocol import ModelCard, ModelList, VersionResponse
+from tokenmill.entrypoints.http.openai.protocol import ModelCard, ModelList
 from tokenmill.entrypoints.http.pooling.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -41,10 +40,9 @@ from tokenmill.entrypoints.http.pooling.serving import (
 )
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys
 from tokenmill.entrypoints.http.transport.body_limit import BodySizeLimit
-from tokenmill.entrypoints.http.transport.errors import error_response, install_error_handlers
+from tokenmill.entrypoints.http.transport.errors import install_error_handlers
 from tokenmill.entrypoints.http.transport.middleware import NoSniff, RefuseWhileStopping
 from tokenmill.entrypoints.http.transport.offloop_body import OffLoopBodyRoute
-from tokenmill.pooling.async_engine import PoolingEngineDeadError
 from tokenmill.version import __version__
 
 
@@ -78,9 +76,9 @@ def build_pooling_app(
     app.add_middleware(NoSniff)
     auth: Responses = UNAUTHORIZED if keys else {}
     errors: Responses = {**BAD_REQUEST, **auth, **SERVER_ERRORS}
-    keyed = APIRouter(dependencies=[Depends(_api_key_check(keys))], route_class=OffLoopBodyRoute)
+    keyed = APIRouter(dependencies=[Depends(api_key_check(keys))], route_class=OffLoopBodyRoute)
 
-    @_get_and_head(keyed, "/v1/models", responses=auth)
+    @get_and_head(keyed, "/v1/models", responses=auth)
     async def list_models() -> ModelList:
         return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
 
@@ -98,9 +96,9 @@ def build_pooling_app(
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         keyed.add_api_route(path, _rerank_route(ctx), methods=["POST"], responses=errors)
     app.include_router(keyed)
-    app.include_router(_operations_router(ctx))
-    app.include_router(_metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
-    app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
+    app.include_router(operations_router(lambda: ctx.engine.is_healthy))
+    app.include_router(metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
+    app.openapi = openapi_without_422(app)  # type: ignore[method-assign]
     return app
 
 
@@ -118,27 +116,6 @@ def _rerank_route(
         return await create_rerank(ctx, request)
 
     return rerank
-
-
-def _operations_router(ctx: PoolingServerContext) -> APIRouter:
-    router = APIRouter()
-
-    @_get_and_head(
-        router,
-        "/health",
-        response_class=Response,
-        responses={200: {"description": "The engine is running"}, **ENGINE_DEAD},
-    )
-    async def health() -> Response:
-        if not ctx.engine.is_healthy:
-            return error_response(PoolingEngineDeadError("the engine is not running"))
-        return Response(status_code=200)
-
-    @_get_and_head(router, "/version")
-    async def version() -> VersionResponse:
-        return VersionResponse(version=__version__)
-
-    return router
 
 
 def _model_card(ctx: PoolingServerContext, name: str) -> ModelCard:
