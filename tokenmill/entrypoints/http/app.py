@@ -55,6 +55,7 @@ from tokenmill.entrypoints.http.transport.body_limit import BodySizeLimit
 from tokenmill.entrypoints.http.transport.errors import (
     ErrorResponse,
     OpenAIError,
+    RefusedBody,
     error_response,
     install_error_handlers,
     refused_body,
@@ -128,6 +129,23 @@ def build_app(
     keys = ApiKeys.of(api_key)
     store = response_store(registry, ctx.model_name, responses_store_max_bytes)
 
+    app = server_shell(ctx, max_body_bytes, ctx.refused)
+    app.state.response_store = store
+    app.include_router(_v1_router(ctx, keys, store))
+    app.include_router(messages_router(ctx, keys))  # its own key check (x-api-key too)
+    app.include_router(operations_router(lambda: ctx.engine.is_healthy))
+    app.include_router(metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
+    app.include_router(_keyed_operations_router(ctx, keys))
+    app.include_router(dashboard_router(ctx, keys))
+    app.openapi = openapi_without_422(app)  # type: ignore[method-assign]
+    return app
+
+
+def server_shell(ctx: Any, max_body_bytes: int, refused: RefusedBody | None = None) -> FastAPI:
+    """The app every server kind starts from: the engine started and stopped with it, error
+    handlers, the body limit, refusals while stopping, nosniff. `ctx` has `engine` (`start`,
+    `shutdown`), `close` and `stopping`; `refused` counts refused requests (None: not counted)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
@@ -145,18 +163,10 @@ def build_app(
         redoc_url=None,
         swagger_ui_oauth2_redirect_url=None,
     )
-    install_error_handlers(app, ctx.refused)
+    install_error_handlers(app, refused)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(RefuseWhileStopping, stopping=lambda: ctx.stopping)
     app.add_middleware(NoSniff)  # outermost: on every response, the refusals' too
-    app.state.response_store = store
-    app.include_router(_v1_router(ctx, keys, store))
-    app.include_router(messages_router(ctx, keys))  # its own key check (x-api-key too)
-    app.include_router(operations_router(lambda: ctx.engine.is_healthy))
-    app.include_router(metrics_router(registry, ApiKeys() if metrics_without_api_key else keys))
-    app.include_router(_keyed_operations_router(ctx, keys))
-    app.include_router(dashboard_router(ctx, keys))
-    app.openapi = openapi_without_422(app)  # type: ignore[method-assign]
     return app
 
 

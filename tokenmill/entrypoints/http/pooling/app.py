@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
@@ -22,6 +21,7 @@ from tokenmill.entrypoints.http.app import (
     metrics_router,
     openapi_without_422,
     operations_router,
+    server_shell,
 )
 from tokenmill.entrypoints.http.openai.protocol import ModelCard, ModelList
 from tokenmill.entrypoints.http.pooling.protocol import (
@@ -39,11 +39,7 @@ from tokenmill.entrypoints.http.pooling.serving import (
     create_score,
 )
 from tokenmill.entrypoints.http.transport.api_keys import ApiKeys
-from tokenmill.entrypoints.http.transport.body_limit import BodySizeLimit
-from tokenmill.entrypoints.http.transport.errors import install_error_handlers
-from tokenmill.entrypoints.http.transport.middleware import NoSniff, RefuseWhileStopping
 from tokenmill.entrypoints.http.transport.offloop_body import OffLoopBodyRoute
-from tokenmill.version import __version__
 
 
 def build_pooling_app(
@@ -55,25 +51,7 @@ def build_pooling_app(
 ) -> FastAPI:
     keys = ApiKeys.of(api_key)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        ctx.engine.start()
-        yield
-        ctx.engine.shutdown()
-        ctx.close()
-
-    app = FastAPI(
-        title="tokenmill",
-        version=__version__,
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        swagger_ui_oauth2_redirect_url=None,
-    )
-    install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(RefuseWhileStopping, stopping=lambda: ctx.stopping)
-    app.add_middleware(NoSniff)
+    app = server_shell(ctx, max_body_bytes)
     auth: Responses = UNAUTHORIZED if keys else {}
     errors: Responses = {**BAD_REQUEST, **auth, **SERVER_ERRORS}
     keyed = APIRouter(dependencies=[Depends(api_key_check(keys))], route_class=OffLoopBodyRoute)
