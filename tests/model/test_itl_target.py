@@ -92,12 +92,15 @@ def test_metrics_show_the_target_the_budgets_and_steps_over_it(checkpoint) -> No
     text = generate_latest(registry).decode()
     assert 'tokenmill:itl_target_seconds{model_name="tiny"} 1e-06' in text
     # 40 prompt tokens in one or more steps (the floor is half the decodes' predicted time),
-    # then two decode steps: every step is over a 1 us target.
-    assert 'tokenmill:itl_prefill_budget_tokens_sum{model_name="tiny"} 40.0' in text
+    # then two decode steps: every step is over a 1 us target. A chunk that leaves exactly one
+    # prompt token makes that last token a decode row (same cost), not a prefill grant, so
+    # the granted sum is 39 then and one more step counts over the target.
+    granted = metric_value(text, "tokenmill:itl_prefill_budget_tokens_sum")
+    assert granted in (39, 40)
     num_prefill_steps = metric_value(text, "tokenmill:itl_prefill_budget_tokens_count")
     assert num_prefill_steps >= 1
     steps_over = metric_value(text, "tokenmill:itl_steps_over_target_total")
-    assert steps_over == num_prefill_steps + 2
+    assert steps_over == num_prefill_steps + 2 + (40 - granted)
 
 
 def metric_value(text: str, name: str) -> float:
