@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The policy tokenmill's own processes run under (tokenmill/openmp.py), set here because torch is
+# imported before tokenmill: the test process's idle OpenMP threads sleep instead of spinning
+# against the servers and workers it starts on the same two cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 if not torch.cuda.is_available():
