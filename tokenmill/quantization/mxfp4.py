@@ -1,0 +1,53 @@
+"""MXFP4, as gpt-oss checkpoints ship their experts (`quantization_config.quant_method ==
+"mxfp4"`): each weight row in blocks of 32 values, each value a 4-bit float (E2M1: sign, two
+exponent bits, one mantissa bit) packed two to a byte, low nibble first, each block scaled by
+a power of two stored as a biased 8-bit exponent (E8M0, 127 meaning 2**0).
+
+`*_blocks` `[..., rows, in / 32, 16]` uint8 and `*_scales` `[..., rows, in / 32]` uint8 are
+kept as they are (4.25 bits a weight); `dequantize` expands one expert's at run time, so a
+step reads only its active experts' 4-bit weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # values per scale
+# The 16 E2M1 values, by code: the low three bits are the magnitude, the high one the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_SCALE_BIAS = 127
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[..., rows, in]` in `dtype` from `blocks` `[..., rows, in / 32, 16]` and `scales`
+    `[..., rows, in / 32]`, as transformers' `convert_moe_packed_tensors` computes it."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match: "
+            "expected [..., rows, groups, 16] and [..., rows, groups]"
+        )
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., groups, 16, 2]
+    values = table[codes].flatten(-2)  # [..., groups, 32]
+    exponents = scales.to(torch.int32) - _SCALE_BIAS
+    values = torch.ldexp(values, exponents.unsqueeze(-1).float())
+    return values.flatten(-2).to(dtype)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`blocks`, `scales`) of `weight` `[..., rows, in]` (in a multiple of 32): each block's
+    scale the power of two that brings its largest magnitude within 6, each value rounded to
+    the nearest E2M1 value. For tests and tools that make MXFP4 checkpoints."""
+    *lead, rows, cols = weight.shape
+    if cols % BLOCK:
+        raise ValueError(f"MXFP4 needs rows of a multiple of {BLOCK} values, not {cols}")
+    groups = weight.float().reshape(*lead, rows, cols // BLOCK, BLOCK)
+    largest = groups.abs().amax(dim=-1).clamp_min(2.0**-126)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-_SCALE_BIAS, _SCALE_BIAS)
+    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
+    table = torch.tensor(E2M1_VALUES[:8])
+    magnitude = (scaled.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    pairs = codes.reshape(*lead, rows, cols // BLOCK, BLOCK // 2, 2)
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks.contiguous(), (exponents + _SCALE_BIAS).to(torch.uint8)
