@@ -161,7 +161,8 @@ def detect(hf_config: Any) -> QuantizedCheckpoint | None:
     if not isinstance(config, dict):
         config = config.to_dict()
     method = config.get("quant_method")
-    if method == "mxfp4" and "GptOssForCausalLM" in (getattr(hf_config, "architectures", None) or []):
+    architectures = getattr(hf_config, "architectures", None) or []
+    if method == "mxfp4" and "GptOssForCausalLM" in architectures:
         return None  # only gpt-oss's experts, which its family holds as they are (mxfp4.py)
     if method == "compressed-tensors":
         return _detect_compressed_tensors(config)

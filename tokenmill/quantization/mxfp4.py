@@ -14,7 +14,8 @@ import torch
 
 BLOCK = 32  # values per scale
 # The 16 E2M1 values, by code: the low three bits are the magnitude, the high one the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = _MAGNITUDES + tuple(-value for value in _MAGNITUDES)
 _SCALE_BIAS = 127
 
 
@@ -45,7 +46,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     largest = groups.abs().amax(dim=-1).clamp_min(2.0**-126)
     exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-_SCALE_BIAS, _SCALE_BIAS)
     scaled = groups / torch.exp2(exponents).unsqueeze(-1)
-    table = torch.tensor(E2M1_VALUES[:8])
+    table = torch.tensor(_MAGNITUDES)
     magnitude = (scaled.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)
     codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
     pairs = codes.reshape(*lead, rows, cols // BLOCK, BLOCK // 2, 2)
