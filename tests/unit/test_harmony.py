@@ -102,3 +102,23 @@ def test_harmony_parsers_decode_special_tokens() -> None:
     assert keeps_special_tokens(AUTO, None)
     assert keeps_special_tokens(ToolPlan("none"), REASONING)
     assert not keeps_special_tokens(ToolPlan("none"), get_reasoning_parser("qwen3"))
+
+
+def test_reasoning_effort_reaches_the_chat_template(tokenizer_dir) -> None:
+    """`reasoning_effort` (chat; the Responses API's `reasoning.effort`) is a template
+    variable, as gpt-oss's template reads it into its system message."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.entrypoints.http.openai.inputs import PromptBuilder
+    from tokenmill.entrypoints.http.openai.protocol import ChatMessage
+    from tokenmill.entrypoints.http.responses.convert import chat_request
+    from tokenmill.entrypoints.http.responses.protocol import ResponsesRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.chat_template = "Reasoning: {{ reasoning_effort | default('medium') }}"
+    builder = PromptBuilder(tokenizer, len(tokenizer), 64)
+    messages = [ChatMessage(role="user", content="Hi")]
+    assert builder.render_chat(messages, True) == "Reasoning: medium"
+    assert builder.render_chat(messages, True, reasoning_effort="low") == "Reasoning: low"
+    request = ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": "high"}})
+    assert chat_request(request, [{"role": "user", "content": "Hi"}]).reasoning_effort == "high"
