@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
-from tokenmill.layers.gpt_oss_moe import GptOssMoE
+from tokenmill.models.gpt_oss_moe import GptOssMoE
 from tokenmill.quantization import mxfp4
 from tokenmill_testing.gpt_oss_checkpoint import write_mxfp4_checkpoint
 from tokenmill_testing.transformers_reference import greedy_reference

@@ -1,6 +1,6 @@
 """gpt-oss (`GptOssForCausalLM`): the Llama layer with biases on q/k/v/o, a learned attention
 sink per head, sliding-window and full attention layers alternating as `layer_types` says,
-YaRN RoPE, and every MLP gpt-oss's own mixture of experts (layers/gpt_oss_moe.py: biased
+YaRN RoPE, and every MLP gpt-oss's own mixture of experts (models/gpt_oss_moe.py: biased
 router, top-k then softmax, biased experts, clamped SwiGLU), whose experts a checkpoint stores
 stacked, in bfloat16 or as MXFP4 blocks (quantization/mxfp4.py). docs/moe.md, "gpt-oss"."""
 
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError
-from tokenmill.layers.gpt_oss_moe import GptOssMoE, GptOssMoEShape
 from tokenmill.layers.rotary import rope_parameters
 from tokenmill.models.family import Family, TensorReader
+from tokenmill.models.gpt_oss_moe import GptOssMoE, GptOssMoEShape
 from tokenmill.models.traits import ArchitectureTraits
 
 # Float checkpoints store these stacked `[experts, in, out]`; the model holds `[out, in]`.
