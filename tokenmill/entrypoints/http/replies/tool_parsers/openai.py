@@ -5,7 +5,7 @@ Its markers are special tokens, so replies are decoded with them (`keeps_special
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.http.replies.harmony import parse_harmony
+from tokenmill.entrypoints.http.replies.harmony import SPECIAL_TOKENS, parse_harmony
 from tokenmill.entrypoints.http.replies.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedCall,
@@ -21,6 +21,10 @@ class OpenAIToolParser(ToolParser):
     keeps_special_tokens = True
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+        if not any(token in text for token in SPECIAL_TOKENS):
+            return ExtractedToolCalls(
+                content=text
+            )  # plain text (the answer a reasoning parser left)
         calls, content = [], []
         for message in parse_harmony(text):
             name = message.function
