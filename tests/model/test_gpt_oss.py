@@ -111,3 +111,31 @@ def test_sinks_refused_on_triton(checkpoint: Path) -> None:
     traits = architecture_traits(architecture, hf_config)
     with pytest.raises(ConfigError, match=r"attention sinks .* not triton"):
         LlamaAttention(ModelShape.from_hf_config(hf_config), traits, SINGLE, "triton")
+
+
+def test_mxfp4_native_products_match_the_expansion() -> None:
+    """bfloat16 MXFP4 experts run the native 5-bit products (exact weights, int8-rounded
+    activations): close to the float32 expansion, the reference."""
+    from tokenmill.kernels.native import native_kernels
+    from tokenmill.models.gpt_oss_moe import GptOssExperts, GptOssMoEShape
+
+    if native_kernels() is None:
+        pytest.skip("needs the native kernels")
+    shape = GptOssMoEShape(64, 2, 1, 64, alpha=1.702, limit=7.0, mxfp4=True)
+    experts = GptOssExperts(shape)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, rows, cols in (("gate_up_proj", 128, 64), ("down_proj", 64, 64)):
+            weight = torch.randn(2, rows, cols, generator=generator) / 8
+            blocks, scales = mxfp4.quantize(weight)
+            getattr(experts, f"{name}_blocks").copy_(blocks)
+            getattr(experts, f"{name}_scales").copy_(scales)
+            getattr(experts, f"{name}_bias").copy_(torch.randn(2, rows, generator=generator) / 10)
+    x = torch.randn(3, 64, generator=generator)
+    reference = experts.expert(1, x)
+    assert experts.native_products(1, x) is None  # float32: the exact expansion
+    experts.gate_up_proj_bias.data = experts.gate_up_proj_bias.data.bfloat16()
+    experts.down_proj_bias.data = experts.down_proj_bias.data.bfloat16()
+    got = experts.expert(1, x.bfloat16())
+    assert experts.native_products(1, x.bfloat16()) is not None
+    assert torch.allclose(got.float(), reference, atol=0.05 * float(reference.abs().max()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,9 @@ class GptOssExperts(nn.Module):
             self.down_proj = _stacked(e, h, i)
         self.gate_up_proj_bias = _stacked(e, 2 * i)
         self.down_proj_bias = _stacked(e, h)
+        # MXFP4 experts' native 5-bit products (gate_up, down), packed at an expert's first
+        # bfloat16 step on the CPU; None: that expert expands its blocks instead.
+        self._native: dict[int, tuple[Any, Any] | None] = {}
 
     def weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s `name` product weight `[out, in]` in `dtype`."""
@@ -85,7 +89,29 @@ class GptOssExperts(nn.Module):
         up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.shape.alpha))
 
+    def native_products(self, index: int, x: torch.Tensor) -> tuple[Any, Any] | None:
+        """Expert `index`'s native products for inputs like `x`: an MXFP4 expert in a
+        bfloat16 model on the CPU (float32 models keep the exact expansion, the reference)."""
+        if not self.shape.mxfp4 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return None
+        if index not in self._native:
+            products = [
+                mxfp4.native_linear(
+                    getattr(self, f"{name}_blocks")[index], getattr(self, f"{name}_scales")[index]
+                )
+                for name in ("gate_up_proj", "down_proj")
+            ]
+            both = products[0] is not None and products[1] is not None
+            self._native[index] = (products[0], products[1]) if both else None
+        return self._native[index]
+
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        native = self.native_products(index, x)
+        if native is not None:
+            gate_up = native[0].forward(x.contiguous(), self.gate_up_proj_bias[index], False)
+            return native[1].forward(
+                self.activation(gate_up).contiguous(), self.down_proj_bias[index], False
+            )
         gate_up = F.linear(
             x, self.weight("gate_up_proj", index, x.dtype), self.gate_up_proj_bias[index]
         )

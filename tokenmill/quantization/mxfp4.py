@@ -11,6 +11,7 @@ step reads only its active experts' 4-bit weights.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,3 +68,25 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = codes.reshape(*lead, rows, cols // BLOCK, BLOCK // 2, 2)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)
     return blocks.contiguous(), (exponents + _SCALE_BIAS).to(torch.uint8)
+
+
+# E8M0 exponents whose scale, halved, float16 holds exactly (2**-24 .. 2**15).
+_FLOAT16_EXPONENTS = (_SCALE_BIAS + 1 - 24, _SCALE_BIAS + 1 + 15)
+
+
+def native_linear(blocks: torch.Tensor, scales: torch.Tensor) -> Any | None:
+    """The weight `[rows, in]` as the native kernels' 5-bit `PackedLinear`, exactly: twice
+    each E2M1 value is an integer in -12..12 (a 5-bit code) and half of each scale a float16
+    power of two per group of 32, the layout of GGUF's Q5 weights (kernels/int_linear.py).
+    None where the native kernels are missing or a scale is outside float16's range. Its
+    products quantize bfloat16 activations to int8 per 32, as every integer-code product."""
+    from tokenmill.kernels.int_linear import native_quant_linear, pack
+    from tokenmill.kernels.native import native_kernels
+
+    low, high = _FLOAT16_EXPONENTS
+    if native_kernels() is None or int(scales.min()) < low or int(scales.max()) > high:
+        return None
+    pairs, _ = _tables(torch.float32, blocks.device)
+    codes = (F.embedding(blocks.long(), pairs).flatten(-3) * 2).to(torch.int8)
+    halves = torch.exp2(scales.double() - (_SCALE_BIAS + 1)).to(torch.float16)
+    return native_quant_linear(pack(codes, halves, None, 5, BLOCK))
