@@ -210,13 +210,14 @@ def test_an_unsupported_architecture_is_one_line_naming_the_supported(
     target = tmp_path / "model"
     shutil.copytree(source, target)
     config = json.loads((target / "config.json").read_text())
-    config["architectures"] = ["GptOssForCausalLM"]
+    config["architectures"] = ["DbrxForCausalLM"]
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as error:
         load_hf_config(target)
     message = str(error.value)
-    assert "\n" not in message and "GptOssForCausalLM" in message
-    for supported in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    assert "\n" not in message and "DbrxForCausalLM" in message
+    supported_moe = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    for supported in (*supported_moe, "GptOssForCausalLM"):
         assert supported in message
 
 

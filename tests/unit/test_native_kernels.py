@@ -167,6 +167,43 @@ def test_paged_attention_matches_the_torch_backend(
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5]], ids=["d24", "d64", "d128"])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_paged_attention_sinks_match_the_torch_backend(
+    isa: int, dtype: torch.dtype, case: tuple, sliding_window: int | None
+) -> None:
+    """gpt-oss's attention sinks (a per-head logit in the softmax's denominator) in every
+    kernel variant (the portable head loop, AVX-512 at head sizes 64 and 128)."""
+    num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens = case
+    cache, query, block_tables = _paged_case(
+        dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed=3
+    )
+    group = build_attention_group(
+        0, torch.tensor(query_lens), torch.tensor(seq_lens), block_tables, block_size,
+        sliding_window,
+    )  # fmt: skip
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(7)) * 2
+    scale = head_dim**-0.5
+    backend = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    backend.sinks = sinks
+    reference, without = torch.empty_like(query), torch.empty_like(query)
+    backend._attend_group(query, cache, group, reference)
+    TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)._attend_group(
+        query, cache, group, without
+    )
+    assert not torch.allclose(reference.float(), without.float(), atol=1e-2)  # sinks matter
+    got = torch.full_like(query, float("nan"))
+    assert group.query_start_loc is not None and group.seq_lens is not None
+    assert native_paged_attention(
+        query, cache, group.block_tables, group.query_start_loc, group.seq_lens,
+        sliding_window, scale, got, sinks,
+    )  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), reference.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_native
 def test_paged_attention_reads_strided_queries() -> None:
     """Queries as the fused QKV projection leaves them: a view with a wider token stride."""
     cache, query, block_tables = _paged_case(torch.float32, 4, 2, 16, 4, [1, 1], [9, 3], seed=5)

@@ -206,6 +206,8 @@ def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
                 value = 1.0 + 0.1 * noise
             elif name.endswith(".bias"):
                 value = 0.1 * noise
+            elif name.endswith(".sinks"):  # gpt-oss's per-head attention-sink logits
+                value = noise
             elif param.ndim in (2, 3):  # a linear, or a stack of experts' linears
                 value = noise / math.sqrt(param.shape[-1])
             else:

@@ -12,6 +12,7 @@ import torch
 from tokenmill.kernels.native import native_kernels
 
 NATIVE_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+_NO_SINKS = torch.empty(0)
 
 
 def native_paged_attention(
@@ -23,9 +24,11 @@ def native_paged_attention(
     sliding_window: int | None,
     scale: float,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Write the attention of `query` (`[tokens, heads, head_dim]`) to `out`; False (nothing
-    written) where the native kernel does not apply."""
+    written) where the native kernel does not apply. `sinks`: each head's attention-sink logit
+    (`[heads]`, gpt-oss), which joins every row's softmax denominator."""
     if (
         query.device.type != "cpu"
         or query.dtype not in NATIVE_ATTENTION_DTYPES
@@ -48,5 +51,6 @@ def native_paged_attention(
         sliding_window or 0,
         scale,
         out,
+        _NO_SINKS if sinks is None else sinks.float().contiguous(),
     )
     return True

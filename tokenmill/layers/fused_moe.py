@@ -18,6 +18,7 @@ call per layer), used on the CPU where every expert's method has a native produc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,10 +90,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def torch_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
 ) -> torch.Tensor:
     """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for each token t: tokens sorted by
-    expert, one product per expert that has any (the reference path)."""
+    expert, one product per expert that has any (the reference path; gpt-oss's experts too)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -45,6 +45,8 @@ def inverse_frequencies(
         original = int(params["original_max_position_embeddings"])
         long = max_position is not None and max_position > original
         return _longrope_scaled(head_dim, base, params["long_factor" if long else "short_factor"])
+    if rope_type == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, base, params)
     return inv_freq
 
 
@@ -69,6 +71,55 @@ def _longrope_attention_factor(params: dict[str, Any]) -> float:
     if factor <= 1.0:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_factor(params: dict[str, Any]) -> float:
+    factor = params.get("factor")
+    if factor is None:
+        original = float(params["original_max_position_embeddings"])
+        factor = float(params["max_position_embeddings"]) / original
+    return float(factor)
+
+
+def _yarn_scaled(
+    inv_freq: torch.Tensor, dim: int, base: float, params: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies above `beta_fast` rotations over the original context
+    kept, those below `beta_slow` divided by `factor`, a linear ramp between; as transformers'
+    `_compute_yarn_parameters`."""
+    factor = _yarn_factor(params)
+    original = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def _yarn_attention_factor(params: dict[str, Any]) -> float:
+    """YaRN's scaling of cos and sin: `attention_factor`, else 0.1 ln(factor) + 1 (with
+    DeepSeek's mscale / mscale_all_dim ratio where both are given)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(params)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -105,8 +156,12 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim(head_dim, params)
         self.max_position = max_position
         self.inv_freq = inverse_frequencies(self.rotary_dim, params, max_position)
-        longrope = params["rope_type"] == "longrope"
-        self.attention_factor = _longrope_attention_factor(params) if longrope else 1.0
+        rope_type = params["rope_type"]
+        self.attention_factor = 1.0
+        if rope_type == "longrope":
+            self.attention_factor = _longrope_attention_factor(params)
+        elif rope_type == "yarn":
+            self.attention_factor = _yarn_attention_factor(params)
         cos, signed_sin = self.tables(torch.float32)
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
@@ -118,7 +173,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq)
         cos = torch.cat((freqs, freqs), dim=-1).cos()
         signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-        if self.attention_factor != 1.0:  # LongRoPE's
+        if self.attention_factor != 1.0:  # LongRoPE's, YaRN's
             cos, signed_sin = cos * self.attention_factor, signed_sin * self.attention_factor
         return cos.to(dtype), signed_sin.to(dtype)
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.attention.base import AttentionMetadata, KVCache
 from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear import Linear
@@ -134,6 +135,15 @@ class LlamaAttention(nn.Module):
             scale=traits.attention_scale or shape.head_dim**-0.5,
         )
         self.attn.sliding_window = sliding_window
+        self.sinks: nn.Parameter | None = None
+        if traits.attention_sinks:
+            if attention_backend == "triton":
+                raise ConfigError(
+                    "attention sinks (gpt-oss) run on the cpu and torch attention backends, "
+                    "not triton"
+                )
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+            self.attn.sinks = self.sinks
 
     def forward(
         self,

@@ -7,10 +7,11 @@ architecture.md, "Adding a model family"); a family defined elsewhere calls `reg
 
 from __future__ import annotations
 
-from tokenmill.models.families import gemma3, llama, mixtral, phi3, qwen_moe
+from tokenmill.models.families import gemma3, gpt_oss, llama, mixtral, phi3, qwen_moe
 from tokenmill.models.family import Family
 
 _BUILTIN = (llama.FAMILY, phi3.FAMILY, gemma3.FAMILY, mixtral.FAMILY, qwen_moe.FAMILY)
+_BUILTIN += (gpt_oss.FAMILY,)
 _FAMILIES: dict[str, Family] = {}
 
 

@@ -38,3 +38,6 @@ class ArchitectureTraits:
     # RoPE of the layers with a window, where it differs from the others' (Gemma 3's local
     # base); None: every layer uses the model's.
     local_rope: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # Each attention head has a learned sink logit (`self_attn.sinks`) that joins its softmax
+    # denominator and attends to nothing (gpt-oss).
+    attention_sinks: bool = False

@@ -161,6 +161,9 @@ def detect(hf_config: Any) -> QuantizedCheckpoint | None:
     if not isinstance(config, dict):
         config = config.to_dict()
     method = config.get("quant_method")
+    architectures = getattr(hf_config, "architectures", None) or []
+    if method == "mxfp4" and "GptOssForCausalLM" in architectures:
+        return None  # only gpt-oss's experts, which its family holds as they are (mxfp4.py)
     if method == "compressed-tensors":
         return _detect_compressed_tensors(config)
     if method in ("gptq", "awq"):
@@ -178,7 +181,7 @@ def detect(hf_config: Any) -> QuantizedCheckpoint | None:
         return QuantizedCheckpoint(method, f"int4-g{group}")
     raise ConfigError(
         f"unknown quantization type {method!r} in config.json's quantization_config; "
-        "tokenmill reads compressed-tensors, gptq, awq (and GGUF files)"
+        "tokenmill reads compressed-tensors, gptq, awq, mxfp4 (gpt-oss experts) and GGUF files"
     )
 
 

@@ -144,14 +144,16 @@ def _add_reply_parsing_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json", "mistral", "pythonic"],
-        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and the demo models)",
+        choices=["hermes", "llama3_json", "mistral", "pythonic", "openai"],
+        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 and the demo models; "
+        "openai: gpt-oss's harmony)",
     )
     group.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=["deepseek_r1", "qwen3"],
-        help="split <think>...</think> off replies into reasoning_content",
+        choices=["deepseek_r1", "qwen3", "openai_gptoss"],
+        help="split <think>...</think> (openai_gptoss: harmony's analysis channel) off replies "
+        "into reasoning_content",
     )
 
 

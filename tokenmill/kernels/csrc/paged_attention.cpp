@@ -18,6 +18,12 @@ namespace {
 
 constexpr int64_t kQueryTile = 8;
 
+// What head `head`'s attention sink adds to a row's softmax denominator (whose scores are
+// relative to `row_max`): exp(sink - row_max), 0 without sinks.
+inline float sink_weight(const AttentionArgs& a, int64_t head, float row_max) {
+  return a.sinks == nullptr ? 0.0f : std::exp(a.sinks[head] - row_max);
+}
+
 template <typename C>
 __attribute__((always_inline)) inline void widen_rows(const C* src, int64_t stride, int64_t rows,
                                                       int64_t d, float* dst) {
@@ -121,7 +127,8 @@ __attribute__((always_inline)) inline void attend_head(const AttentionArgs& a,
     const int64_t token = task.q_begin + i;
     for (int64_t g = 0; g < group; ++g) {
       const int64_t row = i * group + g, head = kv_head * group + g;
-      const float inverse = row_sum[row] > 0.0f ? 1.0f / row_sum[row] : 0.0f;
+      const float sum = row_sum[row] + sink_weight(a, head, row_max[row]);
+      const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
       const float* o = acc + row * d;
       if (a.out_bf16) {
         bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + head * d;
@@ -279,7 +286,8 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
     const int64_t token = task.q_begin + i;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = i * heads + h;
-      const float inverse = row_sum[row] > 0.0f ? 1.0f / row_sum[row] : 0.0f;
+      const float sum = row_sum[row] + sink_weight(a, first_head + h, row_max[row]);
+      const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
       const float* o = acc + row * d;
       if (a.out_bf16) {
         bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + (first_head + h) * d;
@@ -359,7 +367,8 @@ void attend(const AttentionArgs& a, const AttentionTask& task, float* scratch, i
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out) {
+                     const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out,
+                     const at::Tensor& sinks) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_attention: query [tokens, heads, d] with contiguous heads expected");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2,
@@ -378,6 +387,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "paged_attention: heads and head size");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "paged_attention: one block table and query start per sequence");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == query.size(1)),
+              "paged_attention: sinks float32 [heads] (or empty: none)");
   const AttentionArgs args{query.data_ptr(),
                            query.scalar_type() == at::kBFloat16,
                            query.stride(0),
@@ -396,7 +408,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            static_cast<float>(scale),
                            out.data_ptr(),
                            out.scalar_type() == at::kBFloat16,
-                           out.size(1) * out.size(2)};
+                           out.size(1) * out.size(2),
+                           sinks.numel() == 0 ? nullptr : sinks.data_ptr<float>()};
   const int threads = team_size();
   const std::vector<AttentionTask> tasks =
       attention_tasks(args.query_start_loc, args.seq_lens, num_seqs, kv_heads, threads);

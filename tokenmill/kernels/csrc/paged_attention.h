@@ -24,6 +24,9 @@ struct AttentionArgs {
   void* out;  // [tokens, heads * d] rows `out_stride` elements apart
   bool out_bf16;
   int64_t out_stride;
+  // [heads] float32: each head's learned logit that joins the softmax's denominator and
+  // attends to nothing (gpt-oss's attention sinks); nullptr: none.
+  const float* sinks = nullptr;
 };
 
 // One unit of work: queries [q_begin, q_end) (flat token indices) of sequence `seq`, for all
@@ -45,6 +48,7 @@ void attend(const AttentionArgs& args, const AttentionTask& task, float* scratch
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out);
+                     const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out,
+                     const at::Tensor& sinks);
 
 }  // namespace tokenmill

@@ -187,6 +187,9 @@ class PagedAttention(ABC):
         # This layer's own window where a model's layers differ (Gemma 3's local layers); None:
         # the step's (the model's, if any).
         self.sliding_window: int | None = None
+        # Each head's attention-sink logit `[heads]` (gpt-oss), joining the softmax's
+        # denominator; None: no sinks.
+        self.sinks: torch.Tensor | None = None
 
     def forward(
         self,

@@ -40,6 +40,7 @@ class CpuPagedAttention(TorchPagedAttention):
             step.sliding_window if self.sliding_window is None else self.sliding_window,
             self.scale,
             output,
+            self.sinks,
         )
         assert attended, "the native kernel declined a CPU float32/bfloat16 step"
         return output

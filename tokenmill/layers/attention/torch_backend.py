@@ -67,6 +67,8 @@ class TorchPagedAttention(PagedAttention):
             padded = query.new_zeros(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
             padded.index_copy_(0, group.padded_index, query)
             padded = padded.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
+        if self.sinks is not None:
+            keys, values, mask = with_sinks(keys, values, mask, self.sinks, group.max_query_len)
         attended = F.scaled_dot_product_attention(
             padded.transpose(1, 2),
             keys,
@@ -80,3 +82,27 @@ class TorchPagedAttention(PagedAttention):
             return
         flat = attended.reshape(num_seqs * group.max_query_len, self.num_heads, self.head_dim)
         torch.index_select(flat, 0, group.padded_index, out=out)
+
+
+def with_sinks(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+    query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key: a zero key and value whose score is the head's sink
+    logit (an additive float mask), so it joins the softmax's denominator and adds nothing to
+    the output. `keys`, `values` `[seqs, kv_heads, kv_len, d]`; `mask` bool `[seqs, 1,
+    queries, kv_len]` or None."""
+    num_seqs, num_kv_heads, kv_len, head_dim = keys.shape
+    zero = keys.new_zeros(num_seqs, num_kv_heads, 1, head_dim)
+    heads = sinks.shape[0]
+    shape = (num_seqs, heads, query_len, kv_len)
+    if mask is None:
+        bias = keys.new_zeros(shape)
+    else:
+        bias = torch.zeros(mask.shape, dtype=keys.dtype).masked_fill_(~mask, float("-inf"))
+        bias = bias.expand(shape)
+    sink = sinks.to(keys.dtype).view(1, heads, 1, 1).expand(num_seqs, heads, query_len, 1)
+    return torch.cat((keys, zero), 2), torch.cat((values, zero), 2), torch.cat((bias, sink), -1)

@@ -66,8 +66,9 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        reasoning_effort: str | None = None,
     ) -> Prompt:
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(messages, add_generation_prompt, tools, reasoning_effort)
         return Prompt(self.encode(text, add_special_tokens, "messages"), text)
 
     def render_chat(
@@ -75,8 +76,10 @@ class PromptBuilder:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
-        """`tools` (OpenAI's shape) go to the template as transformers passes them."""
+        """`tools` (OpenAI's shape) go to the template as transformers passes them;
+        `reasoning_effort` as a template variable (gpt-oss's template reads it), where set."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -89,6 +92,7 @@ class PromptBuilder:
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **({} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}),
             )
         except jinja2.TemplateError as e:  # e.g. a template's raise_exception on bad roles
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e

@@ -223,6 +223,8 @@ class ChatCompletionRequest(SamplingRequest):
     # Unset: "auto" when there are tools, else "none" (tool_calling.py), as OpenAI and vLLM.
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    # Passed to the chat template (gpt-oss's reads it into its system message).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     _bounded_tools = model_validator(mode="before")(bounded_tools)
 

@@ -35,7 +35,11 @@ from tokenmill.entrypoints.http.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.http.replies.reasoning import ReasoningParser
-from tokenmill.entrypoints.http.replies.reply_parsing import ReplyStream, parse_reply
+from tokenmill.entrypoints.http.replies.reply_parsing import (
+    ReplyStream,
+    keeps_special_tokens,
+    parse_reply,
+)
 from tokenmill.entrypoints.http.replies.tool_calling import ToolPlan, plan_tools, template_tools
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -61,7 +65,10 @@ def _plan_and_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> tupl
     options = ctx.reply_parsing
     plan = plan_tools(request, options.enable_auto_tool_choice, options.tool_parser())
     prompt = ctx.prompts.chat_prompt(
-        request.messages, request.add_generation_prompt, tools=template_tools(request)
+        request.messages,
+        request.add_generation_prompt,
+        tools=template_tools(request),
+        reasoning_effort=request.reasoning_effort,
     )
     return plan, prompt
 
@@ -101,6 +108,8 @@ class ChatRun(GenerationRun[ChatCompletionRequest]):
         params = chat_params(request, max_tokens, self.ctx.sampling_defaults)
         if self.plan.constraint is not None:
             params = dataclasses.replace(params, structured_outputs=self.plan.constraint)
+        if keeps_special_tokens(self.plan, self.reasoning):
+            params = dataclasses.replace(params, skip_special_tokens=False)
         constraint = params.structured_outputs
         reasoning = self.reasoning
         # As vLLM: the reasoning is free, the constraint starts where it ends.

@@ -14,11 +14,7 @@ from tokenmill.entrypoints.http.openai.protocol import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
-from tokenmill.entrypoints.http.replies.reasoning import (
-    ReasoningParser,
-    ReasoningStreamer,
-    get_reasoning_parser,
-)
+from tokenmill.entrypoints.http.replies.reasoning import ReasoningParser, get_reasoning_parser
 from tokenmill.entrypoints.http.replies.tool_calling import ToolPlan
 from tokenmill.entrypoints.http.replies.tool_parsers import (
     ExtractedToolCalls,
@@ -72,6 +68,13 @@ class ParsedReply:
     tool_calls: list[ResponseToolCall] = field(default_factory=list)
 
 
+def keeps_special_tokens(plan: ToolPlan, reasoning: ReasoningParser | None) -> bool:
+    """Whether the reply must be decoded with its special tokens for the parsers to read it
+    (gpt-oss's harmony markers)."""
+    tools = plan.parser is not None and plan.parser.keeps_special_tokens
+    return tools or (reasoning is not None and reasoning.keeps_special_tokens)
+
+
 def parse_reply(text: str, plan: ToolPlan, reasoning: ReasoningParser | None) -> ParsedReply:
     if reasoning is None and plan.mode == "none":
         return ParsedReply(text)  # as it was written, "" included
@@ -119,7 +122,7 @@ class ReplyStream:
 
     def __init__(self, plan: ToolPlan, reasoning: ReasoningParser | None) -> None:
         self.plan = plan
-        self._reasoning = None if reasoning is None else ReasoningStreamer(reasoning)
+        self._reasoning = None if reasoning is None else reasoning.streamer()
         self._tools: ToolCallStreamer | None = None
         if plan.mode == "auto" and plan.parser is not None:
             self._tools = ToolCallStreamer(plan.parser)

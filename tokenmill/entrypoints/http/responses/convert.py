@@ -65,6 +65,8 @@ def chat_request(
     }
     if request.stream:
         body["stream_options"] = {"include_usage": True}
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        body["reasoning_effort"] = request.reasoning.effort
     if request.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(request.tools)]
     choice = request.tool_choice

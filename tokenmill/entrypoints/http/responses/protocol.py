@@ -67,6 +67,14 @@ class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(RequestModel):
+    """`reasoning`: its `effort` goes to the chat template as `reasoning_effort` (gpt-oss's
+    template reads it); a `summary` is not written."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[InputItem]
@@ -83,5 +91,6 @@ class ResponsesRequest(RequestBody):
     metadata: Metadata | None = None
     text: TextConfig | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
 
     _bounded_tools = model_validator(mode="before")(bounded_tools)

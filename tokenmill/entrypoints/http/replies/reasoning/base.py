@@ -18,6 +18,8 @@ class ReasoningSplit:
 class ReasoningParser(ABC):
     start_tag = "<think>"
     end_tag = "</think>"
+    # Its markers are special tokens: replies are decoded with them (gpt-oss's harmony).
+    keeps_special_tokens = False
 
     @abstractmethod
     def split(self, text: str) -> ReasoningSplit:
@@ -34,6 +36,10 @@ class ReasoningParser(ABC):
         token. Otherwise the constraint waits for the reply's `end_tag`, as vLLM's grammar
         waits for its reasoning parser's end token."""
         return prompt.rstrip().endswith(self.end_tag)
+
+    def streamer(self) -> ReasoningStreamer:
+        """What splits the reply delta by delta."""
+        return ReasoningStreamer(self)
 
 
 class ReasoningStreamer:

@@ -1,7 +1,13 @@
 """Tool-call parsers, one module per model family; `--tool-call-parser NAME` picks one.
 Adding a parser is one module here that registers its class with `register_tool_parser`."""
 
-from tokenmill.entrypoints.http.replies.tool_parsers import hermes, llama3_json, mistral, pythonic
+from tokenmill.entrypoints.http.replies.tool_parsers import (
+    hermes,
+    llama3_json,
+    mistral,
+    openai,
+    pythonic,
+)
 from tokenmill.entrypoints.http.replies.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedCall,
@@ -19,6 +25,7 @@ __all__ = [
     "hermes",
     "llama3_json",
     "mistral",
+    "openai",
     "pythonic",
     "register_tool_parser",
     "tool_parser_names",

@@ -43,6 +43,8 @@ class ToolParser(ABC):
     # whitespace, starting with a marker) or plain text, never text then calls.
     start_markers: tuple[str, ...] = ()
     calls_only_at_start: bool = False
+    # Its markers are special tokens: replies are decoded with them (gpt-oss's harmony).
+    keeps_special_tokens = False
 
     @abstractmethod
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
