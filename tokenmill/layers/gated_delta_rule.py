@@ -19,42 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.gated_delta import normalize_qk, recurrent_step_
+
+__all__ = ["chunked_delta_rule", "normalize_qk", "recurrent_delta_rule", "recurrent_step_"]
+
 CHUNK_SIZE = 64  # tokens per chunk of the chunked form (transformers' and FLA's)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """As FLA (and transformers' `l2norm`): x / sqrt(sum(x^2) + eps)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def normalize_qk(
-    query: torch.Tensor, key: torch.Tensor, num_v_heads: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[tokens, k_heads, k_dim]` -> `[tokens, v_heads, k_dim]` float32, l2-normalised, the
-    query scaled: each query/key head serves `v_heads // k_heads` consecutive value heads."""
-    repeats = num_v_heads // query.shape[1]
-    query = l2norm(query.float())
-    key = l2norm(key.float())
-    if repeats > 1:
-        query = query.repeat_interleave(repeats, dim=1)
-        key = key.repeat_interleave(repeats, dim=1)
-    return query * query.shape[-1] ** -0.5, key
-
-
-def recurrent_step_(
-    query: torch.Tensor,  # [rows, heads, k_dim] float32, normalised
-    key: torch.Tensor,  # [rows, heads, k_dim] float32, normalised
-    value: torch.Tensor,  # [rows, heads, v_dim] float32
-    decay: torch.Tensor,  # [rows, heads] g (log space, <= 0)
-    beta: torch.Tensor,  # [rows, heads]
-    state: torch.Tensor,  # [rows, heads, k_dim, v_dim] float32, updated in place
-) -> torch.Tensor:
-    """One token of each row: the state advanced in place; the output `[rows, heads, v_dim]`."""
-    state.mul_(decay.exp()[..., None, None])
-    predicted = (state * key[..., None]).sum(dim=-2)
-    delta = (value - predicted) * beta[..., None]
-    state.add_(key[..., None] * delta[..., None, :])
-    return (state * query[..., None]).sum(dim=-2)
 
 
 def recurrent_delta_rule(

@@ -23,21 +23,17 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
-from tokenmill.models.families import qwen3_5
+from tokenmill.models.families import qwen3_5  # noqa: F401  (registers the hybrid families)
 from tokenmill.models.family import Family
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.registry import families, family_of, gguf_architectures, gguf_family
-from tokenmill.models.registry import register as register_family
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
 from tokenmill.quantization.selection import LinearPlan, log_plan, use_quantized_embedding
 
-# The hybrid families' model class imports the shared decoder, which imports the registry.
-for _hybrid in qwen3_5.FAMILIES:
-    register_family(_hybrid)
 # Architectures (config.json `architectures`) -> model class, from the families' modules
 # (models/families/).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

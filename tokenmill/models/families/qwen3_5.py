@@ -2,7 +2,7 @@
 attention layers (models/hybrid.py), with a per-sequence state cache beside the paged KV
 (layers/linear_state.py; docs/hybrid_models.md). Qwen3-Next's MLPs are Qwen2-MoE blocks.
 
-Registered when the loader is imported (models/loader.py), not in the registry's built-in
+Registered here, on import by the loader (models/loader.py), not in the registry's built-in
 list: the model class imports the shared decoder, which imports the registry.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tokenmill.models.family import Family
 from tokenmill.models.hybrid import HybridForCausalLM, hybrid_traits, split_hybrid_tensor
+from tokenmill.models.registry import register
 
 QWEN3_5 = Family(
     name="qwen3_5",
@@ -26,3 +27,5 @@ QWEN3_NEXT = Family(
     model_class=HybridForCausalLM,
 )
 FAMILIES = (QWEN3_5, QWEN3_NEXT)
+for _family in FAMILIES:
+    register(_family)
