@@ -204,6 +204,8 @@ def spread_weights(model: torch.nn.Module, seed: int, tied: bool) -> None:
                 value = noise * (LOGIT_STD / math.sqrt(hidden))
             elif param.ndim == 1 and name.endswith("norm.weight"):
                 value = 1.0 + 0.1 * noise
+            elif name.endswith((".A_log", ".dt_bias")):  # gated DeltaNet's decay (Qwen3.5)
+                value = 0.5 * noise
             elif name.endswith(".bias"):
                 value = 0.1 * noise
             elif name.endswith(".sinks"):  # gpt-oss's per-head attention-sink logits

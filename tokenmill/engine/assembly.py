@@ -23,6 +23,12 @@ from tokenmill.core.kv.cache_manager import KVCacheManager
 from tokenmill.core.kv.sizing import kv_cache_size, num_swap_blocks
 from tokenmill.core.sched.lora_admission import limit_lora_adapters
 from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.engine.hybrid import (
+    attach_state_cache,
+    blocks_after_states,
+    check_hybrid_config,
+    is_hybrid,
+)
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
@@ -93,6 +99,8 @@ def assemble(config: EngineConfig) -> EngineParts:
         raise ConfigError("no model given: set EngineConfig.model to a checkpoint directory")
     model_dir = Path(config.model)
     hf_config, architecture = load_hf_config(model_dir)
+    if is_hybrid(architecture):
+        check_hybrid_config(config, architecture)
     max_model_len = _max_model_len(config, hf_config.max_position_embeddings)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device = config.torch_device()
@@ -177,17 +185,23 @@ def _runner(
         else _kv_spec(config, draft, settings.dtype)
     )
     kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec)
+    hybrid = is_hybrid(model.architecture)
+    if hybrid:  # the linear layers' state slots come out of the KV budget
+        state_bytes = model.state_spec.bytes_per_slot * config.max_num_seqs
+        kv_size = blocks_after_states(config, kv_size, kv_spec, state_bytes)
     num_blocks = kv_size.num_blocks
     swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
     kv_cache_manager = KVCacheManager(
         num_blocks,
         config.block_size,
-        enable_caching=config.enable_prefix_caching,
+        enable_caching=config.enable_prefix_caching and not hybrid,
         num_swap_blocks=swap_blocks,
     )
     proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
     spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
+    if hybrid:
+        attach_state_cache(runner, model, config.max_num_seqs, device)
     if config.captures_decode(device) and not config.enable_lora:  # LoRA steps run eager
         runner.use_captured_decode(config.max_num_seqs, max_model_len)
     return runner, kv_cache_manager, draft_spec is not None, kv_size.reason
@@ -283,7 +297,7 @@ def _kv_spec(
 ) -> KVCacheSpec:
     """Per rank: a tensor-parallel rank caches only its own KV heads."""
     return KVCacheSpec(
-        num_layers=model.shape.num_layers,
+        num_layers=getattr(model, "num_kv_layers", model.shape.num_layers),  # hybrid: attention
         block_size=config.block_size,
         num_kv_heads=model.num_local_kv_heads,
         head_dim=model.shape.head_dim,

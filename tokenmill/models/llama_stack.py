@@ -63,6 +63,8 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         return None
     if family_of(model.architecture).mlp is not None:
         return None  # a family's own MLP (an MoE's experts, models/moe.py) runs in its module
+    if family_of(model.architecture).model_class is not None:
+        return None  # a family's own model class (hybrid layers, models/hybrid.py)
     linears = [_layer_linears(layer) for layer in model.layers]
     if any(part is None for part in linears):
         return None

@@ -23,6 +23,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
+from tokenmill.models.families import qwen3_5  # noqa: F401  (registers the hybrid families)
 from tokenmill.models.family import Family
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack

@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.kv_transfer.base import KVConnectorBase
+from tokenmill.layers.linear_state import LinearStateCache
 from tokenmill.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -41,6 +42,8 @@ from tokenmill.worker.runner_spec import RunnerSpec
 class ModelRunner:
     kv_connector: KVConnectorBase | None = None  # the worker half of a KV connector
     lora: LoRAModelManager | None = None  # LoRA adapters' slots and per-step rows
+    # A hybrid model's linear-attention states: a slot per running sequence.
+    linear_states: LinearStateCache | None = None
 
     def __init__(self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device) -> None:
         kv_cache_spec, num_kv_blocks, num_swap_blocks = (
@@ -131,6 +134,11 @@ class ModelRunner:
         """Run each request's LoRA adapter (the model's linears wrapped by `manager`)."""
         self.lora = manager
 
+    def use_linear_states(self, cache: LinearStateCache) -> None:
+        """Hold a hybrid model's per-sequence states: a slot taken when a sequence is
+        admitted, given back when it finishes or is preempted (layers/linear_state.py)."""
+        self.linear_states = cache
+
     def use_kv_connector(self, connector: KVConnectorBase) -> None:
         """Load and save KV blocks around each step's forward through `connector`."""
         connector.register_kv_caches(self.kv_caches)
@@ -169,6 +177,9 @@ class ModelRunner:
             assert self.decode_step is not None
             return self.decode_step.run(inputs.decode)
         assert inputs.metadata is not None
+        if self.linear_states is not None:
+            req_ids = [s.req_id for s in inputs.states]
+            self.linear_states.prepare(req_ids, inputs.row_starts, len(inputs.input_ids))
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _synchronize(self) -> None:
@@ -193,6 +204,8 @@ class ModelRunner:
             )
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.linear_states is not None:
+                self.linear_states.release(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
@@ -203,6 +216,9 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 lora=new.lora,
             )
+            if self.linear_states is not None:  # no prefix hits: a state starts at token 0
+                assert new.num_computed_tokens == 0, new.num_computed_tokens
+                self.linear_states.admit(new.req_id)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

@@ -17,6 +17,10 @@
 namespace tokenmill {
 
 at::Tensor argmax_rows(const at::Tensor& logits);  // argmax.cpp
+at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& decay,
+                              const at::Tensor& beta, at::Tensor& state_pool,
+                              const at::Tensor& slots);  // gated_delta.cpp
 
 namespace {
 
@@ -83,6 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_shrink_expand", &lora_shrink_expand,
         "y += (x A[slot]^T) B^T[slot] per segment of rows (multi-LoRA)", no_gil);
   m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)", no_gil);
+  m.def("gated_delta_decode", &gated_delta_decode,
+        "one token of the gated delta rule per row, its state updated in its slot", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
                           const std::vector<std::vector<std::vector<PackedLinear>>>&,

@@ -1,0 +1,150 @@
+"""The gated DeltaNet layer of Qwen3.5 and Qwen3-Next (transformers' `Qwen3_5GatedDeltaNet`,
+`Qwen3NextGatedDeltaNet`) over a step's flat tokens and the linear-state cache.
+
+Projections (q, k, v together; the output gate z; beta's and the decay's inputs b, a) run on
+every token of the step at once; then the causal depthwise conv1d (kernel 4, SiLU) and the gated
+delta rule run per sequence from its slot's states (layers/linear_state.py): the step's leading
+one-token rows (decodes) together, in the native kernel where it builds
+(kernels/gated_delta.py), each longer prompt chunk in the chunked form
+(layers/gated_delta_rule.py). The output is RMS-normed per head, gated by SiLU(z), projected.
+
+Qwen3-Next stores q, k, v, z fused per key-head group (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5
+stores them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.gated_delta import decode_delta_rule_
+from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk
+from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
+
+
+def linear_state_spec(hf_config: Any, num_layers: int, dtype: torch.dtype) -> LinearStateSpec:
+    key_dim = hf_config.linear_key_head_dim * hf_config.linear_num_key_heads
+    value_dim = hf_config.linear_value_head_dim * hf_config.linear_num_value_heads
+    return LinearStateSpec(
+        num_layers=num_layers,
+        conv_dim=2 * key_dim + value_dim,
+        conv_kernel=hf_config.linear_conv_kernel_dim,
+        num_v_heads=hf_config.linear_num_value_heads,
+        k_dim=hf_config.linear_key_head_dim,
+        v_dim=hf_config.linear_value_head_dim,
+        conv_dtype=dtype,
+    )
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm per head, then times SiLU(gate) (transformers' `Qwen3_5RMSNormGated`)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hf_config: Any, layer_index: int, fused_projections: bool) -> None:
+        """`layer_index`: among the model's linear-attention layers (its slot tensors)."""
+        super().__init__()
+        c = hf_config
+        self.layer_index = layer_index
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.k_dim, self.v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_size = self.k_dim * self.num_k_heads
+        self.value_size = self.v_dim * self.num_v_heads
+        self.conv_dim = 2 * self.key_size + self.value_size
+        kernel = c.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False
+        )
+        self.fused_projections = fused_projections
+        hidden, heads = c.hidden_size, self.num_v_heads
+        if fused_projections:  # Qwen3-Next
+            self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_size, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * heads, bias=False)
+        else:  # Qwen3.5
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_size, bias=False)
+            self.in_proj_b = nn.Linear(hidden, heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(heads))
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.norm = GatedRMSNorm(self.v_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
+        self.states: LinearStateCache | None = None  # set by the model's `use_state_cache`
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q|k|v `[tokens, conv_dim]`, z `[tokens, v_heads, v_dim]`, b, a `[tokens, v_heads]`)."""
+        tokens = x.shape[0]
+        if not self.fused_projections:
+            z = self.in_proj_z(x).view(tokens, self.num_v_heads, self.v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        # Per key head: q, k (k_dim each), then its group's v and z; b and a likewise.
+        group = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split(
+            [self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim], -1
+        )
+        b, a = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * group).split(group, -1)
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], -1)
+        z = z.reshape(tokens, self.num_v_heads, self.v_dim)
+        return mixed, z, b.reshape(tokens, -1), a.reshape(tokens, -1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.states is not None and self.states.step is not None
+        step, index = self.states.step, self.layer_index
+        conv_states, recurrent = self.states.conv[index], self.states.recurrent[index]
+        mixed, z, b, a = self._project(hidden)
+        beta = b.float().sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
+        out = hidden.new_empty((hidden.shape[0], self.num_v_heads, self.v_dim), dtype=torch.float32)
+        rows = step.num_decodes
+        if rows:
+            window = torch.cat([conv_states[step.decode_slots], mixed[:rows, :, None]], dim=-1)
+            conv_states[step.decode_slots] = window[..., 1:]
+            qkv = F.silu((window.float() * weight.float()).sum(-1)).to(mixed.dtype)
+            q, k, v = self._split_heads(qkv)
+            out[:rows] = decode_delta_rule_(
+                q, k, v, decay[:rows], beta[:rows], recurrent, step.decode_slots
+            )
+        for i in range(rows, len(step.slots)):
+            start, end, slot = step.row_starts[i], step.row_starts[i + 1], step.slots[i]
+            qkv = self._conv_sequence(mixed[start:end], conv_states[slot], weight)
+            q, k, v = self._split_heads(qkv)
+            state = recurrent[slot]
+            out[start:end] = chunked_delta_rule(
+                *normalize_qk(q, k, self.num_v_heads), v, decay[start:end], beta[start:end], state
+            )
+        gated = self.norm(out.to(hidden.dtype), z)
+        return self.out_proj(gated.reshape(hidden.shape[0], self.value_size))
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        return (
+            q.reshape(tokens, self.num_k_heads, self.k_dim),
+            k.reshape(tokens, self.num_k_heads, self.k_dim),
+            v.reshape(tokens, self.num_v_heads, self.v_dim),
+        )
+
+    @staticmethod
+    def _conv_sequence(
+        x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """One sequence's tokens `[tokens, conv_dim]` through the causal conv from its state
+        `[conv_dim, kernel - 1]` (updated in place to its last kernel - 1 inputs)."""
+        padded = torch.cat([conv_state, x.transpose(0, 1)], dim=-1)  # [conv_dim, K - 1 + T]
+        conv_state.copy_(padded[:, padded.shape[1] - conv_state.shape[1] :])
+        out = F.conv1d(padded[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])
+        return F.silu(out[0]).transpose(0, 1).to(x.dtype)
