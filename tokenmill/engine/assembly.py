@@ -20,7 +20,7 @@ from tokenmill.core.feedback.cost_model import StepCostModel
 from tokenmill.core.feedback.prefill_budget import PrefillLimits
 from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
 from tokenmill.core.kv.cache_manager import KVCacheManager
-from tokenmill.core.kv.sizing import kv_cache_size, num_swap_blocks
+from tokenmill.core.kv.sizing import kv_cache_size, kv_groups_for, num_swap_blocks
 from tokenmill.core.sched.lora_admission import limit_lora_adapters
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
@@ -28,6 +28,7 @@ from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
 from tokenmill.layers.attention.selector import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.kv_groups import KVGroupLayout
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.lora.adapter_store import LoRAAdapterStore
 from tokenmill.lora.model_manager import LoRAModelManager
@@ -109,9 +110,10 @@ def assemble(config: EngineConfig) -> EngineParts:
     executor = TensorParallelExecutor(config, settings) if config.tensor_parallel_size > 1 else None
     model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
     default_sampling = _default_sampling(config, model_dir)
-    kv_spec = _kv_spec(config, model, settings.dtype)
+    kv_groups = kv_groups_for(config, model.traits.layer_windows, model.shape.num_layers)
+    kv_spec = replace(_kv_spec(config, model, settings.dtype), num_layers=kv_groups.width)
     runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
-        config, model, settings, device, executor, kv_spec, max_model_len
+        config, model, settings, device, executor, kv_spec, max_model_len, kv_groups
     )
     lora_store = _lora(config, model, runner)
     kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
@@ -163,6 +165,7 @@ def _runner(
     executor: TensorParallelExecutor | None,
     kv_spec: KVCacheSpec,
     max_model_len: int,
+    kv_groups: KVGroupLayout,
 ) -> tuple[ModelRunner, KVCacheManager, bool, str]:
     """The runner, over a KV cache sized for the target and the draft (if it keeps KV), and
     the manager of that cache's blocks; whether the draft keeps KV (proposals need slots);
@@ -176,7 +179,7 @@ def _runner(
         if draft is None or isinstance(draft, MedusaHeads)
         else _kv_spec(config, draft, settings.dtype)
     )
-    kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec)
+    kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec, kv_groups)
     num_blocks = kv_size.num_blocks
     swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
     kv_cache_manager = KVCacheManager(
@@ -184,9 +187,10 @@ def _runner(
         config.block_size,
         enable_caching=config.enable_prefix_caching,
         num_swap_blocks=swap_blocks,
+        windows=kv_groups.windows,
     )
     proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
-    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
+    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer, kv_groups)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
     if config.captures_decode(device) and not config.enable_lora:  # LoRA steps run eager
         runner.use_captured_decode(config.max_num_seqs, max_model_len)

@@ -33,7 +33,11 @@ class LlamaDecoderStack:
 
     @staticmethod
     def applies(metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        return metadata.step is not None and kv_caches[0].dtype in STACK_CACHE_DTYPES
+        return (
+            metadata.step is not None
+            and kv_caches[0].dtype in STACK_CACHE_DTYPES
+            and not metadata.kv_groups  # one block table for every layer
+        )
 
     def __call__(
         self,

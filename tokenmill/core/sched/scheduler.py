@@ -193,6 +193,7 @@ class Scheduler:
             blocks_to_swap_in=plan.swap_in,
             scheduled_spec_tokens=plan.spec_tokens,
             num_spec_tokens_to_propose=plan.num_to_propose,
+            kv_group_block_ids=self.kv_cache_manager.take_group_block_ids(),
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(
