@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             # As transformers: the scale rounded to the weights' dtype first.
             hidden = hidden * torch.tensor(self.traits.embedding_scale, dtype=hidden.dtype)
         if self.decoder_stack is not None and self.decoder_stack.applies(metadata, kv_caches):
-            return self.decoder_stack(hidden, positions, kv_caches, metadata)
+            return self.decoder_stack(hidden, positions, kv_caches, metadata, self.kv_layer_groups)
         rope = self.rotary.cos_sin(positions)
         local_rope = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         groups = self.kv_layer_groups
