@@ -124,7 +124,8 @@ def test_greedy_equals_transformers_chunked_preempted_with_prefix_hits(
         model=str(checkpoint),
         dtype="float32",
         block_size=4,
-        num_kv_blocks=10,
+        # Gemma 3's sliding groups keep their window's blocks beside the full group's.
+        num_kv_blocks=10 if "gemma" not in checkpoint.name else 20,
         max_model_len=MAX_MODEL_LEN,
         max_num_batched_tokens=7,
         enable_prefix_caching=True,
@@ -305,3 +306,64 @@ def test_the_registry_tells_mixtral_gguf_files_from_dense_llama_by_their_experts
     assert gguf_family("qwen3moe", experts=True).name == "qwen_moe"
     assert gguf_family("qwen3moe") is None
     assert gguf_family("gemma3").name == "gemma3"
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_gemma3_frees_blocks_behind_the_window_and_equals_transformers(
+    tiny_checkpoint, preemption_mode: str, path: str
+) -> None:
+    """A window of 8 in blocks of 4, prompts of 40+ tokens: the sliding group's blocks behind
+    the window go back to the pool (core/kv/window_groups.py) through chunks, prefix hits and
+    preemption, and the tokens stay transformers'."""
+    checkpoint = tiny_checkpoint("gemma3", **{**CHECKPOINTS["gemma3"], "sliding_window": 8})
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    head = [rng.randrange(3, model.config.vocab_size) for _ in range(40)]
+    prompts = [
+        [*head, *(rng.randrange(3, model.config.vocab_size) for _ in range(n))] for n in (4, 9, 2)
+    ]
+    expected, _ = greedy_reference(model, prompts, MAX_TOKENS)
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=27,
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+        preemption_mode=preemption_mode,
+        swap_space=0.001,
+        **PATHS[path],
+    )
+    manager = llm.engine.kv_cache_manager
+    assert manager.groups is not None
+    spy = StackCalls(llm.engine.runner.model.decoder_stack)
+    first = llm.generate(prompts[:1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    rest = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], greedy(), use_tqdm=False)]
+    assert [first, *rest] == expected
+    stats = llm.get_stats().scheduler
+    assert stats.prefix_cache.hits > 0 and stats.num_preemptions > 0
+    assert manager.num_free_blocks == manager.num_blocks - 1  # all back but the null block
+    assert (spy.calls > 0) == (path == "native")  # the fused stack ran the hybrid steps
+
+
+class StackCalls:
+    """Counts the fused stack's steps (None: no stack)."""
+
+    def __init__(self, stack: Any) -> None:
+        self.calls = 0
+        if stack is None:
+            return
+        forward = stack.native.forward
+
+        class Counting:
+            def __getattr__(_, name: str) -> Any:
+                return getattr(native_stack, name)
+
+            def forward(_, *args: Any) -> Any:
+                self.calls += 1
+                return forward(*args)
+
+        native_stack = stack.native
+        stack.native = Counting()

@@ -20,7 +20,7 @@ from tokenmill.core.feedback.cost_model import StepCostModel
 from tokenmill.core.feedback.prefill_budget import PrefillLimits
 from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
 from tokenmill.core.kv.cache_manager import KVCacheManager
-from tokenmill.core.kv.sizing import kv_cache_size, num_swap_blocks
+from tokenmill.core.kv.sizing import kv_cache_size, kv_groups_for, num_swap_blocks
 from tokenmill.core.sched.lora_admission import limit_lora_adapters
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.engine.hybrid import (
@@ -34,6 +34,7 @@ from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
 from tokenmill.layers.attention.selector import resolve_attention_backend
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.kv_groups import KVGroupLayout
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.lora.adapter_store import LoRAAdapterStore
 from tokenmill.lora.model_manager import LoRAModelManager
@@ -117,9 +118,11 @@ def assemble(config: EngineConfig) -> EngineParts:
     executor = TensorParallelExecutor(config, settings) if config.tensor_parallel_size > 1 else None
     model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
     default_sampling = _default_sampling(config, model_dir)
-    kv_spec = _kv_spec(config, model, settings.dtype)
+    kv_spec = _kv_spec(config, model, settings.dtype)  # a hybrid model's attention layers only
+    kv_groups = kv_groups_for(config, model.traits.layer_windows, kv_spec.num_layers)
+    kv_spec = replace(kv_spec, num_layers=kv_groups.width)
     runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
-        config, model, settings, device, executor, kv_spec, max_model_len
+        config, model, settings, device, executor, kv_spec, max_model_len, kv_groups
     )
     lora_store = _lora(config, model, runner)
     kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
@@ -171,6 +174,7 @@ def _runner(
     executor: TensorParallelExecutor | None,
     kv_spec: KVCacheSpec,
     max_model_len: int,
+    kv_groups: KVGroupLayout,
 ) -> tuple[ModelRunner, KVCacheManager, bool, str]:
     """The runner, over a KV cache sized for the target and the draft (if it keeps KV), and
     the manager of that cache's blocks; whether the draft keeps KV (proposals need slots);
@@ -184,7 +188,7 @@ def _runner(
         if draft is None or isinstance(draft, MedusaHeads)
         else _kv_spec(config, draft, settings.dtype)
     )
-    kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec)
+    kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec, kv_groups)
     hybrid = is_hybrid(model.architecture)
     if hybrid:  # the linear layers' state slots come out of the KV budget
         state_bytes = model.state_spec.bytes_per_slot * config.max_num_seqs
@@ -196,9 +200,10 @@ def _runner(
         config.block_size,
         enable_caching=config.enable_prefix_caching and not hybrid,
         num_swap_blocks=swap_blocks,
+        windows=kv_groups.windows,
     )
     proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
-    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer)
+    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer, kv_groups)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
     if hybrid:
         attach_state_cache(runner, model, config.max_num_seqs, device)

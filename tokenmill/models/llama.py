@@ -287,6 +287,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The layers as one native call (models/llama_stack.py), set once the weights are in.
         self.decoder_stack: LlamaDecoderStack | None = None
+        # Each layer's KV group where the runner keeps several (layers/kv_groups.py).
+        self.kv_layer_groups: tuple[int, ...] | None = None
 
     def intermediate_size_of(self, target: str) -> int:
         """The whole (unsharded) width of the MLP that parameter `target` (`layers.{i}.mlp.
@@ -308,12 +310,14 @@ class LlamaForCausalLM(nn.Module):
             # As transformers: the scale rounded to the weights' dtype first.
             hidden = hidden * torch.tensor(self.traits.embedding_scale, dtype=hidden.dtype)
         if self.decoder_stack is not None and self.decoder_stack.applies(metadata, kv_caches):
-            return self.decoder_stack(hidden, positions, kv_caches, metadata)
+            return self.decoder_stack(hidden, positions, kv_caches, metadata, self.kv_layer_groups)
         rope = self.rotary.cos_sin(positions)
         local_rope = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        groups = self.kv_layer_groups
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_rope = local_rope if layer.uses_local_rope else rope
-            hidden = layer(layer_rope, hidden, kv_cache, metadata)
+            layer_metadata = metadata if groups is None else metadata.of_group(groups[index])
+            hidden = layer(layer_rope, hidden, kv_cache, layer_metadata)
         return self.norm(hidden)
 
     @property

@@ -30,6 +30,7 @@ STACK_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 class LlamaDecoderStack:
     def __init__(self, native: Any) -> None:
         self.native = native
+        self.layer_groups: tuple[int, ...] | None = None  # as the native stack was told
 
     @staticmethod
     def applies(metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
@@ -41,17 +42,27 @@ class LlamaDecoderStack:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        layer_groups: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
+        """`layer_groups`: each layer's KV group, where the cache has several."""
         step = metadata.step
         assert step is not None
+        slot_mapping, block_tables = metadata.slot_mapping, step.block_tables
+        if metadata.kv_groups:  # a hybrid cache: each group's slots and tables, stacked
+            groups = [metadata, *metadata.kv_groups]
+            slot_mapping = torch.stack([m.slot_mapping for m in groups])
+            block_tables = torch.stack([m.step.block_tables for m in groups])  # type: ignore[union-attr]
+        if layer_groups != self.layer_groups:
+            self.native.set_kv_groups(list(layer_groups or ()))
+            self.layer_groups = layer_groups
         return self.native.forward(
             hidden,
             positions,
             kv_caches,
-            metadata.slot_mapping,
+            slot_mapping,
             step.query_start_loc,
             step.seq_lens,
-            step.block_tables,
+            block_tables,
         )
 
 

@@ -33,6 +33,8 @@ class CachedRequestState:
     # The same tokens as a C array, for n-gram lookups (bytes.rfind) without conversion.
     token_array: array = field(default_factory=lambda: array("i"))
     lora: PeftAdapter | None = None  # its LoRA adapter; None: the base model
+    # A hybrid model's other KV groups' block tables (layers/kv_groups.py), group 1 first.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_array = array("i", self.token_ids)

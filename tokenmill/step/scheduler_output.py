@@ -57,6 +57,9 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None
     # KV connector (tokenmill/kv_transfer/): what the worker half loads and saves this step.
     kv_connector_metadata: object | None = None
+    # A hybrid model's other KV groups: per request, each group's block ids added this step
+    # (its whole tables where it came to hold blocks again); core/kv/window_groups.py.
+    kv_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

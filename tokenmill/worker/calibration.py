@@ -54,7 +54,7 @@ def calibrate(
     """(shape, fastest seconds) of each calibration step that fits the KV cache."""
     samples = []
     for index, rows in enumerate(calibration_steps(max_num_seqs, max_model_len)):
-        while rows and _num_blocks(rows, runner.block_size) > num_blocks:
+        while rows and _num_blocks(rows, runner.block_size) >= num_blocks:
             rows = rows[:-1]  # a small KV cache: fewer rows
         if not rows:
             continue
@@ -78,7 +78,7 @@ def synthetic_step_shape(rows: list[SyntheticRow]) -> StepShape:
 
 def time_synthetic_step(runner: ModelRunner, rows: list[SyntheticRow], prefix: str) -> float:
     """Seconds one synthetic step takes in the runner; it forgets the requests after."""
-    new_reqs, next_block = [], 0
+    new_reqs, next_block = [], 1  # block 0: a hybrid cache's null block, never written
     vocab_size = runner.model.shape.vocab_size
     for i, row in enumerate(rows):
         num_tokens = row.num_cached + row.num_new
@@ -96,6 +96,9 @@ def time_synthetic_step(runner: ModelRunner, rows: list[SyntheticRow], prefix: s
         next_block += num_blocks
     num_scheduled = {r.req_id: row.num_new for r, row in zip(new_reqs, rows, strict=True)}
     step = SchedulerOutput(new_reqs, [], num_scheduled, sum(num_scheduled.values()))
+    if runner.kv_groups is not None:  # a timing run: every group through the same blocks
+        num_other = len(runner.kv_groups.windows) - 1
+        step.kv_group_block_ids = {r.req_id: [r.block_ids] * num_other for r in new_reqs}
     start = time.perf_counter()
     runner.execute_model(step)
     seconds = time.perf_counter() - start

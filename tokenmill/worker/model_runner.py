@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.kv_transfer.base import KVConnectorBase
+from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.linear_state import LinearStateCache
 from tokenmill.layers.sampler import (
     Sampler,
@@ -23,7 +24,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer, RequestTrackingProposer
 from tokenmill.spec_decode.verification import verify
-from tokenmill.step.layout import attention_group_key, layout_step, to_device
+from tokenmill.step.layout import attention_group_key, layout_decode, layout_step, to_device
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.step.scheduler_output import SchedulerOutput
@@ -57,7 +58,13 @@ class ModelRunner:
         self.sliding_window = model.shape.sliding_window
         # One block past the scheduler's: the scratch block padded rows of a captured decode
         # step write to.
-        self.kv_caches = kv_cache_spec.allocate(num_kv_blocks + 1, device)
+        self.kv_tensors = kv_cache_spec.allocate(num_kv_blocks + 1, device)
+        # A hybrid model's layers share `width` tensors, each layer through its group's table.
+        self.kv_groups = spec.kv_groups if spec.kv_groups and spec.kv_groups.hybrid else None
+        self.kv_caches = self.kv_tensors
+        if self.kv_groups is not None:
+            self.kv_caches = [self.kv_tensors[t] for t in self.kv_groups.layer_tensor]
+            model.kv_layer_groups = self.kv_groups.layer_group
         self.scratch_block = num_kv_blocks
         self.decode_step: CapturedDecodeStep | None = None
         # The swap pool lives in host memory (pinned, so copies to a GPU run asynchronously).
@@ -76,8 +83,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._swap(scheduler_output.blocks_to_swap_out, self.kv_caches, self.swap_caches)
-        self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_caches)
+        self._swap(scheduler_output.blocks_to_swap_out, self.kv_tensors, self.swap_caches)
+        self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_tensors)
         self._update_states(scheduler_output)
         connector = self.kv_connector
         if connector is not None:  # also in a step that runs nothing: transfers go on
@@ -223,6 +230,12 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, tables in scheduler_output.kv_group_block_ids.items():
+            state = self.requests[req_id]
+            if not state.group_block_ids:
+                state.group_block_ids = [[] for _ in tables]
+            for table, new_ids in zip(state.group_block_ids, tables, strict=True):
+                table.extend(new_ids)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -235,7 +248,13 @@ class ModelRunner:
             ),
         )
         if self.decode_step is None and not spec_tokens and all_decode(states, num_scheduled):
-            return decode_inputs(states, self.block_size, self.sliding_window, self.device)
+            inputs = decode_inputs(states, self.block_size, self.sliding_window, self.device)
+            assert inputs.metadata is not None
+            seq_lens = [len(s.token_ids) for s in states]
+            self._group_metadata(inputs.metadata, states, lambda ids: layout_decode(
+                ids, seq_lens, self.block_size, self.sliding_window, self.device
+            ))  # fmt: skip
+            return inputs
         drafts = [spec_tokens.get(s.req_id, []) for s in states]
         query_lens = np.array([num_scheduled[s.req_id] for s in states], dtype=np.int64)
         computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -263,6 +282,9 @@ class ModelRunner:
             self.sliding_window,
             self.device,
         )
+        self._group_metadata(metadata, states, lambda ids: layout_step(
+            ids, query_lens, seq_lens, self.block_size, self.sliding_window, self.device
+        ))  # fmt: skip
         samples = [e == len(s.token_ids) for s, e in zip(states, known_ends)]
         logits_indices = [
             index
@@ -283,6 +305,21 @@ class ModelRunner:
             first_positions=computed.tolist(),
             known_ends=known_ends,
         )
+
+    def _group_metadata(
+        self,
+        metadata: AttentionMetadata,
+        states: list[CachedRequestState],
+        layout: Callable[[list[list[int]]], tuple[np.ndarray, AttentionMetadata]],
+    ) -> None:
+        """The other KV groups' metadata of a hybrid model's step: the same tokens through
+        each group's block tables."""
+        if self.kv_groups is None:
+            return
+        metadata.kv_groups = [
+            layout([s.group_block_ids[group] for s in states])[1]
+            for group in range(len(self.kv_groups.windows) - 1)
+        ]
 
     def _captured_inputs(
         self,

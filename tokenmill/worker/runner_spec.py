@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.kv_groups import KVGroupLayout
 from tokenmill.spec_decode.proposer import Proposer
 
 
@@ -18,3 +19,5 @@ class RunnerSpec:
     num_swap_blocks: int = 0  # host-memory blocks for swapped-out KV
     seed: int = 0  # of the sampler's generator (unseeded requests)
     proposer: Proposer | None = None  # speculative decoding; under TP n-gram only (a copy each)
+    # Which cache tensor and block table each layer uses; None: one tensor a layer, one table.
+    kv_groups: KVGroupLayout | None = None

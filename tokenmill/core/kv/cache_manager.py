@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from tokenmill.core.kv.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.kv.window_groups import WindowGroups
 from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
 from tokenmill.step.request import Request
 
@@ -30,7 +31,12 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
 
 
 class KVCacheManager:
-    """Owns each request's list of blocks (its block table) and grows it on demand."""
+    """Owns each request's list of blocks (its block table) and grows it on demand.
+
+    `windows`: each KV group's sliding window (`layers/kv_groups.py`; None keeps every
+    block). The first is the primary table (`req_to_blocks`, what the connectors and the
+    runner's proposers read); the others, for a hybrid model, are `WindowGroups`'.
+    """
 
     def __init__(
         self,
@@ -38,6 +44,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_swap_blocks: int = 0,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -48,6 +55,10 @@ class KVCacheManager:
         # The host-side pool that swapped-out requests' blocks are copied to.
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None
         self.req_to_swapped_blocks: dict[str, list[KVCacheBlock]] = {}
+        assert windows[0] is None, "the primary group keeps every block"
+        self.groups = (
+            WindowGroups(self.block_pool, block_size, windows[1:]) if len(windows) > 1 else None
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +99,10 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.groups is not None:  # the longest hit every group has the blocks for
+            hashes = self.block_hashes(request)
+            while hits and self.groups.hits(hashes, len(hits)) is None:
+                hits.pop()
         return hits, len(hits) * self.block_size
 
     def reads_prefix_cache(self, request: Request) -> bool:
@@ -143,9 +158,20 @@ class KVCacheManager:
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
         # Hits sitting on the free list stop being free when adopted.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+        groups, group_hits = self.groups, None
+        num_group_blocks = 0
+        if groups is not None:
+            groups.free_behind_window(request.sample_id, num_computed)
+            if computed_blocks:
+                group_hits = groups.hits(self.block_hashes(request), len(computed_blocks))
+                assert group_hits is not None, "hits checked by get_computed_blocks"
+            num_group_blocks = groups.blocks_needed(request.sample_id, num_needed, group_hits)
+        num_free = self.block_pool.num_free_blocks
+        if num_new_blocks + num_evictable_hits + num_group_blocks > num_free:
             return None
         self.block_pool.touch(computed_blocks)
+        if groups is not None:
+            groups.grow(request.sample_id, num_needed, group_hits)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
@@ -165,6 +191,8 @@ class KVCacheManager:
         start = self.num_cached_blocks.get(request.sample_id, 0)
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
+        if self.groups is not None:
+            self.groups.cache(request.sample_id, hashes, start, num_full)
         self.num_cached_blocks[request.sample_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
@@ -176,6 +204,10 @@ class KVCacheManager:
         swapped = self.req_to_swapped_blocks.pop(request.sample_id, None)
         if swapped and self.swap_pool is not None:
             self.swap_pool.free_blocks(swapped)
+        if self.groups is not None:
+            self.groups.free(request.sample_id)
+            if self.swap_pool is not None:
+                self.groups.drop_swapped(request.sample_id, self.swap_pool)
 
     def holds_blocks(self, request: Request) -> bool:
         """Whether the request has blocks in the pool (a waiting one only after a KV
@@ -185,17 +217,26 @@ class KVCacheManager:
     def get_block_ids(self, sample_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(sample_id, [])]
 
+    def take_group_block_ids(self) -> dict[str, list[list[int]]]:
+        """The other KV groups' block ids each request gained since the last call (its whole
+        tables where it came to hold blocks again), for the runner; empty for one group."""
+        return {} if self.groups is None else self.groups.take_new_ids()
+
     # ---- swap --------------------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host pool: returns (device block, host block) pairs
         to copy, or None, changing nothing, if the host pool can't take them all."""
         blocks = self.req_to_blocks.get(request.sample_id, [])
-        if self.swap_pool is None or len(blocks) > self.swap_pool.num_free_blocks:
+        groups = self.groups
+        num_held = len(blocks) + (0 if groups is None else groups.num_held(request.sample_id))
+        if self.swap_pool is None or num_held > self.swap_pool.num_free_blocks:
             return None
         host_blocks = self.swap_pool.get_new_blocks(len(blocks))
         self.req_to_swapped_blocks[request.sample_id] = host_blocks
         pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
+        if groups is not None:
+            pairs += groups.swap_out(request.sample_id, self.swap_pool)
         del self.req_to_blocks[request.sample_id]
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(request.sample_id, None)
@@ -209,11 +250,15 @@ class KVCacheManager:
         block, device block) pairs to copy, or None, changing nothing, if blocks are short."""
         host_blocks = self.req_to_swapped_blocks[request.sample_id]
         num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        if num_needed > self.block_pool.num_free_blocks:
+        groups = self.groups
+        num_group = 0 if groups is None else groups.swap_in_needed(request.sample_id, num_needed)
+        if num_needed + num_group > self.block_pool.num_free_blocks:
             return None
         blocks = self.block_pool.get_new_blocks(num_needed)
         self.req_to_blocks[request.sample_id] = blocks
         pairs = [(h.block_id, d.block_id) for h, d in zip(host_blocks, blocks)]
         assert self.swap_pool is not None
         self.swap_pool.free_blocks(self.req_to_swapped_blocks.pop(request.sample_id))
+        if groups is not None:
+            pairs += groups.swap_in(request.sample_id, num_needed, self.swap_pool)
         return pairs

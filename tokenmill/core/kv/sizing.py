@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError, EngineConfig
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.kv_groups import KVGroupLayout, kv_group_layout, single_group
 
 # The share of the memory available at start that the default CPU KV cache may take.
 AVAILABLE_MEMORY_SHARE = 0.5
@@ -43,6 +44,16 @@ def available_memory_bytes() -> int | None:
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 1024**3:.2f} GiB"
+
+
+def kv_groups_for(
+    config: EngineConfig, layer_windows: list[int | None] | None, num_layers: int
+) -> KVGroupLayout:
+    """The KV groups the engine keeps (layers/kv_groups.py): one where a KV connector moves
+    blocks (it knows one block table a request)."""
+    if config.kv_transfer_config is not None:
+        return single_group(num_layers)
+    return kv_group_layout(layer_windows, num_layers)
 
 
 def _cpu_default(
@@ -75,11 +86,20 @@ def kv_cache_size(
     max_model_len: int,
     device: torch.device,
     draft_spec: KVCacheSpec | None = None,
+    groups: KVGroupLayout | None = None,
 ) -> KVCacheSize:
     """Blocks for the KV cache: explicit, from a byte budget, from the device's free memory
     (CUDA), or the CPU default (`_cpu_default`). A draft model's cache has as many blocks,
-    so it shares the byte budget."""
+    so it shares the byte budget. A hybrid model's sequence holds every group's blocks: the
+    sliding groups only their window's, plus one step's chunk (`KVGroupLayout`)."""
     blocks_per_seq = -(-max_model_len // spec.block_size)
+    min_blocks = blocks_per_seq
+    if groups is not None and groups.hybrid:
+        chunk = config.max_num_batched_tokens
+        min_blocks = groups.blocks_per_seq(max_model_len, spec.block_size, chunk) + 1
+        # Every sequence's window, and one of them a whole chunk (plus the null block).
+        steady = groups.blocks_per_seq(max_model_len, spec.block_size)
+        blocks_per_seq = steady + -(-(min_blocks - steady + 1) // config.max_num_seqs)
     bytes_per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0)
     if config.num_kv_blocks is not None:
         size = KVCacheSize(config.num_kv_blocks, "num_kv_blocks given")
@@ -97,7 +117,7 @@ def kv_cache_size(
         )
     else:
         size = _cpu_default(config, bytes_per_block, blocks_per_seq, max_model_len)
-    if size.num_blocks < blocks_per_seq:
+    if size.num_blocks < min_blocks:
         raise ConfigError(
             f"the KV cache ({size.num_blocks} blocks of {spec.block_size} tokens; "
             f"{size.reason}) cannot hold one sequence of max_model_len={max_model_len} "

@@ -1,10 +1,9 @@
 """The token-budget scheduler: one decision per engine step, no prefill or decode phases.
 
 Each step hands out `max_num_batched_tokens`: running requests first (in admission order),
-then waiting ones. A request is given `num_tokens - num_computed_tokens` tokens, cut to what
-is left of the budget, so a long prompt is simply computed over several steps (chunked
-prefill) while the decodes of others share each forward pass. A prefix-cache hit starts
-`num_computed_tokens` above zero; preemption by recompute sets it back to zero.
+then waiting ones. A request is given `num_tokens - num_computed_tokens` tokens, cut to the
+budget left, so a long prompt is computed over several steps (chunked prefill) beside others'
+decodes. A prefix-cache hit starts `num_computed_tokens` above zero; recompute resets it.
 
 The scheduler only plans: a step's results are applied to its requests, and finished ones
 decided, by the output applier (`output_applier.py`); what is learned from a step once it is
@@ -193,6 +192,7 @@ class Scheduler:
             blocks_to_swap_in=plan.swap_in,
             scheduled_spec_tokens=plan.spec_tokens,
             num_spec_tokens_to_propose=plan.num_to_propose,
+            kv_group_block_ids=self.kv_cache_manager.take_group_block_ids(),
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(

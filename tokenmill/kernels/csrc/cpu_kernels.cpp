@@ -96,6 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                           int64_t, double, int64_t>())
       .def("set_family_options", &DecoderStack::set_family_options)
+      .def("set_kv_groups", &DecoderStack::set_kv_groups)
       .def("forward", &DecoderStack::forward, no_gil);
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t>())

@@ -293,6 +293,12 @@ void DecoderStack::set_family_options(const at::Tensor& local_cos, const at::Ten
   shape_.gelu_tanh = gelu_tanh;
 }
 
+void DecoderStack::set_kv_groups(const std::vector<int64_t>& layer_groups) {
+  TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers_.size(),
+              "DecoderStack: one KV group per layer");
+  layer_groups_ = layer_groups;
+}
+
 at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                                  const std::vector<at::Tensor>& kv_caches,
                                  const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
@@ -301,10 +307,14 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   const int64_t tokens = hidden_in.size(0), hidden = s.hidden;
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(1) == hidden, "DecoderStack: hidden [T, H]");
   TORCH_CHECK(kv_caches.size() == layers_.size(), "DecoderStack: one cache per layer");
+  // A hybrid cache: one slot mapping and one block table per KV group.
+  const int64_t num_groups = block_tables.dim() == 3 ? block_tables.size(0) : 1;
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.is_contiguous() && slot_mapping.is_contiguous() &&
-                  positions.numel() == tokens && slot_mapping.numel() == tokens,
-              "DecoderStack: positions and slot_mapping int64 [T]");
+                  positions.numel() == tokens && slot_mapping.numel() == tokens * num_groups,
+              "DecoderStack: positions and slot_mapping int64 [T] (or [G, T])");
+  for (int64_t g : layer_groups_)
+    TORCH_CHECK(g >= 0 && g < num_groups, "DecoderStack: a layer's KV group out of range");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
                   query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
@@ -347,14 +357,17 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   at::Tensor out = at::empty({tokens, hidden}, hidden_in.options());
   b.residual.narrow(0, 0, tokens).copy_(hidden_in);
 
-  StepArgs step{positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>()};
+  std::vector<StepArgs> steps;
+  for (int64_t g = 0; g < num_groups; ++g)
+    steps.push_back({positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>() + g * tokens});
   const int64_t num_seqs = seq_lens.size(0);
+  const int64_t table_width = block_tables.size(-1);
   const std::vector<AttentionTask> tasks =
       attention_tasks(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), num_seqs,
                       s.num_kv_heads, team_size());
   AttentionArgs attention{b.qkv.data_ptr(), false, ld_qkv, nullptr, cache_bf16, num_cache_blocks,
                           shape.block_size, s.num_kv_heads, s.head_dim, s.num_heads,
-                          block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                          block_tables.data_ptr<int64_t>(), table_width,
                           query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                           s.window, s.attention_scale,
                           b.attn.data_ptr(), is_bf16_, ld_attn};
@@ -441,16 +454,19 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     const Layer& layer = layers_[li];
     const LayerWeights& lw = layer.weights;
     void* cache = kv_caches[li].data_ptr();
+    const int64_t group = layer_groups_.empty() ? 0 : layer_groups_[li];
+    const StepArgs* step = &steps[group];  // the vector outlives the job
+    const int64_t* group_table = block_tables.data_ptr<int64_t>() + group * num_seqs * table_width;
     const float* previous_out_norm = li == 0 ? nullptr : layers_[li - 1].weights.mlp_out_norm;
     add_norm_phase(li == 0 ? nullptr : delta, previous_out_norm, lw.input_norm, x, ld_x, bf16_act);
     gemm_parts(layer.parts[0], x, ld_x, qkv, ld_qkv, lw.qkv_bias);
-    job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &step, &lw](int64_t chunk, int) {
+    job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &lw](int64_t chunk, int) {
       const int64_t u0 = chunk * units_per_chunk, u1 = std::min(units, u0 + units_per_chunk);
       if (cache_bf16) {
-        rope_cache(isa, shape, step, lw, qkv, ld_qkv, static_cast<bf16*>(cache), num_cache_blocks,
+        rope_cache(isa, shape, *step, lw, qkv, ld_qkv, static_cast<bf16*>(cache), num_cache_blocks,
                    u0, u1);
       } else {
-        rope_cache(isa, shape, step, lw, qkv, ld_qkv, static_cast<float*>(cache), num_cache_blocks,
+        rope_cache(isa, shape, *step, lw, qkv, ld_qkv, static_cast<float*>(cache), num_cache_blocks,
                    u0, u1);
       }
     });
@@ -458,6 +474,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                   [=, &attention, &tasks, &scratch, &lw](int64_t i, int participant) {
                     AttentionArgs a = attention;
                     a.cache = cache;
+                    a.block_tables = group_table;
                     a.window = lw.window;
                     attend(a, tasks[i], scratch.data() + participant * scratch_floats, isa);
                   });

@@ -71,6 +71,8 @@ class DecoderStack {
   // The final-normed hidden states of `hidden_in` (the embeddings, [T, H]) after every layer;
   // each layer's keys and values go to its cache at `slot_mapping`. Sequence i's queries are
   // tokens [query_start_loc[i], query_start_loc[i + 1]), the last of its seq_lens[i].
+  // Each layer's KV group, for a hybrid cache (layers/kv_groups.py); empty: one group.
+  void set_kv_groups(const std::vector<int64_t>& layer_groups);
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -95,6 +97,8 @@ class DecoderStack {
 
   StackShape shape_;
   std::vector<Layer> layers_;
+  // Each layer's KV group (a hybrid cache: slot_mapping [G, T], block_tables [G, S, M]).
+  std::vector<int64_t> layer_groups_;
   at::Tensor final_norm_, cos_, sin_, local_cos_, local_sin_;
   bool is_bf16_ = false;
   Buffers buffers_;

@@ -99,6 +99,12 @@ class AttentionMetadata:
         self.slot_mapping = slot_mapping
         self._groups = groups
         self.step = step
+        # A hybrid model's other KV groups' metadata (layers/kv_groups.py): group g >= 1 is
+        # kv_groups[g - 1]; the same tokens, their own slots and block tables.
+        self.kv_groups: list[AttentionMetadata] = []
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.kv_groups[group - 1]
 
     @property
     def groups(self) -> list[AttentionGroup]:
