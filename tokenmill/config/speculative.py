@@ -9,8 +9,9 @@ from typing import Any
 from tokenmill.config.base import ConfigError, check_choice, json_config_fields
 
 # ngram: prompt lookup; draft_model: a smaller model; eagle / medusa: heads on the target;
-# suffix: suffix tries over the request and recent outputs (no model).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa", "suffix")
+# suffix: suffix tries over the request and recent outputs (no model); mtp: the target
+# checkpoint's own multi-token-prediction layer.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa", "suffix", "mtp")
 # Methods that draft without a model (no draft KV, nothing to load).
 MODEL_FREE_METHODS = ("ngram", "suffix")
 
@@ -21,13 +22,14 @@ class SpeculativeConfig:
     "num_speculative_tokens": 4, "prompt_lookup_max": 5}`, `{"method": "draft_model",
     "model": PATH, "num_speculative_tokens": 4}`, or `{"method": "eagle"}` / `{"method":
     "medusa"}` with `model` the heads' directory (default: the demo target's heads), or
-    `{"method": "suffix", "num_speculative_tokens": 8}` with vLLM's suffix_decoding_* knobs."""
+    `{"method": "suffix", "num_speculative_tokens": 8}` with vLLM's suffix_decoding_* knobs,
+    or `{"method": "mtp"}` (the MTP layer in the target's checkpoint, or in `model`)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # the draft model's (draft_model) or the heads' directory
+    model: str | None = None  # the draft model's (draft_model), the heads' or MTP's directory
     # Pick k per step (down to 0) from measured throughput; False: always num_speculative_tokens.
     adaptive: bool = True
     # EAGLE's layer and LM head for drafting: "int8" weights (a quarter of the bytes a draft

@@ -54,6 +54,8 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.eagle import EagleDraft, EagleProposer
 from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
 from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
+from tokenmill.spec_decode.mtp import MtpDraft
+from tokenmill.spec_decode.mtp_checkpoint import load_mtp
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.spec_decode.suffix import SuffixDecodingProposer
@@ -65,7 +67,7 @@ from tokenmill.worker.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
-Draft = LlamaForCausalLM | EagleDraft | MedusaHeads
+Draft = LlamaForCausalLM | EagleDraft | MtpDraft | MedusaHeads
 # The default max_model_len's ceiling: above the longest context a supported model family
 # publishes (Mistral Nemo: 1,024,000; Qwen2.5-1M: 1,010,000).
 DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
@@ -298,7 +300,7 @@ def _max_model_len(config: EngineConfig, model_max: int) -> int:
 
 
 def _kv_spec(
-    config: EngineConfig, model: LlamaForCausalLM | EagleDraft, dtype: torch.dtype
+    config: EngineConfig, model: LlamaForCausalLM | EagleDraft | MtpDraft, dtype: torch.dtype
 ) -> KVCacheSpec:
     """Per rank: a tensor-parallel rank caches only its own KV heads."""
     return KVCacheSpec(
@@ -321,6 +323,10 @@ def _load_draft(
     assert spec is not None
     if spec.method in MODEL_FREE_METHODS:
         return None
+    if spec.method == "mtp":  # the target's own checkpoint unless told otherwise
+        mtp_dir = spec.model or config.model
+        assert mtp_dir is not None
+        return load_mtp(mtp_dir, target, settings.dtype, device, spec.draft_weights)
     if spec.model is None:
         raise ConfigError(
             f"speculative_config method {spec.method} needs a model path (only the "
@@ -357,7 +363,7 @@ def _proposer(
         return None
     if isinstance(draft, MedusaHeads):
         return MedusaProposer(draft)
-    if isinstance(draft, EagleDraft) and draft_spec is not None:
+    if isinstance(draft, EagleDraft | MtpDraft) and draft_spec is not None:
         return EagleProposer(draft, draft_spec, num_blocks, device)
     if draft is not None and draft_spec is not None:
         return DraftModelProposer(draft, draft_spec, num_blocks, device)

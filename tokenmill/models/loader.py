@@ -27,8 +27,9 @@ from tokenmill.models.families import qwen3_5  # noqa: F401  (registers the hybr
 from tokenmill.models.family import Family
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
+from tokenmill.models.mtp_names import own_tensor_shapes, without_mtp
 from tokenmill.models.registry import families, family_of, gguf_architectures, gguf_family
-from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors, tensor_shapes
+from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
 from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
@@ -88,7 +89,7 @@ def load_hf_config(model_dir: str | Path) -> tuple[Any, str]:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises several types for a bad config
         raise ModelLoadError(f"{config_file} could not be read: {e}") from e
-    check_sizes(hf_sizing(hf_config), tensor_shapes(path), str(config_file))
+    check_sizes(hf_sizing(hf_config), own_tensor_shapes(path, hf_config), str(config_file))
     return hf_config, architecture
 
 
@@ -300,11 +301,11 @@ def _family_tensors(
     tensors: Iterator[tuple[str, TensorReader]], model: LlamaForCausalLM, hf_config: Any
 ) -> Iterator[tuple[str, TensorReader]]:
     """The checkpoint's tensors as the shared loader reads them: a family that stores some
-    differently (Phi-3's fused q/k/v) splits them here."""
+    differently (Phi-3's fused q/k/v) splits them here; MTP layers are an MTP draft's."""
     split = family_of(model.architecture).split_tensor
     if split is None:
-        return tensors
-    return (part for name, read in tensors for part in split(name, read, hf_config))
+        return without_mtp(tensors, hf_config)
+    return (p for n, r in without_mtp(tensors, hf_config) for p in split(n, r, hf_config))
 
 
 def load_weights(

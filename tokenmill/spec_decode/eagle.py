@@ -42,6 +42,7 @@ from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.step.layout import block_table_array
 
 if TYPE_CHECKING:
+    from tokenmill.spec_decode.mtp import MtpDraft
     from tokenmill.step.runner_request_state import CachedRequestState
 
 # Catch-up tokens per step beyond the steady state's (see catch_up.py).
@@ -76,7 +77,11 @@ class EagleDraft(nn.Module):
         self.draft_lm_head: nn.Module | None = None
 
     def layer_input(
-        self, next_ids: torch.Tensor, features: torch.Tensor, current_ids: torch.Tensor
+        self,
+        next_ids: torch.Tensor,
+        features: torch.Tensor,
+        current_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fc's output at positions p: next_ids = token p + 1, features = h[p] (the
         target's or predicted), current_ids = token p."""
@@ -86,15 +91,31 @@ class EagleDraft(nn.Module):
             parts.append(embed(current_ids))
         return self.fc(torch.cat(parts, dim=-1))
 
+    def attention_input(self, x: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """What the layer's QKV projection reads: EAGLE's layer has no input norm."""
+        return x
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_lm_head is not None and hidden.shape[0] <= MAX_INT8_ROWS:
             return self.draft_lm_head(hidden)
         return self._target[0].compute_logits(hidden)
 
+    def greedy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the drafted token ids, the feature the next step reads) from the layer's output."""
+        return self.compute_logits(out).argmax(dim=-1), out
+
 
 class EagleProposer:
+    """Drafts with one layer on the target's features: an EAGLE layer or a checkpoint's MTP
+    layer (`mtp.py`), which differ only in the layer's input, its attention's input and how
+    its output becomes a token and the next step's feature."""
+
     def __init__(
-        self, draft: EagleDraft, kv_cache_spec: KVCacheSpec, num_blocks: int, device: torch.device
+        self,
+        draft: EagleDraft | MtpDraft,
+        kv_cache_spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device,
     ) -> None:
         self.draft = draft
         self.block_size = kv_cache_spec.block_size
@@ -144,7 +165,6 @@ class EagleProposer:
         with the layer's input and rotated query at that last position, `[requests, ...]`."""
         draft, attn = self.draft, self.draft.layers[0].self_attn
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        target = draft._target[0]
         ids: list[int] = []
         current: list[int] = []
         positions: list[int] = []
@@ -158,15 +178,11 @@ class EagleProposer:
             slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(first, end))  # fmt: skip
         features = torch.cat([p[2] for p in pieces]) if len(pieces) > 1 else pieces[0][2]
-        x = draft.layer_input(
-            torch.tensor(ids, device=self.device),
-            features,
-            torch.tensor(current, device=self.device),
-        )
-        qkv = attn.qkv_proj(x)
+        next_ids = torch.tensor(ids, device=self.device)
+        at = torch.tensor(positions, device=self.device)
+        x = draft.layer_input(next_ids, features, torch.tensor(current, device=self.device), at)
+        qkv = self._qkv(x, next_ids, at)
         rows = x.shape[0]
-        cos, sin = target.rotary.cos_sin(torch.tensor(positions, device=self.device))
-        apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
         kv = qkv[:, heads * dim :].view(rows, 2, kv_heads, dim)
         write_kv(self.kv_caches[0], torch.tensor(slots, device=self.device), kv)
         lasts = np.cumsum([p[2].shape[0] for p in pieces]) - 1
@@ -208,7 +224,6 @@ class EagleProposer:
             columns = torch.arange(width + num_steps, device=self.device)
             visible = (columns[None, :] < context[:, None]) | (columns[None, :] >= width)
             mask = visible[:, None, None, :]
-        target = draft._target[0]
 
         def layer_output(x: torch.Tensor, q: torch.Tensor, end: int) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
@@ -222,22 +237,32 @@ class EagleProposer:
             x = x + attn.o_proj(out.reshape(rows, heads * dim))
             return x + mlp(layer.post_attention_layernorm(x))
 
-        features = layer_output(x, q, width)
-        tokens = draft.compute_logits(features).argmax(dim=-1)
+        tokens, features = draft.greedy(layer_output(x, q, width))
         drafted = [tokens]
         previous = torch.tensor([s.token_ids[-1] for s in states], device=self.device)
         for step in range(num_steps):
             x = draft.layer_input(tokens, features, previous)
+            qkv = self._qkv(x, tokens, context + step)
             previous = tokens
-            qkv = attn.qkv_proj(x)
-            cos, sin = target.rotary.cos_sin(context + step)
-            apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), cos, sin)
             column = width + step
             kv[:, :, :, column] = qkv[:, heads * dim :].view(rows, 2, kv_heads, dim).transpose(0, 1)
-            features = layer_output(x, qkv[:, : heads * dim], column + 1)
-            tokens = draft.compute_logits(features).argmax(dim=-1)
+            tokens, features = draft.greedy(layer_output(x, qkv[:, : heads * dim], column + 1))
             drafted.append(tokens)
         return torch.stack(drafted, dim=1)
+
+    def _qkv(self, x: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor):
+        """The layer's queries, keys and values at `positions` (RoPE applied; q/k norms
+        first where the layer has them, as a Qwen3 target's MTP layer does)."""
+        attn = self.draft.layers[0].self_attn
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qkv = attn.qkv_proj(self.draft.attention_input(x, next_ids))
+        rows = qkv.shape[0]
+        qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            qk[:, :heads].copy_(attn.q_norm(qk[:, :heads]))
+            qk[:, heads:].copy_(attn.k_norm(qk[:, heads:]))
+        apply_rotary_(qk, *self.draft._target[0].rotary.cos_sin(positions))
+        return qkv
 
     def _block_table(self, states: list[CachedRequestState], ends: list[int]) -> torch.Tensor:
         """`[requests, blocks]`: each request's blocks up to position `end` (or its last)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from tokenmill.models.llama import LlamaForCausalLM, ModelShape
 from tokenmill.quantization.int8 import int8_linear, int8_linear_available
 from tokenmill.spec_decode.eagle import EagleDraft
 from tokenmill.spec_decode.medusa import MedusaHeads
+from tokenmill.spec_decode.mtp import MtpDraft
 
 EAGLE_ARCHITECTURE = "EagleLlamaForCausalLM"
 MEDUSA_ARCHITECTURE = "MedusaModel"
@@ -102,7 +104,7 @@ def _check_target(kind: str, head_dir: str | Path, config: dict, target: LlamaFo
             )
 
 
-def _load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], head_dir) -> None:
+def load_checked_state(module: torch.nn.Module, state: dict[str, torch.Tensor], head_dir) -> None:
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -120,7 +122,7 @@ def _load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], head_di
     module.load_state_dict(state)
 
 
-def _speed_up(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def speed_up_draft(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     module.eval().requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
         use_fast_cpu_linears(module)
@@ -138,12 +140,29 @@ def load_eagle(
     if config.get("num_hidden_layers", 1) != 1:
         raise ConfigError(f"the EAGLE heads at {head_dir}: only one decoder layer is supported")
     shape = ModelShape.from_hf_config(_Namespace({**_target_defaults(target), **config}))
+    state = fused_state(
+        (name, tensor)
+        for name, tensor in ((n.removeprefix("model."), t) for n, t in tensors.items())
+        if not name.startswith(("embed_tokens.", "lm_head.")) and ".input_layernorm." not in name
+    )
+    with torch.device(device):
+        fc_width = state["fc.weight"].shape[1] if "fc.weight" in state else 0
+        current_token = fc_width == 3 * shape.hidden_size  # see EagleDraft
+        draft = EagleDraft(shape, target, "fc.bias" in state, current_token)
+    load_checked_state(draft, {k: v.to(dtype) for k, v in state.items()}, head_dir)
+    draft.to(device=device, dtype=dtype)
+    if int8_drafts(draft_weights, dtype, device):
+        quantize_draft(draft, target)
+    speed_up_draft(draft, dtype, device)
+    return draft
+
+
+def fused_state(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A decoder layer's checkpoint tensors with q/k/v and gate/up concatenated, as
+    tokenmill's layers hold them (`qkv_proj`, `gate_up_proj`)."""
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        name = name.removeprefix("model.")
-        if name.startswith(("embed_tokens.", "lm_head.")) or ".input_layernorm." in name:
-            continue
+    for name, tensor in tensors:
         match = re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", name)
         if match is None:
             state[name] = tensor
@@ -152,19 +171,10 @@ def load_eagle(
         parts.setdefault(fused, {})[match.group(1)] = tensor
     for fused, pieces in parts.items():
         state[fused] = torch.cat([pieces[k] for k in _FUSE_ORDER if k in pieces])
-    with torch.device(device):
-        fc_width = state["fc.weight"].shape[1] if "fc.weight" in state else 0
-        current_token = fc_width == 3 * shape.hidden_size  # see EagleDraft
-        draft = EagleDraft(shape, target, "fc.bias" in state, current_token)
-    _load_state(draft, {k: v.to(dtype) for k, v in state.items()}, head_dir)
-    draft.to(device=device, dtype=dtype)
-    if _int8_drafts(draft_weights, dtype, device):
-        _quantize(draft, target)
-    _speed_up(draft, dtype, device)
-    return draft
+    return state
 
 
-def _int8_drafts(draft_weights: str, dtype: torch.dtype, device: torch.device) -> bool:
+def int8_drafts(draft_weights: str, dtype: torch.dtype, device: torch.device) -> bool:
     if draft_weights == "full":
         return False
     usable = device.type == "cpu" and dtype == torch.float32 and int8_linear_available()
@@ -176,7 +186,7 @@ def _int8_drafts(draft_weights: str, dtype: torch.dtype, device: torch.device) -
     return usable
 
 
-def _quantize(draft: EagleDraft, target: LlamaForCausalLM) -> None:
+def quantize_draft(draft: EagleDraft | MtpDraft, target: LlamaForCausalLM) -> None:
     """The draft layer's linears and a copy of the target's LM head as weight-only int8: a
     draft at batch 1 streams every weight once per token (`quantization/int8.py`)."""
     fallback = OneDNNLinearMethod() if onednn_linear_available() else DenseLinearMethod()
@@ -226,7 +236,7 @@ def load_medusa(
             num_layers,
             bias=any(k.endswith(".bias") for k in state),
         )
-    _load_state(heads, state, head_dir)
+    load_checked_state(heads, state, head_dir)
     heads.to(device=device, dtype=dtype)
     heads.stack()
     return heads
