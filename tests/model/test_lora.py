@@ -328,10 +328,3 @@ def test_structured_outputs_with_an_adapter(lora_llm: LLM, adapters, prompts) ->
         picks[name] = [o.outputs[0].text for o in outputs]
         assert all(text in choices for text in picks[name])
     assert any(picks[name] != picks[None] for name in ("all", "rslora", "mlp"))
-
-
-def test_tensor_parallelism_is_refused_clearly() -> None:
-    from tokenmill.config import ConfigError, EngineConfig
-
-    with pytest.raises(ConfigError, match="enable_lora needs tensor_parallel_size 1"):
-        EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2)

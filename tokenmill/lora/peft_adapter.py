@@ -5,10 +5,11 @@ before a request runs with it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 # Targets that are refused with a reason of their own (vLLM refuses them too without
 # extra vocabulary support).
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+_READS = itertools.count(1)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -34,6 +36,7 @@ class BaseShapes:
 
     num_layers: int
     modules: dict[str, tuple[int, int]]
+    moe: bool = False  # an MLP of experts: only the attention modules take adapters
 
 
 @dataclass
@@ -44,6 +47,9 @@ class PeftAdapter:
     lora_int_id: int
     rank: int
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # This read of it, unique in the engine process and kept by the copies sent to
+    # tensor-parallel ranks: a slot holding the same uid needs no rewriting.
+    uid: int = field(default_factory=lambda: next(_READS))
 
     @property
     def num_bytes(self) -> int:
@@ -62,10 +68,12 @@ def read_peft_adapter(
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
+        if match is None and base.moe and ".mlp." in key:
+            _check_module(name, "gate_proj", base)
         if match is None:
             raise LoRAAdapterError(f"adapter {name!r}: tensor {key!r} is no supported LoRA target")
         layer, module, half = int(match.group(1)), match.group(2), match.group(3)
-        _check_module(name, module)
+        _check_module(name, module, base)
         if layer >= base.num_layers:
             raise LoRAAdapterError(
                 f"adapter {name!r} targets layer {layer}; the base model has "
@@ -118,18 +126,23 @@ def _check_config(config: dict, max_lora_rank: int) -> tuple[int, float]:
     targets = config.get("target_modules") or []
     for module in [targets] if isinstance(targets, str) else targets:
         if module in _EMBEDDING_MODULES:
-            _check_module("", module)
+            _check_module("", module, None)
     rank = int(config.get("r", 8))
     if not 1 <= rank <= max_lora_rank:
         raise LoRAAdapterError(f"LoRA rank {rank} is above --max-lora-rank {max_lora_rank}")
     return rank, float(config.get("lora_alpha", 8))
 
 
-def _check_module(name: str, module: str) -> None:
+def _check_module(name: str, module: str, base: BaseShapes | None) -> None:
     if module in _EMBEDDING_MODULES:
         raise LoRAAdapterError(
             f"adapter {name!r} targets {module}: LoRA on the embeddings or the LM head (tied "
             "or not) is not supported; target q/k/v/o_proj and gate/up/down_proj"
+        )
+    if base is not None and base.moe and module not in base.modules:
+        raise LoRAAdapterError(
+            f"adapter {name!r} targets the MLP ({module} or its experts): this base model's "
+            "MLP is a mixture of experts, where LoRA is not supported; target q/k/v/o_proj"
         )
     if module not in SUPPORTED_MODULES:
         raise LoRAAdapterError(

@@ -18,3 +18,4 @@ class RunnerSpec:
     num_swap_blocks: int = 0  # host-memory blocks for swapped-out KV
     seed: int = 0  # of the sampler's generator (unseeded requests)
     proposer: Proposer | None = None  # speculative decoding; under TP n-gram only (a copy each)
+    lora: tuple[int, int] | None = None  # LoRA's (max_loras, max_lora_rank); None: no LoRA
