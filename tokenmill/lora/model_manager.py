@@ -165,12 +165,13 @@ def base_shapes(model: nn.Module) -> BaseShapes:
     )
     modules = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
     modules["o_proj"] = (q, hidden)
+    heads = {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads}
     if not all(isinstance(layer.mlp, LlamaMLP) for layer in model.layers):
-        return BaseShapes(len(model.layers), modules, moe=True)
+        return BaseShapes(len(model.layers), modules, moe=True, **heads)
     inter = model.intermediate_size_of("layers.0.mlp.gate_up_proj.weight")
     modules |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
     modules["down_proj"] = (inter, hidden)
-    return BaseShapes(len(model.layers), modules)
+    return BaseShapes(len(model.layers), modules, **heads)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
