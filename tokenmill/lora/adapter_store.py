@@ -1,8 +1,8 @@
 """The adapters kept loaded in host memory: read once from disk (peft's directory or a
-GGUF file), at most --max-cpu-loras of
-them (least recently used dropped first; a request in flight keeps its own reference, so an
-adapter dropped here still runs to the end of its requests). Safe on any thread: the server
-loads on a worker thread, off the engine's step loop."""
+GGUF file), at most --max-cpu-loras of them (least recently used dropped first; a request in
+flight keeps its own reference, so an adapter dropped here still runs to the end of its
+requests). Safe on any thread: the server loads on a worker thread, off the engine's step
+loop."""
 
 from __future__ import annotations
 
