@@ -53,3 +53,40 @@ def merged_reference(base_dir: str | Path, adapter_dir: str | Path | None) -> Pr
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     return model.eval()
+
+
+def save_gguf_adapter(adapter_dir: str | Path, base_dir: str | Path, path: str | Path) -> Path:
+    """The peft adapter at `adapter_dir` as llama.cpp's convert_lora_to_gguf.py writes it for
+    a Llama base (float32): its metadata, `blk.N.<tensor>.weight.lora_a/lora_b`, and q's and
+    k's B rows permuted per head as llama.cpp's converter permutes q/k weights."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    alpha = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["lora_alpha"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+    tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    for key, tensor in sorted(tensors.items()):
+        layer = key.split(".layers.")[1].split(".")[0]
+        module = key.split(".lora_")[0].rsplit(".", 1)[1]
+        half = "a" if ".lora_A." in key else "b"
+        if half == "b" and module in heads:
+            n = heads[module]
+            shape = tensor.shape
+            tensor = tensor.reshape(n, 2, shape[0] // n // 2, *shape[1:]).swapaxes(1, 2)
+            tensor = tensor.reshape(shape)
+        name = f"blk.{layer}.{names[module]}.weight.lora_{half}"
+        writer.add_tensor(name, tensor.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -330,8 +330,36 @@ def test_structured_outputs_with_an_adapter(lora_llm: LLM, adapters, prompts) ->
     assert any(picks[name] != picks[None] for name in ("all", "rslora", "mlp"))
 
 
-def test_tensor_parallelism_is_refused_clearly() -> None:
-    from tokenmill.config import ConfigError, EngineConfig
+def test_gguf_adapters_equal_their_peft_originals(
+    base: Path, lora_llm: LLM, adapters: dict[str, LoRARequest], prompts, expected, tmp_path: Path
+) -> None:
+    """The adapters as llama.cpp's convert_lora_to_gguf.py writes them (q/k B rows permuted
+    for its RoPE), mixed with the base: the peft adapters' tokens."""
+    from tokenmill_testing.lora_adapters import save_gguf_adapter
 
-    with pytest.raises(ConfigError, match="enable_lora needs tensor_parallel_size 1"):
-        EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2)
+    loras = [
+        LoRARequest(
+            f"{name}-gguf",
+            10 + i,
+            str(save_gguf_adapter(adapters[name].lora_path, base, tmp_path / f"{name}.gguf")),
+        )
+        for i, name in enumerate(("all", "mlp"))
+    ]
+    got = generate_mixed(lora_llm, prompts, [None, *loras])
+    assert got == {None: expected[None], "all-gguf": expected["all"], "mlp-gguf": expected["mlp"]}
+
+
+def test_a_gguf_model_is_not_an_adapter(lora_llm: LLM, base: Path, prompts, tmp_path) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    request = LoRARequest("m", 11, str(tmp_path / "model.gguf"))
+    with pytest.raises(InvalidRequestError, match="no GGUF LoRA adapter"):
+        lora_llm.generate(prompts, greedy(), use_tqdm=False, lora_request=request)

@@ -259,8 +259,6 @@ class EngineConfig:
             raise ConfigError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("enable_lora needs tensor_parallel_size 1 (not built yet)")
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:

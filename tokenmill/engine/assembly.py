@@ -37,7 +37,6 @@ from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.kv_groups import KVGroupLayout
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.lora.adapter_store import LoRAAdapterStore
-from tokenmill.lora.model_manager import LoRAModelManager
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import (
     LoadSettings,
@@ -126,7 +125,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
         config, model, settings, device, executor, kv_spec, max_model_len, kv_groups
     )
-    lora_store = _lora(config, model, runner)
+    lora_store = _lora(config, runner)
     kv_connectors = _kv_connectors(config, model_dir, settings, kv_spec, kv_cache_manager)
     if kv_connectors is not None:
         runner.use_kv_connector(kv_connectors.worker)
@@ -205,7 +204,8 @@ def _runner(
         windows=kv_groups.windows,
     )
     proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
-    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer, kv_groups)
+    lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else None
+    spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer, kv_groups, lora)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
     if hybrid:
         attach_state_cache(runner, model, config.max_num_seqs, device)
@@ -257,15 +257,12 @@ def _scheduler(
     )
 
 
-def _lora(
-    config: EngineConfig, model: LlamaForCausalLM, runner: ModelRunner
-) -> LoRAAdapterStore | None:
-    """With --enable-lora: the model's decoder linears wrapped for adapters (the runner maps
-    each step's rows to them) and the store the intake loads adapters into."""
-    if not config.enable_lora:
+def _lora(config: EngineConfig, runner: ModelRunner) -> LoRAAdapterStore | None:
+    """With --enable-lora: the store the intake loads adapters into, checked against the
+    shapes of the model the runner wrapped for adapters (its `RunnerSpec.lora`)."""
+    manager = runner.lora
+    if manager is None:
         return None
-    manager = LoRAModelManager(model, config.max_loras, config.max_lora_rank)
-    runner.use_lora(manager)
     max_cpu_loras = config.max_cpu_loras or config.max_loras
     return LoRAAdapterStore(manager.base_shapes, config.max_lora_rank, max_cpu_loras)
 

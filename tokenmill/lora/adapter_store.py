@@ -1,7 +1,8 @@
-"""The adapters kept loaded in host memory: read once from disk, at most --max-cpu-loras of
-them (least recently used dropped first; a request in flight keeps its own reference, so an
-adapter dropped here still runs to the end of its requests). Safe on any thread: the server
-loads on a worker thread, off the engine's step loop."""
+"""The adapters kept loaded in host memory: read once from disk (peft's directory or a
+GGUF file), at most --max-cpu-loras of them (least recently used dropped first; a request in
+flight keeps its own reference, so an adapter dropped here still runs to the end of its
+requests). Safe on any thread: the server loads on a worker thread, off the engine's step
+loop."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from tokenmill.lora.gguf_adapter import is_gguf_adapter, read_gguf_adapter
 from tokenmill.lora.peft_adapter import BaseShapes, PeftAdapter, read_peft_adapter
 from tokenmill.lora.request import LoRARequest
 
@@ -31,7 +33,8 @@ class LoRAAdapterStore:
                 self._adapters.move_to_end(request.lora_int_id)
                 return known[1]
         start = time.perf_counter()
-        adapter = read_peft_adapter(
+        read = read_gguf_adapter if is_gguf_adapter(request.lora_path) else read_peft_adapter
+        adapter = read(
             request.lora_path,
             request.lora_name,
             request.lora_int_id,

@@ -2,6 +2,9 @@
 (--max-loras adapters resident in the stacked weights, least recently used replaced first),
 and each step's row -> slot mapping.
 
+Under tensor parallelism every rank installs the same layers over its shard (layer.py says
+which part of an adapter each holds) and maps the same rows: the step is broadcast whole.
+
 The fused native decoder stack (models/llama_stack.py) knows nothing of adapters: a step with
 any adapter rows runs the layer modules (the reference path); a base-only step still runs the
 fused stack."""
@@ -18,6 +21,8 @@ from torch import nn
 from tokenmill.lora.layer import LoRALinear, LoRAPart, StepLoRAMapping
 from tokenmill.lora.peft_adapter import BaseShapes, PeftAdapter
 from tokenmill.lora.punica import Segment
+from tokenmill.models.llama import LlamaMLP
+from tokenmill.models.sharding import rank_slice
 
 
 class LoRAState(Protocol):
@@ -28,8 +33,6 @@ class LoRAState(Protocol):
 
 class LoRAModelManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
-        if getattr(getattr(model, "tp", None), "size", 1) > 1:
-            raise ValueError("LoRA with tensor parallelism is not supported yet")
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -42,22 +45,20 @@ class LoRAModelManager:
         self._install()
 
     def _install(self) -> None:
-        shapes, dtype = self.base_shapes.modules, _model_dtype(self.model)
+        dtype = _model_dtype(self.model)
         device = self.model.layers[0].input_layernorm.weight.device
         for index, decoder_layer in enumerate(self.model.layers):
             attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
             fused = {
-                (attention, "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
-                (attention, "o_proj"): ("o_proj",),
-                (mlp, "gate_up_proj"): ("gate_proj", "up_proj"),
-                (mlp, "down_proj"): ("down_proj",),
+                (attention, "self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+                (attention, "self_attn", "o_proj"): ("o_proj",),
             }
-            for (parent, attribute), modules in fused.items():
-                parts, start = [], 0
-                for module in modules:
-                    parts.append(LoRAPart(module, start, shapes[module][1]))
-                    start += shapes[module][1]
-                in_features = shapes[modules[0]][0]
+            if "gate_proj" in self.base_shapes.modules:
+                fused[(mlp, "mlp", "gate_up_proj")] = ("gate_proj", "up_proj")
+                fused[(mlp, "mlp", "down_proj")] = ("down_proj",)
+            for (parent, owner, attribute), modules in fused.items():
+                target = f"layers.{index}.{owner}.{attribute}.weight"
+                parts, in_features, in_start = self._parts(target, modules)
                 wrapper = LoRALinear(
                     getattr(parent, attribute),
                     index,
@@ -68,9 +69,29 @@ class LoRAModelManager:
                     dtype,
                     self.mapping,
                     device,
+                    in_start,
                 )
                 setattr(parent, attribute, wrapper)
                 self.layers.append(wrapper)
+
+    def _parts(
+        self, target: str, modules: tuple[str, ...]
+    ) -> tuple[list[LoRAPart], int, int | None]:
+        """A layer's parts, its input width and first input column on this rank (None: all),
+        from the slice of the base weight this rank holds (models/sharding.py)."""
+        whole = self.base_shapes.modules
+        parts, start = [], 0
+        in_features, in_start = whole[modules[0]][0], None
+        for part_index, module in enumerate(modules):
+            piece = rank_slice(self.model, target, part_index if len(modules) > 1 else None)
+            size, source = whole[module][1], 0
+            if piece is not None and piece.dim == 0:  # column-parallel: B's rows
+                size, source = piece.length, piece.start
+            elif piece is not None:  # row-parallel: A's columns
+                in_features, in_start = piece.length, piece.start
+            parts.append(LoRAPart(module, start, size, source))
+            start += size
+        return parts, in_features, in_start
 
     @property
     def resident_ids(self) -> list[int]:
@@ -105,7 +126,8 @@ class LoRAModelManager:
     def _activate(self, adapter: PeftAdapter, in_step: Any) -> int:
         lora_id = adapter.lora_int_id
         slot = self._slot_of.get(lora_id)
-        if slot is not None and self._in_slot[slot] is adapter:
+        resident = None if slot is None else self._in_slot[slot]
+        if resident is not None and resident.uid == adapter.uid:
             self._slot_of.move_to_end(lora_id)
             return slot
         if slot is None:
@@ -132,22 +154,24 @@ class LoRAModelManager:
 
 
 def base_shapes(model: nn.Module) -> BaseShapes:
-    """The `(in, out)` of each module an adapter may target, from a Llama-family model."""
-    attention, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    hidden = model.shape.hidden_size
-    q, kv, inter = attention.q_size, attention.kv_size, mlp.intermediate_size
-    return BaseShapes(
-        num_layers=len(model.layers),
-        modules={
-            "q_proj": (hidden, q),
-            "k_proj": (hidden, kv),
-            "v_proj": (hidden, kv),
-            "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter),
-            "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden),
-        },
+    """The whole model's `(in, out)` of each module an adapter may target (under tensor
+    parallelism too: adapters are checked whole, each rank takes its shard). A model with a
+    mixture-of-experts MLP offers the attention modules only."""
+    shape = model.shape
+    hidden, q, kv = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
     )
+    modules = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+    modules["o_proj"] = (q, hidden)
+    heads = {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads}
+    if not all(isinstance(layer.mlp, LlamaMLP) for layer in model.layers):
+        return BaseShapes(len(model.layers), modules, moe=True, **heads)
+    inter = model.intermediate_size_of("layers.0.mlp.gate_up_proj.weight")
+    modules |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
+    modules["down_proj"] = (inter, hidden)
+    return BaseShapes(len(model.layers), modules, **heads)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

@@ -80,6 +80,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.forward_seconds = 0.0  # in the model's forward and logits, since start
         self.use_proposer(spec.proposer)
+        if spec.lora is not None:  # every tensor-parallel rank wraps its shard the same way
+            self.use_lora(LoRAModelManager(model, *spec.lora))
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -21,3 +21,4 @@ class RunnerSpec:
     proposer: Proposer | None = None  # speculative decoding; under TP n-gram only (a copy each)
     # Which cache tensor and block table each layer uses; None: one tensor a layer, one table.
     kv_groups: KVGroupLayout | None = None
+    lora: tuple[int, int] | None = None  # LoRA's (max_loras, max_lora_rank); None: no LoRA
