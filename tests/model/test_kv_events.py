@@ -131,3 +131,12 @@ def test_kv_events_config_is_checked() -> None:
         KVEventsConfig.parse('{"publisher": "nats"}')
     with pytest.raises(ConfigError, match="unknown kv_events_config keys"):
         KVEventsConfig.parse('{"port": 5557}')
+
+
+def test_data_parallel_replicas_with_kv_events_are_refused(capsys) -> None:
+    from tokenmill.entrypoints.cli import main
+
+    events = '{"enable_kv_cache_events": true, "publisher": "zmq"}'
+    argv = ["serve", "--data-parallel-size", "2", "--kv-events-config", events, "--port", "0"]
+    assert main(argv) == 2
+    assert "--kv-events-config with --data-parallel-size" in capsys.readouterr().err
