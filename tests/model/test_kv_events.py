@@ -68,6 +68,7 @@ def receive(sub: Any, decoder: Any, seqs: list[int]) -> list[Any]:
 def test_events_replay_into_the_prefix_cache(tiny_checkpoint, tmp_path) -> None:
     endpoint = f"ipc://{tmp_path}/kv-events"
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    config["replay_endpoint"] = f"ipc://{tmp_path}/kv-replay"
     llm = make_llm(
         tiny_checkpoint("llama"),
         block_size=BLOCK,
@@ -114,6 +115,20 @@ def test_events_replay_into_the_prefix_cache(tiny_checkpoint, tmp_path) -> None:
     first = [prompts_by_hash[h] for h in stored_first.block_hashes]
     assert stored_first.parent_block_hash is None
     assert [t for block in first for t in block] == base[: BLOCK * len(first)]
+    # A subscriber that missed batches asks the replay socket from a sequence number on.
+    replay = context.socket(zmq.DEALER)
+    replay.connect(config["replay_endpoint"])
+    replay.send_multipart((b"", (2).to_bytes(8, "big")))
+    replayed = []
+    while True:
+        assert replay.poll(5000)
+        _, seq, payload = replay.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            break
+        replayed.append(int.from_bytes(seq, "big"))
+        decoder.decode(payload)
+    assert replayed == seqs[2:]
+    replay.close(linger=0)
     llm.engine.reset_prefix_cache()
     llm.generate([[5, 6, 7]], params, use_tqdm=False)  # a step publishes the reset
     events = receive(sub, decoder, seqs)
