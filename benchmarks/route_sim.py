@@ -135,17 +135,18 @@ class EventsDriven:
     """A router fed the replicas' KV cache events (`--kv-events-config`, as llm-d's precise
     prefix scorer is): it knows which replica holds a tenant's system prompt right now, so
     it sends the request to the least-loaded holder (spilling past the same balance
-    thresholds as `prefix-aware`), and to the least-loaded replica when none holds it."""
+    thresholds as `prefix-aware`); when none holds it, `prefix-aware` decides (its
+    rendezvous owner, so a tenant's first copies land where its next requests look)."""
 
     def __init__(self, replicas: list[Replica], abs_threshold: float) -> None:
         self.replicas = {r.name: r for r in replicas}
         self.balance = make_policy("prefix-aware", balance_abs_threshold=abs_threshold)
 
-    def choose_replica(self, loads: list[ReplicaLoad], tenant: int) -> str:
+    def choose_replica(self, loads: list[ReplicaLoad], tenant: int, key: bytes) -> str:
         lightest = min(loads, key=lambda r: r.load)
         holders = [load for load in loads if tenant in self.replicas[load.name].cache]
         if not holders:
-            return lightest.name
+            return self.balance.choose(loads, key).replica
         best = min(holders, key=lambda r: r.load)
         return lightest.name if self.balance.overloaded(best.load, lightest.load) else best.name
 
@@ -174,7 +175,7 @@ def simulate(
         means.append(statistics.fmean(counts))
         key = f"tenant-{request.tenant}".encode()
         if events is not None:
-            replica = by_name[events.choose_replica(loads, request.tenant)]
+            replica = by_name[events.choose_replica(loads, request.tenant, key)]
         else:
             assert policy is not None
             replica = by_name[policy.choose(loads, key).replica]
