@@ -1,4 +1,5 @@
-"""Routing simulator: round-robin vs least-loaded vs prefix-aware over many replicas.
+"""Routing simulator: round-robin vs least-loaded vs prefix-aware vs KV-events-driven routing
+over many replicas.
 
     python -m benchmarks.route_sim --plot docs/images/route_sim.png
 
@@ -130,6 +131,26 @@ def service_seconds(coefficients: tuple[float, ...], request: Request, cached: i
     return prefill_seconds(coefficients, prompt - cached, cached) + coefficients[1] * request.output
 
 
+class EventsDriven:
+    """A router fed the replicas' KV cache events (`--kv-events-config`, as llm-d's precise
+    prefix scorer is): it knows which replica holds a tenant's system prompt right now, so
+    it sends the request to the least-loaded holder (spilling past the same balance
+    thresholds as `prefix-aware`); when none holds it, `prefix-aware` decides (its
+    rendezvous owner, so a tenant's first copies land where its next requests look)."""
+
+    def __init__(self, replicas: list[Replica], abs_threshold: float) -> None:
+        self.replicas = {r.name: r for r in replicas}
+        self.balance = make_policy("prefix-aware", balance_abs_threshold=abs_threshold)
+
+    def choose_replica(self, loads: list[ReplicaLoad], tenant: int, key: bytes) -> str:
+        lightest = min(loads, key=lambda r: r.load)
+        holders = [load for load in loads if tenant in self.replicas[load.name].cache]
+        if not holders:
+            return self.balance.choose(loads, key).replica
+        best = min(holders, key=lambda r: r.load)
+        return lightest.name if self.balance.overloaded(best.load, lightest.load) else best.name
+
+
 def simulate(
     policy_name: str,
     requests: list[Request],
@@ -138,8 +159,9 @@ def simulate(
     coefficients: tuple[float, ...],
     abs_threshold: float = DEFAULT_BALANCE_ABS_THRESHOLD,
 ) -> dict[str, float]:
-    policy = make_policy(policy_name, balance_abs_threshold=abs_threshold)
     replicas = [Replica(f"replica-{i}", capacity) for i in range(num_replicas)]
+    events = EventsDriven(replicas, abs_threshold) if policy_name == "kv-events" else None
+    policy = None if events else make_policy(policy_name, balance_abs_threshold=abs_threshold)
     by_name = {r.name: r for r in replicas}
     ttfts, imbalance, busiest, means = [], [], [], []
     hit_tokens = prompt_tokens = 0
@@ -152,7 +174,11 @@ def simulate(
         busiest.append(max(counts))
         means.append(statistics.fmean(counts))
         key = f"tenant-{request.tenant}".encode()
-        replica = by_name[policy.choose(loads, key).replica]
+        if events is not None:
+            replica = by_name[events.choose_replica(loads, request.tenant, key)]
+        else:
+            assert policy is not None
+            replica = by_name[policy.choose(loads, key).replica]
         cached = replica.lookup_and_insert(request.tenant, request.system)
         start = max(now, replica.free_at)
         prompt = request.system + request.user
@@ -254,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = [("round-robin", 8), ("least-loaded", 8)]
     runs += [("prefix-aware", t) for t in args.abs_thresholds]
+    runs += [("kv-events", t) for t in args.abs_thresholds]
     results = {}
     for policy, threshold in runs:
-        name = policy if policy != "prefix-aware" else f"prefix-aware (abs {threshold:g})"
+        name = (
+            policy if policy in ("round-robin", "least-loaded") else f"{policy} (abs {threshold:g})"
+        )
         results[name] = simulate(
             policy, requests, args.replicas, args.kv_capacity, coefficients, threshold
         )

@@ -29,3 +29,13 @@ def test_prefix_aware_hits_more_and_least_loaded_balances_more() -> None:
     assert results["prefix-aware"]["hit_rate"] > 1.5 * results["round-robin"]["hit_rate"]
     assert results["prefix-aware"]["ttft_p50_s"] < results["round-robin"]["ttft_p50_s"]
     assert results["least-loaded"]["imbalance_p99"] <= results["round-robin"]["imbalance_p99"]
+
+
+def test_routing_by_kv_events_hits_as_often_as_prefix_aware() -> None:
+    requests, _ = make_requests(Workload(num_tenants=40, num_requests=1500), rate=4.0)
+    results = {
+        policy: simulate(policy, requests, 8, 3 * 4096, COEFFICIENTS)
+        for policy in ("round-robin", "prefix-aware", "kv-events")
+    }
+    assert results["kv-events"]["hit_rate"] > 1.5 * results["round-robin"]["hit_rate"]
+    assert results["kv-events"]["hit_rate"] >= 0.97 * results["prefix-aware"]["hit_rate"]

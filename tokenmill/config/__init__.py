@@ -11,6 +11,7 @@ from tokenmill.config.engine import (
     SCHEDULING_POLICIES,
     EngineConfig,
 )
+from tokenmill.config.kv_events import KVEventsConfig
 from tokenmill.config.kv_transfer import KVTransferConfig
 from tokenmill.config.speculative import (
     SPECULATIVE_FIELD_TYPES,
@@ -29,6 +30,7 @@ __all__ = [
     "SPECULATIVE_METHODS",
     "ConfigError",
     "EngineConfig",
+    "KVEventsConfig",
     "KVTransferConfig",
     "SpeculativeConfig",
     "StructuredOutputsConfig",

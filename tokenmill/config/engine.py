@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from tokenmill.config.base import ConfigError, check_choice, config_field
+from tokenmill.config.kv_events import KVEventsConfig
 from tokenmill.config.kv_transfer import KVTransferConfig
 from tokenmill.config.speculative import MODEL_FREE_METHODS, SpeculativeConfig
 from tokenmill.config.structured_outputs import StructuredOutputsConfig
@@ -208,6 +209,13 @@ class EngineConfig:
         'JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
         '"kv_connector_extra_config": {"shared_storage_path": DIR}}\' (docs/scale_out.md)',
     )
+    kv_events_config: KVEventsConfig | None = config_field(
+        None,
+        'JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://*:5557", "topic": "kv-events"}\': prefix-cache blocks stored and removed, in '
+        "vLLM's event format, for llm-d's and vLLM router's prefix-aware routing "
+        "(docs/scale_out.md)",
+    )
 
     enable_lora: bool = config_field(
         False, "serve LoRA adapters (peft) on the base model, mixed in one step (docs/lora.md)"
@@ -249,6 +257,7 @@ class EngineConfig:
         self._check_tensor_parallel()
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self._check_kv_transfer()
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -29,6 +29,7 @@ from tokenmill.engine.hybrid import (
     check_hybrid_config,
     is_hybrid,
 )
+from tokenmill.engine.kv_events import ZmqEventPublisher
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
@@ -94,6 +95,7 @@ class EngineParts:
     scheduler: Scheduler
     structured_output: StructuredOutputManager
     lora_store: LoRAAdapterStore | None = None  # the loaded LoRA adapters (--enable-lora)
+    kv_events: ZmqEventPublisher | None = None  # the prefix cache's events (--kv-events-config)
 
 
 def assemble(config: EngineConfig) -> EngineParts:
@@ -162,6 +164,7 @@ def assemble(config: EngineConfig) -> EngineParts:
             tokenizer, vocab_size, eos_ids, config.structured_outputs_config
         ),
         lora_store=lora_store,
+        kv_events=_kv_events(config, kv_cache_manager),
     )
     _log_start(parts, kv_spec, kv_cache_manager.num_blocks, config.block_size, kv_size_reason)
     return parts
@@ -232,6 +235,13 @@ def _kv_connectors(
         transfer_fingerprint(model_dir, dtype, kv_spec),
     )
     return create_connector_pair(config.kv_transfer_config, context)
+
+
+def _kv_events(config: EngineConfig, manager: KVCacheManager) -> ZmqEventPublisher | None:
+    events = config.kv_events_config
+    if events is None or not events.publishes:
+        return None
+    return ZmqEventPublisher(events, manager.publish_events())
 
 
 def _scheduler(

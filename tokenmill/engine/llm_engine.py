@@ -221,6 +221,8 @@ class LLMEngine:
                 self._wait_while_idle(runner_output)
         step_outputs += self.output_applier.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process_outputs(step_outputs)
+        if self.parts.kv_events is not None:
+            self.parts.kv_events.flush()
         self.observer.stepped(time.perf_counter() - start, runner_output, time.time())
         return outputs
 
@@ -300,6 +302,8 @@ class LLMEngine:
             self.parts.kv_connectors.shutdown()
         if self.parts.executor is not None:
             self.parts.executor.shutdown()
+        if self.parts.kv_events is not None:
+            self.parts.kv_events.close()
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """`SamplingParams` with the model's defaults, then `overrides`."""

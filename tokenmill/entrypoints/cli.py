@@ -78,6 +78,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "--disaggregate runs one prefill and one decode instance: no --data-parallel-size"
         )
+    events = args.kv_events_config
+    if args.data_parallel_size > 1 and events is not None and events.publishes:
+        raise ValueError(  # every replica would bind the one endpoint
+            "--kv-events-config with --data-parallel-size: not built yet; start each replica "
+            "with its own endpoint and put `tokenmill router` in front (docs/scale_out.md)"
+        )
     listener = bind_listener(args.host, args.port)  # before the model and its imports load
     if args.disaggregate:
         from tokenmill.entrypoints.router.launching.serve_disaggregated import run_disaggregated

@@ -50,7 +50,13 @@ ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
         "max_num_partial_prefills",
     ),
     "decoding": ("speculative_config", "structured_outputs_config"),
-    "parallel": ("tensor_parallel_size", "nnodes", "distributed_timeout", "kv_transfer_config"),
+    "parallel": (
+        "tensor_parallel_size",
+        "nnodes",
+        "distributed_timeout",
+        "kv_transfer_config",
+        "kv_events_config",
+    ),
     "lora": ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
 }
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tokenmill.core.kv.events import AllBlocksCleared, BlockRemoved, KVEventLog, external_block_hash
+
 
 class KVCacheBlock:
     """One block of `block_size` token slots in every layer's KV cache."""
@@ -90,18 +92,21 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.events: KVEventLog | None = None  # set when KV cache events are published
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
         """Make a full block findable by its hash. If another block already holds the same
-        content, keep that one: two copies would only waste an entry."""
+        content, keep that one: two copies would only waste an entry. True if it was added."""
         if block.block_hash is None and block_hash not in self.cached_blocks:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
             if block.prev_free is not None:  # a free block: now evictable cache
                 self.free_block_queue.num_cached_free_blocks += 1
+            return True
+        return False
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cached blocks a new owner reuses; a free one leaves the free
@@ -117,6 +122,8 @@ class BlockPool:
             block.block_hash = None
         self.cached_blocks.clear()
         self.free_block_queue.num_cached_free_blocks = 0
+        if self.events is not None:
+            self.events.add(AllBlocksCleared())
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,15 +155,18 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} are free")
-        new_blocks = []
+        new_blocks, evicted = [], []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0
             if block.block_hash is not None:  # evict it from the prefix cache
                 del self.cached_blocks[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             new_blocks.append(block)
+        if evicted and self.events is not None:
+            self.events.add(BlockRemoved([external_block_hash(h) for h in evicted]))
         return new_blocks
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:

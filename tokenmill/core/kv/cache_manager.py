@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from tokenmill.core.kv.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.kv.events import BlockStored, KVEventLog, external_block_hash
 from tokenmill.core.kv.window_groups import WindowGroups
 from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
 from tokenmill.step.request import Request
@@ -116,6 +117,12 @@ class KVCacheManager:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_hit_tokens
 
+    def publish_events(self) -> KVEventLog:
+        """Start logging the prefix cache's events (for `--kv-events-config`)."""
+        if self.block_pool.events is None:
+            self.block_pool.events = KVEventLog()
+        return self.block_pool.events
+
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
         for req_id in self.num_cached_blocks:
@@ -189,11 +196,40 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(blocks))
         start = self.num_cached_blocks.get(request.sample_id, 0)
-        for index in range(start, num_full):
-            self.block_pool.cache_block(blocks[index], hashes[index])
+        stored = [
+            index
+            for index in range(start, num_full)
+            if self.block_pool.cache_block(blocks[index], hashes[index])
+        ]
         if self.groups is not None:
             self.groups.cache(request.sample_id, hashes, start, num_full)
         self.num_cached_blocks[request.sample_id] = max(start, num_full)
+        if stored and self.block_pool.events is not None:
+            self._block_stored_events(request, hashes, stored, self.block_pool.events)
+
+    def _block_stored_events(
+        self, request: Request, hashes: list[bytes], stored: list[int], log: KVEventLog
+    ) -> None:
+        """One `BlockStored` per run of consecutive blocks newly cached (a block whose
+        content another block already held adds nothing, and breaks the run)."""
+        size = self.block_size
+        runs: list[list[int]] = []
+        for index in stored:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            log.add(
+                BlockStored(
+                    block_hashes=[external_block_hash(hashes[i]) for i in run],
+                    parent_block_hash=external_block_hash(hashes[first - 1]) if first else None,
+                    token_ids=list(request.all_token_ids[first * size : (last + 1) * size]),
+                    block_size=size,
+                    lora_id=request.lora_int_id or None,
+                )
+            )
 
     def free(self, request: Request) -> None:
         """Give back every block of the request, tail first, so that when they are evicted

@@ -43,6 +43,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "prompts were cached",
     )
     group.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="also export the metrics vLLM has under its `vllm:` names "
+        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...) for routers and "
+        "autoscalers written for vLLM (docs/scale_out.md)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,

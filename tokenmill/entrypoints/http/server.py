@@ -42,6 +42,7 @@ from tokenmill.entrypoints.http.transport.connections import (
     rate_limit_accept_errors,
 )
 from tokenmill.metrics.prometheus import EngineMetrics
+from tokenmill.metrics.vllm_names import VllmNames
 from tokenmill.pooling.config import resolve_task
 
 logger = logging.getLogger("tokenmill.server")
@@ -72,6 +73,8 @@ def run_server(args: argparse.Namespace, listener: socket.socket) -> int:
         EngineMetrics(registry, model_names[0], spec_decode=engine.speculates),
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )
+    if args.vllm_metric_names:
+        VllmNames(registry)
     ctx = ServerContext(
         async_engine,
         model_names,
