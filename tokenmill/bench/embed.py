@@ -146,8 +146,10 @@ def single_token_words(model: Path) -> list[str] | None:
     tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
     vocab = sorted(tokenizer.get_vocab())
     words = [t[1:] for t in vocab if t.startswith("\u0120") and t[1:].isalpha()]
+    if not words:
+        return None  # not a byte-level BPE vocabulary: `w<i>` words, whatever they become
     one_token = tokenizer([" " + w for w in words], add_special_tokens=False)["input_ids"]
-    return [w for w, ids in zip(words, one_token) if len(ids) == 1]
+    return [w for w, ids in zip(words, one_token) if len(ids) == 1] or None
 
 
 def add_embed_args(parser: argparse.ArgumentParser) -> None:
