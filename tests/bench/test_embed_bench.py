@@ -18,6 +18,18 @@ def test_random_texts_have_the_asked_token_counts() -> None:
     assert len(set(texts)) == 20
 
 
+def test_random_texts_from_a_word_list() -> None:
+    texts = random_texts(10, 8, 8, vocab=0, words=["apple", "pear"])
+    assert all(len(t.split()) == 6 and set(t.split()) <= {"apple", "pear"} for t in texts)
+
+
+def test_llama_cpp_peer_refuses_a_pooling_it_lacks(tmp_path: Path) -> None:
+    from tokenmill.bench.embed_llamacpp import LlamaCppEmbedder
+
+    with pytest.raises(ValueError, match="llama-server pools"):
+        LlamaCppEmbedder(tmp_path, tmp_path, "float32", "max", 64, tmp_path / "log")
+
+
 @pytest.mark.slow(reason="timed rounds of two engines (about 10 s)")
 def test_bench_embed_reports_both_engines(
     pooling_checkpoint: Callable[..., Path], tmp_path: Path
