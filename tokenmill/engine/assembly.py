@@ -15,7 +15,6 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
-from tokenmill.config.speculative import MODEL_FREE_METHODS
 from tokenmill.core.feedback.cost_model import StepCostModel
 from tokenmill.core.feedback.prefill_budget import PrefillLimits
 from tokenmill.core.feedback.speculation_policy import SpeculationPolicy
@@ -30,6 +29,7 @@ from tokenmill.engine.hybrid import (
     is_hybrid,
 )
 from tokenmill.engine.kv_events import ZmqEventPublisher
+from tokenmill.engine.speculation_parts import load_draft, make_proposer
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorPair
 from tokenmill.kv_transfer.factory import create_connector_pair
 from tokenmill.kv_transfer.fingerprint import model_fingerprint, transfer_fingerprint
@@ -50,15 +50,9 @@ from tokenmill.models.loader import (
 )
 from tokenmill.quantization.selection import weight_format_summary
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
-from tokenmill.spec_decode.draft_model import DraftModelProposer
-from tokenmill.spec_decode.eagle import EagleDraft, EagleProposer
-from tokenmill.spec_decode.head_checkpoint import load_eagle, load_medusa
-from tokenmill.spec_decode.medusa import MedusaHeads, MedusaProposer
+from tokenmill.spec_decode.eagle import EagleDraft
+from tokenmill.spec_decode.medusa import MedusaHeads
 from tokenmill.spec_decode.mtp import MtpDraft
-from tokenmill.spec_decode.mtp_checkpoint import load_mtp
-from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.spec_decode.proposer import Proposer
-from tokenmill.spec_decode.suffix import SuffixDecodingProposer
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.worker.calibration import calibrate
 from tokenmill.worker.model_runner import ModelRunner
@@ -67,7 +61,6 @@ from tokenmill.worker.tp_executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
-Draft = LlamaForCausalLM | EagleDraft | MtpDraft | MedusaHeads
 # The default max_model_len's ceiling: above the longest context a supported model family
 # publishes (Mistral Nemo: 1,024,000; Qwen2.5-1M: 1,010,000).
 DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
@@ -185,7 +178,7 @@ def _runner(
     how the cache's size was chosen."""
     draft = None
     if config.speculative_config is not None:
-        draft = _load_draft(config, model, settings, device, max_model_len)
+        draft = load_draft(config, model, settings, device, max_model_len)
     # A draft model and an EAGLE layer keep KV in the paged pool; Medusa heads need none.
     draft_spec = (
         None
@@ -206,7 +199,7 @@ def _runner(
         num_swap_blocks=swap_blocks,
         windows=kv_groups.windows,
     )
-    proposer = _proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
+    proposer = make_proposer(config.speculative_config, draft, draft_spec, num_blocks, device)
     lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else None
     spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer, kv_groups, lora)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
@@ -317,71 +310,6 @@ def _kv_spec(
         head_dim=model.shape.head_dim,
         dtype=config.kv_cache_torch_dtype(dtype),
     )
-
-
-def _load_draft(
-    config: EngineConfig,
-    target: LlamaForCausalLM,
-    settings: LoadSettings,
-    device: torch.device,
-    max_model_len: int,
-) -> Draft | None:
-    spec = config.speculative_config
-    assert spec is not None
-    if spec.method in MODEL_FREE_METHODS:
-        return None
-    if spec.method == "mtp":  # the target's own checkpoint unless told otherwise
-        mtp_dir = spec.model or config.model
-        assert mtp_dir is not None
-        return load_mtp(mtp_dir, target, settings.dtype, device, spec.draft_weights)
-    if spec.model is None:
-        raise ConfigError(
-            f"speculative_config method {spec.method} needs a model path (only the "
-            "built-in demo target has a default draft and heads)"
-        )
-    if spec.method == "eagle":
-        return load_eagle(spec.model, target, settings.dtype, device, spec.draft_weights)
-    if spec.method == "medusa":
-        return load_medusa(spec.model, target, settings.dtype, device)
-    # A draft model runs eagerly (oneDNN linears unless asked otherwise) and unquantized.
-    draft_settings = replace(settings, linear_backend=config.linear_backend, quantization=None)
-    draft = load_model(spec.model, draft_settings, device)
-    if draft.shape.vocab_size != target.shape.vocab_size:
-        raise ConfigError(
-            f"the draft model's vocabulary ({draft.shape.vocab_size}) differs from the "
-            f"target's ({target.shape.vocab_size}); they must share a tokenizer"
-        )
-    if draft.shape.max_position < max_model_len:
-        raise ConfigError(
-            f"the draft model's max_position_embeddings ({draft.shape.max_position}) is "
-            f"shorter than max_model_len={max_model_len}"
-        )
-    return draft
-
-
-def _proposer(
-    spec: SpeculativeConfig | None,
-    draft: Draft | None,
-    draft_spec: KVCacheSpec | None,
-    num_blocks: int,
-    device: torch.device,
-) -> Proposer | None:
-    if spec is None:
-        return None
-    if isinstance(draft, MedusaHeads):
-        return MedusaProposer(draft)
-    if isinstance(draft, EagleDraft | MtpDraft) and draft_spec is not None:
-        return EagleProposer(draft, draft_spec, num_blocks, device)
-    if draft is not None and draft_spec is not None:
-        return DraftModelProposer(draft, draft_spec, num_blocks, device)
-    if spec.method == "suffix":
-        return SuffixDecodingProposer(
-            spec.suffix_decoding_max_tree_depth,
-            spec.suffix_decoding_max_cached_requests,
-            spec.suffix_decoding_max_spec_factor,
-            spec.suffix_decoding_min_token_prob,
-        )
-    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def _speculation_policy(spec: SpeculativeConfig | None) -> SpeculationPolicy | None:

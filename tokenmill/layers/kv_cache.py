@@ -93,3 +93,17 @@ def read_kv(
         gathered = gathered.to(dtype)
     keys, values = gathered.transpose(2, 3).unbind(0)
     return keys, values
+
+
+def swap_blocks(
+    pairs: list[tuple[int, int]], sources: list[torch.Tensor], destinations: list[torch.Tensor]
+) -> None:
+    """Copy whole blocks (source id, destination id) between the device cache and the host
+    swap pool, layer by layer."""
+    if not pairs:
+        return
+    source_ids = torch.tensor([p[0] for p in pairs])
+    destination_ids = torch.tensor([p[1] for p in pairs])
+    for source, destination in zip(sources, destinations, strict=True):
+        blocks = source[:, source_ids.to(source.device)]
+        destination[:, destination_ids.to(destination.device)] = blocks.to(destination.device)

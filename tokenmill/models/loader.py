@@ -35,8 +35,7 @@ from tokenmill.quantization.gguf_file import GGUFCheckpoint, is_gguf
 from tokenmill.quantization.hf_quantized import detect as detect_quantized
 from tokenmill.quantization.selection import LinearPlan, log_plan, use_quantized_embedding
 
-# Architectures (config.json `architectures`) -> model class, from the families' modules
-# (models/families/).
+# config.json `architectures` -> model class, from the families (models/families/).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     architecture: family.model_class or LlamaForCausalLM
     for family in families()

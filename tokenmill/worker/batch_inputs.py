@@ -11,6 +11,7 @@ import torch
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.step.layout import layout_decode, to_device
 from tokenmill.step.runner_request_state import CachedRequestState
+from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.captured_step import DecodeBatch
 
 
@@ -75,3 +76,17 @@ def decode_inputs(
         first_positions=[n - 1 for n in seq_lens],
         known_ends=seq_lens,
     )
+
+
+def apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: BatchInputs) -> None:
+    """Mask the logits of constrained rows: a request sampling k drafts + 1 has k + 1 rows."""
+    logit_rows: list[int] = []
+    bitmask_rows: list[int] = []
+    row = 0
+    for state, drafts in zip(inputs.sampling_states, inputs.sampling_drafts):
+        first = grammar.first_rows.get(state.req_id)
+        if first is not None:
+            logit_rows.extend(range(row, row + len(drafts) + 1))
+            bitmask_rows.extend(range(first, first + len(drafts) + 1))
+        row += len(drafts) + 1
+    apply_grammar_bitmask(logits, grammar.bitmask, logit_rows, bitmask_rows)

@@ -12,6 +12,7 @@ import torch
 from tokenmill.config import ConfigError
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.attention.base import AttentionMetadata
+from tokenmill.layers.kv_cache import swap_blocks
 from tokenmill.layers.linear_state import LinearStateCache
 from tokenmill.layers.sampler import (
     Sampler,
@@ -28,8 +29,7 @@ from tokenmill.step.layout import attention_group_key, layout_decode, layout_ste
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.step.scheduler_output import SchedulerOutput
-from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
-from tokenmill.worker.batch_inputs import BatchInputs, all_decode, decode_inputs
+from tokenmill.worker.batch_inputs import BatchInputs, all_decode, apply_grammar, decode_inputs
 from tokenmill.worker.captured_step import (
     Capture,
     CapturedDecodeStep,
@@ -85,8 +85,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._swap(scheduler_output.blocks_to_swap_out, self.kv_tensors, self.swap_caches)
-        self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_tensors)
+        swap_blocks(scheduler_output.blocks_to_swap_out, self.kv_tensors, self.swap_caches)
+        swap_blocks(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_tensors)
         self._update_states(scheduler_output)
         connector = self.kv_connector
         if connector is not None:  # also in a step that runs nothing: transfers go on
@@ -109,7 +109,7 @@ class ModelRunner:
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if inputs.sampling_states:
             if scheduler_output.grammar_bitmask is not None:
-                _apply_grammar(logits, scheduler_output.grammar_bitmask, inputs)
+                apply_grammar(logits, scheduler_output.grammar_bitmask, inputs)
             output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
             if self.hidden_consumer is not None:
                 self._record_hidden_states(self.hidden_consumer, hidden, inputs, output)
@@ -194,17 +194,6 @@ class ModelRunner:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    @staticmethod
-    def _swap(pairs: list[tuple[int, int]], sources: list, destinations: list) -> None:
-        """Copy whole blocks between the device cache and the host swap pool."""
-        if not pairs:
-            return
-        source_ids = torch.tensor([p[0] for p in pairs])
-        destination_ids = torch.tensor([p[1] for p in pairs])
-        for source, destination in zip(sources, destinations, strict=True):
-            blocks = source[:, source_ids.to(source.device)]
-            destination[:, destination_ids.to(destination.device)] = blocks.to(destination.device)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         if self.request_tracker is not None:
@@ -444,17 +433,3 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
-
-
-def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: BatchInputs) -> None:
-    """Mask the logits of constrained rows: a request sampling k drafts + 1 has k + 1 rows."""
-    logit_rows: list[int] = []
-    bitmask_rows: list[int] = []
-    row = 0
-    for state, drafts in zip(inputs.sampling_states, inputs.sampling_drafts):
-        first = grammar.first_rows.get(state.req_id)
-        if first is not None:
-            logit_rows.extend(range(row, row + len(drafts) + 1))
-            bitmask_rows.extend(range(first, first + len(drafts) + 1))
-        row += len(drafts) + 1
-    apply_grammar_bitmask(logits, grammar.bitmask, logit_rows, bitmask_rows)
