@@ -33,7 +33,7 @@ from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.backend import XgrammarBackend, validate
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.request_grammar import RequestGrammar
-from tokenmill.worker import model_runner  # where the runner finds apply_grammar_bitmask
+from tokenmill.worker import batch_inputs  # where the runner finds apply_grammar_bitmask
 
 # Never complete within a few hundred tokens: at least 64 objects, each with free text.
 LONG_SCHEMA = {
@@ -101,7 +101,7 @@ class GrammarTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self._wrap(StructuredOutputManager, "grammar_bitmask")
-        self._wrap(model_runner, "apply_grammar_bitmask")
+        self._wrap(batch_inputs, "apply_grammar_bitmask")
         self._wrap(RequestGrammar, "accept_tokens")
 
     def _wrap(self, owner: object, name: str) -> None:
