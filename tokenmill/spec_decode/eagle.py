@@ -42,7 +42,6 @@ from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.step.layout import block_table_array
 
 if TYPE_CHECKING:
-    from tokenmill.spec_decode.mtp import MtpDraft
     from tokenmill.step.runner_request_state import CachedRequestState
 
 # Catch-up tokens per step beyond the steady state's (see catch_up.py).
@@ -54,7 +53,26 @@ FEATURE_WINDOW = 2 * CATCH_UP_EXTRA_TOKENS
 MAX_FEATURE_CHUNKS = 32
 
 
-class EagleDraft(nn.Module):
+class OneLayerDraft(nn.Module):
+    """What a one-layer draft over the target's features shares (EAGLE's, MTP's): the target's
+    embedding, rotary table and LM head borrowed, not copied, or an int8 copy of the head."""
+
+    def __init__(self, shape: ModelShape, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.shape = shape
+        self.num_local_kv_heads = shape.num_kv_heads  # the layer is never sharded
+        self._target = (target,)  # a tuple: not a submodule (not saved, not converted twice)
+        # The LM head drafts use; None: the target's (an int8 copy: see head_checkpoint.py).
+        self.draft_lm_head: nn.Module | None = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of already normed rows."""
+        if self.draft_lm_head is not None and hidden.shape[0] <= MAX_INT8_ROWS:
+            return self.draft_lm_head(hidden)
+        return self._target[0].compute_logits(hidden)
+
+
+class EagleDraft(OneLayerDraft):
     """fc + one Llama decoder layer without its input norm; the target's embedding, rotary
     table and LM head are borrowed, not copied. With `current_token` (a tokenmill extension of
     the format, told by fc's width: 3 x hidden) fc also reads the embedding of token p at p,
@@ -63,18 +81,13 @@ class EagleDraft(nn.Module):
     def __init__(
         self, shape: ModelShape, target: LlamaForCausalLM, fc_bias: bool, current_token: bool
     ) -> None:
-        super().__init__()
-        self.shape = shape
-        self.num_local_kv_heads = shape.num_kv_heads  # the layer is never sharded
+        super().__init__(shape, target)
         self.current_token = current_token
         width = (3 if current_token else 2) * shape.hidden_size
         self.fc = nn.Linear(width, shape.hidden_size, bias=fc_bias)
         layer = LlamaDecoderLayer(shape, ArchitectureTraits(), SINGLE)
         layer.input_layernorm = nn.Identity()  # EAGLE: the features are already normalised
         self.layers = nn.ModuleList([layer])
-        self._target = (target,)  # a tuple: not a submodule (not saved, not converted twice)
-        # The LM head drafts use; None: the target's (an int8 copy: see head_checkpoint.py).
-        self.draft_lm_head: nn.Module | None = None
 
     def layer_input(
         self,
@@ -95,11 +108,6 @@ class EagleDraft(nn.Module):
         """What the layer's QKV projection reads: EAGLE's layer has no input norm."""
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.draft_lm_head is not None and hidden.shape[0] <= MAX_INT8_ROWS:
-            return self.draft_lm_head(hidden)
-        return self._target[0].compute_logits(hidden)
-
     def greedy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drafted token ids, the feature the next step reads) from the layer's output."""
         return self.compute_logits(out).argmax(dim=-1), out
@@ -112,7 +120,7 @@ class EagleProposer:
 
     def __init__(
         self,
-        draft: EagleDraft | MtpDraft,
+        draft: OneLayerDraft,
         kv_cache_spec: KVCacheSpec,
         num_blocks: int,
         device: torch.device,

@@ -28,20 +28,18 @@ from torch import nn
 
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
-from tokenmill.quantization.int8 import MAX_INT8_ROWS
+from tokenmill.spec_decode.eagle import OneLayerDraft
 
 
-class MtpDraft(nn.Module):
+class MtpDraft(OneLayerDraft):
     """enorm, hnorm, eh_proj, one decoder layer of the target's kind, and the final norm; the
     target's embedding, rotary table and LM head are borrowed. `post_norm_feature`: the chain
     feeds the normed output back (Qwen3-Next), else the raw one (DeepSeek), which also zeroes
     the embedding at position 0 as vLLM's DeepSeek MTP does."""
 
     def __init__(self, target: LlamaForCausalLM, post_norm_feature: bool) -> None:
-        super().__init__()
         shape = target.shape
-        self.shape = replace(shape, num_layers=1)
-        self.num_local_kv_heads = shape.num_kv_heads  # the layer is never sharded
+        super().__init__(replace(shape, num_layers=1), target)
         self.post_norm_feature = post_norm_feature
         hidden, eps, offset = shape.hidden_size, shape.rms_norm_eps, target.traits.norm_offset
         self.enorm = RMSNorm(hidden, eps, offset)
@@ -49,9 +47,6 @@ class MtpDraft(nn.Module):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([LlamaDecoderLayer(shape, target.traits, SINGLE)])
         self.norm = RMSNorm(hidden, eps, offset)
-        self._target = (target,)  # a tuple: not a submodule (not saved, not converted twice)
-        # The LM head drafts use; None: the target's (an int8 copy: see head_checkpoint.py).
-        self.draft_lm_head: nn.Module | None = None
 
     def layer_input(
         self,
@@ -69,12 +64,6 @@ class MtpDraft(nn.Module):
 
     def attention_input(self, x: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         return self.layers[0].input_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of already normed rows."""
-        if self.draft_lm_head is not None and hidden.shape[0] <= MAX_INT8_ROWS:
-            return self.draft_lm_head(hidden)
-        return self._target[0].compute_logits(hidden)
 
     def greedy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drafted token ids, the feature the next step reads) from the layer's output."""
