@@ -41,6 +41,10 @@ KV_CACHE_DTYPES = {
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
+# mp: rank processes this engine starts; ray: Ray actors placed by a placement group.
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 # fcfs: continuous batching in arrival order. priority: by (priority, arrival), lowest value
 # first, and the lowest-priority running request is preempted first. static: the baseline that
 # continuous batching is measured against: a batch is what one step admits, and nobody joins
@@ -203,6 +207,13 @@ class EngineConfig:
         "seconds a tensor-parallel rank waits for its peers in a collective before the engine "
         "fails (a hung worker)",
     )
+    distributed_executor_backend: str = config_field(
+        "mp",
+        "how the tensor-parallel ranks start: mp (processes on this machine) or ray (Ray actors "
+        "on a running Ray cluster, or a local one; pip install 'tokenmill[ray]') "
+        "(docs/scale_out.md)",
+        choices=EXECUTOR_BACKENDS,
+    )
 
     kv_transfer_config: KVTransferConfig | None = config_field(
         None,
@@ -255,6 +266,7 @@ class EngineConfig:
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._check_tensor_parallel()
+        self._check_executor_backend()
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self._check_kv_transfer()
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -288,6 +300,13 @@ class EngineConfig:
             )
         if self.enforce_eager is False:  # collectives inside a captured step: not built yet
             raise ConfigError("tensor_parallel_size > 1 runs eager steps: leave enforce_eager on")
+
+    def _check_executor_backend(self) -> None:
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ConfigError(
+                "distributed_executor_backend 'ray' places every rank itself: leave nnodes at 1 "
+                "(nnodes is the mp backend's way across machines)"
+            )
 
     def _check_kv_transfer(self) -> None:
         if self.kv_transfer_config is None:

@@ -54,6 +54,7 @@ ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
         "tensor_parallel_size",
         "nnodes",
         "distributed_timeout",
+        "distributed_executor_backend",
         "kv_transfer_config",
         "kv_events_config",
     ),

@@ -52,8 +52,10 @@ class Rendezvous:
         timeout_s: float,
         device: torch.device,
         across_machines: bool = False,
+        host: str | None = None,
     ) -> Rendezvous:
-        """From MASTER_ADDR and MASTER_PORT, which ranks on other machines must be told."""
+        """From MASTER_ADDR and MASTER_PORT, which ranks on other machines must be told;
+        without MASTER_ADDR, at `host` (this node's address for Ray's actors) or loopback."""
         if across_machines and not (
             os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
         ):
@@ -61,7 +63,7 @@ class Rendezvous:
                 "nnodes > 1 needs MASTER_ADDR and MASTER_PORT: where the other machines' "
                 "`tokenmill tp-worker` meet this one"
             )
-        address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        address = os.environ.get("MASTER_ADDR") or host or "127.0.0.1"
         port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(address)
         backend = "nccl" if device.type == "cuda" else "gloo"
         return cls(f"{address}:{port}", world_size, timeout_s, backend)

@@ -35,10 +35,10 @@ from tokenmill.models.loader import LoadSettings
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
+from tokenmill.worker.launchers import Worker, worker_launcher
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.runner_spec import RunnerSpec
 from tokenmill.worker.tp_worker import STOP, report_weight_bytes
-from tokenmill.worker.worker_process import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,13 @@ class TensorParallelExecutor:
         """`load_settings`: how every rank loads its shard (`models/loader.py`)."""
         size = config.tensor_parallel_size
         device = config.torch_device()
+        launcher = worker_launcher(config, size)  # mp: processes; ray: actors (launchers.py)
         self.rendezvous = Rendezvous.local(
-            size, config.distributed_timeout, device, across_machines=config.nnodes > 1
+            size,
+            config.distributed_timeout,
+            device,
+            across_machines=config.nnodes > 1,
+            host=launcher.host,
         )
         self._engine_threads = torch.get_num_threads()  # restored at shutdown
         num_threads = max(1, self._engine_threads // size) if device.type == "cpu" else 1
@@ -67,11 +72,11 @@ class TensorParallelExecutor:
         self._lock = threading.Lock()  # failure is set by the engine or a watcher thread
         # Told (on a watcher thread) when a worker dies unasked: the engine cannot go on.
         self.on_failure: Callable[[TensorParallelError], None] | None = None
-        self.workers: list[WorkerProcess] = []  # this machine's; other machines' start apart
+        self.workers: list[Worker] = []  # this machine's (mp) or the cluster's (ray)
         for rank in range(1, size // config.nnodes):
             args = (config, load_settings, self.rendezvous, rank, num_threads, os.getpid())
             on_exit = _weak_callback(weakref.WeakMethod(self._worker_exited), rank)
-            self.workers.append(WorkerProcess(f"tokenmill-tp-{rank}", args, on_exit))
+            self.workers.append(launcher.start(rank, args, on_exit))
         # What `tokenmill tp-worker` on another machine runs its ranks with.
         self._remote_args = (
             pickle.dumps((config, load_settings, self.rendezvous, num_threads))
@@ -146,7 +151,7 @@ class TensorParallelExecutor:
         assert self.failure is not None
         raise self.failure
 
-    def _worker_exited(self, rank: int, worker: WorkerProcess) -> None:
+    def _worker_exited(self, rank: int, worker: Worker) -> None:
         """A watcher thread's report: a worker that exits unasked fails the executor now."""
         if self._stopping.is_set():
             return
@@ -190,22 +195,20 @@ def _is_collective_error(e: Exception) -> bool:
 
 
 def _weak_callback(
-    method: weakref.WeakMethod[Callable[[int, WorkerProcess], None]], rank: int
-) -> Callable[[WorkerProcess], None]:
+    method: weakref.WeakMethod[Callable[[int, Worker], None]], rank: int
+) -> Callable[[Worker], None]:
     """A watcher's report to the executor that does not keep it alive (so garbage collection
     still stops the workers)."""
 
-    def report(worker: WorkerProcess) -> None:
+    def report(worker: Worker) -> None:
         if (bound := method()) is not None:
             bound(rank, worker)
 
     return report
 
 
-def _exit_message(rank: int, worker: WorkerProcess) -> str:
-    return (
-        f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}"
-    )
+def _exit_message(rank: int, worker: Worker) -> str:
+    return f"tensor-parallel worker rank {rank} {worker.describe_exit()}"
 
 
 def _release(workers: list[Any], stopping: threading.Event) -> None:

@@ -51,6 +51,22 @@ def run_worker(
     """The worker process's entry point (started by `TensorParallelExecutor`, worker_process.py)."""
     _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops us
+    serve_rank(config, load_settings, rendezvous, rank, num_threads)
+    # Skip the interpreter's teardown: its garbage collection of torch.distributed's objects
+    # took 5 s after the group was gone, and there is nothing left to flush but logs.
+    logging.shutdown()
+    os._exit(0)
+
+
+def serve_rank(
+    config: EngineConfig,
+    load_settings: LoadSettings,
+    rendezvous: Rendezvous,
+    rank: int,
+    num_threads: int,
+) -> None:
+    """Rank `rank`'s life, wherever it runs (a worker process, a Ray actor): load its shard,
+    join the groups, run every step rank 0 broadcasts until STOP, leave."""
     torch.set_num_threads(num_threads)
     # Devices are numbered per machine: rank r is the (r mod ranks per machine)-th there.
     device = rank_device(config.torch_device(), rank % (rendezvous.world_size // config.nnodes))
@@ -70,10 +86,6 @@ def run_worker(
             runner.execute_model(scheduler_output)
     finally:
         leave_group()
-    # Skip the interpreter's teardown: its garbage collection of torch.distributed's objects
-    # took 5 s after the group was gone, and there is nothing left to flush but logs.
-    logging.shutdown()
-    os._exit(0)
 
 
 def report_weight_bytes(model: torch.nn.Module, step_group: Any) -> list[int]:

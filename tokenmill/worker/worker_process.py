@@ -57,6 +57,9 @@ class WorkerProcess:
     def is_alive(self) -> bool:
         return not self._exited.is_set()
 
+    def describe_exit(self) -> str:
+        return f"(pid {self.pid}) exited with code {self.exitcode}"
+
     def join(self, timeout: float | None = None) -> None:
         self._exited.wait(timeout)
 
