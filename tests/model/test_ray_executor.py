@@ -36,44 +36,45 @@ def ray_instance() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama", vocab_size=1021))  # the last rank's vocabulary pads
+
+
+@pytest.fixture(scope="module")
+def ray_engine(ray_instance, checkpoint) -> Iterator[LLM]:
+    """One engine over Ray for the module: its tokens are checked, then a rank is killed."""
+    llm = LLM(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+
+
 def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_two_ranks_over_ray_generate_what_one_process_does(ray_instance, tiny_checkpoint) -> None:
-    checkpoint = str(tiny_checkpoint("llama", vocab_size=1021))
-    expected = greedy(LLM(checkpoint, **ENGINE))
-    llm = LLM(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
-    try:
-        executor = llm.engine.parts.executor
-        assert type(executor.workers[0]).__name__ == "RayWorker"
-        assert greedy(llm) == expected
-        assert len(executor.weight_bytes) == 2
-    finally:
-        llm.engine.shutdown()
-    assert not executor.workers[0].is_alive()
+def test_two_ranks_over_ray_generate_what_one_process_does(ray_engine, checkpoint) -> None:
+    executor = ray_engine.engine.parts.executor
+    assert type(executor.workers[0]).__name__ == "RayWorker"
+    assert greedy(ray_engine) == greedy(LLM(checkpoint, **ENGINE))
+    assert len(executor.weight_bytes) == 2
 
 
-def test_a_killed_ray_worker_fails_the_engine_clearly(ray_instance, tiny_checkpoint) -> None:
-    checkpoint = str(tiny_checkpoint("llama", num_hidden_layers=1))
-    llm = LLM(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
-    executor = llm.engine.parts.executor
+def test_a_killed_ray_worker_fails_the_engine_clearly(ray_engine) -> None:
+    executor = ray_engine.engine.parts.executor
     failures: list[BaseException] = []
     executor.on_failure = failures.append  # as the async engine listens (and then dies)
     worker = executor.workers[0]
-    try:
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(60)
-        deadline = time.monotonic() + 60  # a hang guard: the report follows the exit at once
-        while not failures and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(failures) == 1 and "rank 1 (Ray actor" in str(failures[0])
-        with pytest.raises(TensorParallelError, match=r"rank 1 \(Ray actor .*\) died"):
-            llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
-        with pytest.raises(TensorParallelError):  # and stays failed
-            llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(60)
+    deadline = time.monotonic() + 60  # a hang guard: the report follows the exit at once
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(failures) == 1 and "rank 1 (Ray actor" in str(failures[0])
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(Ray actor .*\) died"):
+        ray_engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    with pytest.raises(TensorParallelError):  # and stays failed
+        ray_engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 
 
 def test_ray_refuses_what_it_does_not_place() -> None:
