@@ -43,6 +43,9 @@ def connect() -> None:
     start a local one; nothing if this process has joined one already."""
     if ray.is_initialized():
         return
+    if os.environ.get("RAY_ADDRESS"):  # that cluster, or Ray's error: never a local one instead
+        ray.init(logging_level=logging.WARNING)
+        return
     try:
         ray.init(address="auto", logging_level=logging.WARNING)
     except ConnectionError:
@@ -173,4 +176,4 @@ class RayWorker:
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
