@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.worker.launchers import worker_launcher
 from tokenmill.worker.tp_executor import TensorParallelError
 
 pytestmark = pytest.mark.slow(reason="starts a local Ray instance and its actors")
@@ -77,8 +79,13 @@ def test_a_killed_ray_worker_fails_the_engine_clearly(ray_engine) -> None:
         ray_engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)
 
 
-def test_ray_refuses_what_it_does_not_place() -> None:
+def test_ray_refuses_what_it_does_not_place(monkeypatch) -> None:
     with pytest.raises(ConfigError, match="leave nnodes at 1"):
         EngineConfig(tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray")
     with pytest.raises(ConfigError, match="distributed_executor_backend"):
         EngineConfig(distributed_executor_backend="slurm")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    monkeypatch.delitem(sys.modules, "tokenmill.worker.ray_workers", raising=False)
+    config = EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ConfigError, match=r"needs Ray .*pip install 'tokenmill\[ray\]'"):
+        worker_launcher(config, 2)
