@@ -81,6 +81,12 @@ class RayLauncher:
         bundles: list[dict[str, float]] = [{"CPU": _CPUS_PER_RANK} for _ in range(world_size)]
         bundles[0][f"node:{self.host}"] = 0.001  # rank 0 is the engine: its bundle is here
         self.group: PlacementGroup = placement_group(bundles, strategy="PACK")
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < world_size * _CPUS_PER_RANK:  # an autoscaler may still add nodes
+            logger.warning(
+                "the Ray cluster has %g CPUs for %d ranks of %g CPU: waiting up to %g s for more",
+                cpus, world_size, _CPUS_PER_RANK, _PLACEMENT_TIMEOUT_S,
+            )  # fmt: skip
         try:
             ray.get(self.group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
