@@ -16,7 +16,8 @@ from tokenmill.worker.worker_process import WorkerProcess
 
 
 class Worker(Protocol):
-    pid: int | None
+    @property
+    def pid(self) -> int | None: ...
 
     def is_alive(self) -> bool: ...
 
