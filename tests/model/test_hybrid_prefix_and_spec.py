@@ -26,7 +26,7 @@ LINEAR = {
 }
 ENGINE = {
     "dtype": "float32",
-    "max_model_len": 48,
+    "max_model_len": 64,
     "block_size": 4,
     "num_kv_blocks": 22,  # too few for every sequence at once: preemptions
     "max_num_batched_tokens": 9,  # prompts in chunks
@@ -41,8 +41,10 @@ def checkpoint(tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts_and_expected(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts sharing prefixes of 0-6 blocks (some ending inside a block, one a repeat),
-    repetitive enough for n-gram drafts; transformers' greedy tokens for them."""
+    """Prompts sharing prefixes of 0-6 blocks (some ending inside a block, one a repeat), and
+    two that echo a prompt and the start of its greedy reply, then the prompt again (n-gram
+    drafts: the earlier reply, its first tokens accepted, later ones not); transformers'
+    greedy tokens for them."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     rng = random.Random(3)
     vocab = model.config.vocab_size
@@ -56,9 +58,12 @@ def prompts_and_expected(checkpoint: Path) -> tuple[list[list[int]], list[list[i
         [rng.randrange(3, vocab) for _ in range(5)],
         shared[:17] + phrase * 2,
         shared[:9],
+        [rng.randrange(3, vocab) for _ in range(20)],
     ]
     expected, _ = greedy_reference(model, prompts, MAX_TOKENS)
-    return prompts, expected
+    echoes = [prompts[i] + expected[i][:4] + prompts[i] for i in (2, 7)]
+    echoed, _ = greedy_reference(model, echoes, MAX_TOKENS)
+    return prompts + echoes, expected + echoed
 
 
 def greedy() -> SamplingParams:
@@ -84,7 +89,7 @@ def test_prefix_hits_restore_snapshots(checkpoint: Path, prompts_and_expected) -
 
 def test_ngram_speculation_rolls_states_back(checkpoint: Path, prompts_and_expected) -> None:
     prompts, expected = prompts_and_expected
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(model=str(checkpoint), speculative_config=spec, **ENGINE)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
