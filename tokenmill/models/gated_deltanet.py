@@ -5,8 +5,9 @@ Projections (q, k, v together; the output gate z; beta's and the decay's inputs 
 every token of the step at once; then the causal depthwise conv1d (kernel 4, SiLU) and the gated
 delta rule run per sequence from its slot's states (layers/linear_state.py): the step's leading
 one-token rows (decodes) together, in the native kernel where it builds
-(kernels/gated_delta.py), each longer prompt chunk in the chunked form
-(layers/gated_delta_rule.py). The output is RMS-normed per head, gated by SiLU(z), projected.
+(kernels/gated_delta.py), each longer prompt chunk in the native prefill kernel (or, where it
+does not build, the chunked form: layers/gated_delta_rule.py). The output is RMS-normed per
+head, gated by SiLU(z), projected.
 
 Qwen3-Next stores q, k, v, z fused per key-head group (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5
 stores them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
@@ -20,7 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.gated_delta import decode_delta_rule_
+from tokenmill.kernels.gated_delta import (
+    decode_delta_rule_,
+    native_prefill_applies,
+    prefill_delta_rule_,
+)
 from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk, recurrent_step_
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
 
@@ -153,12 +158,11 @@ class GatedDeltaNet(nn.Module):
         assert self.states is not None
         conv_state = self.states.conv[self.layer_index][slot]
         q, k, v = self._split_heads(self._conv_sequence(mixed[start:end], conv_state, weight))
+        state = self.states.recurrent[self.layer_index][slot]
+        if native_prefill_applies(q, state):
+            return prefill_delta_rule_(q, k, v, decay[start:end], beta[start:end], state)
         return chunked_delta_rule(
-            *normalize_qk(q, k, self.num_v_heads),
-            v,
-            decay[start:end],
-            beta[start:end],
-            self.states.recurrent[self.layer_index][slot],
+            *normalize_qk(q, k, self.num_v_heads), v, decay[start:end], beta[start:end], state
         )
 
     def _verify(
