@@ -31,23 +31,27 @@ def median_ms(calls: dict[str, Callable[[], object]], repeats: int = 7) -> dict[
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def chunk_ms(tokens: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(tokens, K_HEADS, K_DIM, generator=gen) for _ in range(2))
+    v = torch.randn(tokens, V_HEADS, V_DIM, generator=gen)
+    decay = -torch.rand(tokens, V_HEADS, generator=gen) * 0.1
+    beta = torch.rand(tokens, V_HEADS, generator=gen)
+    states = [torch.zeros(V_HEADS, K_DIM, V_DIM) for _ in range(2)]
+    return median_ms(
+        {
+            "torch": lambda: chunked_delta_rule(
+                *normalize_qk(q, k, V_HEADS), v, decay, beta, states[0]
+            ),
+            "native": lambda: gated_delta.prefill_delta_rule_(q, k, v, decay, beta, states[1]),
+        }
+    )
+
+
 def main() -> None:
     print("| tokens in the chunk | torch chunked | native | speed-up |\n|---|---|---|---|")
     for tokens in (16, 64, 512):
-        gen = torch.Generator().manual_seed(0)
-        q, k = (torch.randn(tokens, K_HEADS, K_DIM, generator=gen) for _ in range(2))
-        v = torch.randn(tokens, V_HEADS, V_DIM, generator=gen)
-        decay = -torch.rand(tokens, V_HEADS, generator=gen) * 0.1
-        beta = torch.rand(tokens, V_HEADS, generator=gen)
-        states = [torch.zeros(V_HEADS, K_DIM, V_DIM) for _ in range(2)]
-        ms = median_ms(
-            {
-                "torch": lambda: chunked_delta_rule(
-                    *normalize_qk(q, k, V_HEADS), v, decay, beta, states[0]
-                ),
-                "native": lambda: gated_delta.prefill_delta_rule_(q, k, v, decay, beta, states[1]),
-            }
-        )
+        ms = chunk_ms(tokens)
         speedup = ms["torch"] / ms["native"]
         print(f"| {tokens} | {ms['torch']:.2f} ms | {ms['native']:.2f} ms | {speedup:.1f}x |")
 
