@@ -18,10 +18,13 @@ def llama_cpp_available() -> bool:
     return (LLAMACPP / "convert_hf_to_gguf.py").is_file()
 
 
-def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
-    """`checkpoint` as llama.cpp converts it (`outtype` f32, f16, bf16 or q8_0)."""
+def convert(
+    checkpoint: Path, out: Path, outtype: str = "f32", extra_args: tuple[str, ...] = ()
+) -> Path:
+    """`checkpoint` as llama.cpp converts it (`outtype` f32, f16, bf16 or q8_0; `extra_args`
+    more of the converter's flags, e.g. `--no-mtp`)."""
     command = [sys.executable, "-c", _CONVERT, str(LLAMACPP), str(checkpoint)]
-    command += ["--outtype", outtype, "--outfile", str(out)]
+    command += ["--outtype", outtype, "--outfile", str(out), *extra_args]
     run = subprocess.run(command, capture_output=True, text=True, env=peer_env(), timeout=600)
     if run.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {run.stderr[-2000:]}")

@@ -1,6 +1,6 @@
 """Qwen3.5 and Qwen3-Next (hybrid gated DeltaNet + gated attention, models/hybrid.py) against
 transformers: greedy tokens equal in float32 with chunked prefill and preemption in one batch;
-the state cache's slots and memory; prefix caching off; what is refused, one line each."""
+the state cache's slots and memory; what is refused, one line each."""
 
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ def test_greedy_equals_transformers_chunked_and_preempted(checkpoint: Path) -> N
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.get_stats().scheduler.num_preemptions > 0
     parts = llm.engine.parts
-    assert not parts.kv_cache_manager.enable_caching  # prefix hits would skip the state
     states = parts.runner.linear_states
     # Slots are given back as the runner hears of finishes: at the next step (the last one's
     # finish has no next step here).
@@ -92,7 +91,7 @@ def test_state_memory_comes_out_of_the_kv_budget(tiny_checkpoint) -> None:
 @pytest.mark.parametrize(
     ("settings", "feature"),
     [
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+        ({"speculative_config": {"method": "suffix", "num_speculative_tokens": 2}}, "speculative"),
         ({"preemption_mode": "swap"}, "swap"),
         ({"enable_lora": True}, "LoRA"),
         ({"enforce_eager": False}, "captured decode"),

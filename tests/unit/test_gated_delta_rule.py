@@ -1,6 +1,7 @@
 """The gated delta rule (layers/gated_delta_rule.py): the chunked form equals the recurrent one
 and transformers' torch references, a state carried across chunks equals one pass; the native
-decode kernel (kernels/gated_delta.py) equals the torch decode step at every ISA level."""
+decode and prefill kernels (kernels/gated_delta.py) equal the torch references at every ISA
+level."""
 
 from __future__ import annotations
 
@@ -83,3 +84,21 @@ def test_native_decode_equals_torch(level: int, v_dim: int) -> None:
         out = gated_delta.decode_delta_rule_(q, k, v, decay, beta, pool, slots)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool, expected_pool, atol=1e-5, rtol=1e-5)  # others untouched
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="the native kernels do not build here")
+@pytest.mark.parametrize("level", range(ISA_LEVELS.index("avx512") + 1), ids=ISA_LEVELS.__getitem__)
+@pytest.mark.parametrize("v_dim", [V_DIM, 12])  # 12: the portable loop at every level
+def test_native_prefill_equals_recurrent(level: int, v_dim: int) -> None:
+    tokens = 70
+    q, k, _, decay, beta = inputs(tokens, seed=4)
+    v = torch.randn(tokens, V_HEADS, v_dim)
+    state = torch.randn(V_HEADS, K_DIM, v_dim)
+    expected_state = state.clone()
+    expected = recurrent_delta_rule(*normalize_qk(q, k, V_HEADS), v, decay, beta, expected_state)
+    with native.using_isa(level):
+        assert gated_delta.native_prefill_applies(q, state)
+        out = gated_delta.prefill_delta_rule_(q[:30], k[:30], v[:30], decay[:30], beta[:30], state)
+        rest = gated_delta.prefill_delta_rule_(q[30:], k[30:], v[30:], decay[30:], beta[30:], state)
+    torch.testing.assert_close(torch.cat([out, rest]), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)

@@ -27,6 +27,7 @@ from tokenmill.engine.hybrid import (
     blocks_after_states,
     check_hybrid_config,
     is_hybrid,
+    num_state_slots,
 )
 from tokenmill.engine.kv_events import ZmqEventPublisher
 from tokenmill.engine.speculation_parts import load_draft, make_proposer
@@ -188,14 +189,14 @@ def _runner(
     kv_size = kv_cache_size(config, kv_spec, max_model_len, device, draft_spec, kv_groups)
     hybrid = is_hybrid(model.architecture)
     if hybrid:  # the linear layers' state slots come out of the KV budget
-        state_bytes = model.state_spec.bytes_per_slot * config.max_num_seqs
+        state_bytes = model.state_spec.bytes_per_slot * num_state_slots(config)
         kv_size = blocks_after_states(config, kv_size, kv_spec, state_bytes)
     num_blocks = kv_size.num_blocks
     swap_blocks = num_swap_blocks(config, kv_spec, num_blocks)
     kv_cache_manager = KVCacheManager(
         num_blocks,
         config.block_size,
-        enable_caching=config.enable_prefix_caching and not hybrid,
+        enable_caching=config.enable_prefix_caching,
         num_swap_blocks=swap_blocks,
         windows=kv_groups.windows,
     )
@@ -204,7 +205,7 @@ def _runner(
     spec = RunnerSpec(kv_spec, num_blocks, swap_blocks, config.seed, proposer, kv_groups, lora)
     runner = (executor.make_runner if executor else ModelRunner)(model, spec, device)
     if hybrid:
-        attach_state_cache(runner, model, config.max_num_seqs, device)
+        attach_state_cache(config, runner, model, kv_cache_manager, device)
     if config.captures_decode(device) and not config.enable_lora:  # LoRA steps run eager
         runner.use_captured_decode(config.max_num_seqs, max_model_len)
     return runner, kv_cache_manager, draft_spec is not None, kv_size.reason

@@ -1,24 +1,21 @@
 """What a hybrid linear-attention model (Qwen3.5, Qwen3-Next: models/hybrid.py) changes in the
-engine's assembly: the features it cannot run yet refused, one line each; prefix caching off
-(a prefix hit would skip the tokens the linear layers' state must see); the state slots'
-bytes taken out of the KV budget; the runner given the state cache (docs/hybrid_models.md).
+engine's assembly: the features it cannot run yet refused, one line each; the state slots'
+(and, with prefix caching, their snapshots') bytes taken out of the KV budget; the runner
+given the state cache, the KV cache manager its snapshots (docs/hybrid_models.md).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.kv.cache_manager import KVCacheManager
 from tokenmill.core.kv.sizing import KVCacheSize
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.linear_state import LinearStateCache
 from tokenmill.models.families.qwen3_5 import FAMILIES
 from tokenmill.models.hybrid import HybridForCausalLM
 from tokenmill.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 HYBRID_ARCHITECTURES = frozenset(a for family in FAMILIES for a in family.architectures)
 
@@ -30,7 +27,7 @@ def is_hybrid(architecture: str) -> bool:
 def check_hybrid_config(config: EngineConfig, architecture: str) -> None:
     """One line for the first feature a hybrid model does not run yet."""
     refusals = (
-        (config.speculative_config is not None, "speculative decoding"),
+        (_drafts_other_than_ngram(config), "speculative decoding other than method=ngram"),
         (config.preemption_mode == "swap", "preemption_mode=swap (use recompute)"),
         (config.kv_transfer_config is not None, "KV connectors (kv_transfer_config)"),
         (config.enable_lora, "LoRA adapters"),
@@ -43,12 +40,17 @@ def check_hybrid_config(config: EngineConfig, architecture: str) -> None:
                 f"{architecture} (hybrid linear attention) does not support {feature} yet; "
                 "see docs/hybrid_models.md"
             )
-    if config.enable_prefix_caching:
-        logger.info(
-            "%s: prefix caching is off (hybrid linear attention: a prefix hit would skip the "
-            "tokens the linear layers' state must see; docs/hybrid_models.md)",
-            architecture,
-        )
+
+
+def _drafts_other_than_ngram(config: EngineConfig) -> bool:
+    spec = config.speculative_config
+    return spec is not None and spec.method != "ngram"
+
+
+def num_state_slots(config: EngineConfig) -> int:
+    """State slots held: one per running sequence, and as many snapshots at block boundaries
+    with prefix caching."""
+    return config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
 
 
 def blocks_after_states(
@@ -72,9 +74,19 @@ def blocks_after_states(
 
 
 def attach_state_cache(
-    runner: ModelRunner, model: HybridForCausalLM, max_num_seqs: int, device: torch.device
+    config: EngineConfig,
+    runner: ModelRunner,
+    model: HybridForCausalLM,
+    kv_cache_manager: KVCacheManager,
+    device: torch.device,
 ) -> None:
-    """A state slot per running sequence, held by the runner, read by the model's layers."""
-    cache = LinearStateCache(model.state_spec, max_num_seqs, device)
+    """A state slot per running sequence, held by the runner, read by the model's layers;
+    with prefix caching, snapshots at block boundaries that hits end at, dropped with their
+    blocks."""
+    cache = LinearStateCache(model.state_spec, config.max_num_seqs, device)
     model.use_state_cache(cache)
     runner.use_linear_states(cache)
+    if kv_cache_manager.enable_caching:
+        snapshots = cache.use_snapshots(config.max_num_seqs, config.block_size)
+        kv_cache_manager.hit_ends = snapshots.holds
+        kv_cache_manager.block_pool.on_reuse = snapshots.drop

@@ -1,6 +1,7 @@
 """The gated delta rule's decode step: the native kernel (`kernels/csrc/gated_delta.cpp`) where
 it builds, the torch reference (`recurrent_step_`, here; the chunked form for prompt chunks is
-layers/gated_delta_rule.py's) elsewhere.
+layers/gated_delta_rule.py's) elsewhere. Prompt chunks have a native kernel too
+(`prefill_delta_rule_`: token by token, each head's state kept in cache across the chunk).
 
 The native kernel reads and writes each row's recurrent state in its slot of the pool, once:
 torch gathers the slots' states, runs ~10 ops over them and scatters them back (a 32-head,
@@ -57,6 +58,32 @@ def native_applies(query: torch.Tensor, state_pool: torch.Tensor) -> bool:
         and state_pool.is_contiguous()
         and native_kernels() is not None
         and hasattr(native_kernels(), "gated_delta_decode")
+    )
+
+
+def native_prefill_applies(query: torch.Tensor, state: torch.Tensor) -> bool:
+    return native_applies(query, state) and hasattr(native_kernels(), "gated_delta_prefill")
+
+
+def prefill_delta_rule_(
+    query: torch.Tensor,  # [tokens, k_heads, k_dim] (raw: not normalised)
+    key: torch.Tensor,  # [tokens, k_heads, k_dim]
+    value: torch.Tensor,  # [tokens, v_heads, v_dim]
+    decay: torch.Tensor,  # [tokens, v_heads] float32
+    beta: torch.Tensor,  # [tokens, v_heads] float32
+    state: torch.Tensor,  # [v_heads, k_dim, v_dim] float32 contiguous, updated in place
+) -> torch.Tensor:
+    """One sequence's tokens in the native kernel (`native_prefill_applies`): the output
+    `[tokens, v_heads, v_dim]` float32, the state advanced past them."""
+    module = native_kernels()
+    assert module is not None
+    return module.gated_delta_prefill(
+        query.float().contiguous(),
+        key.float().contiguous(),
+        value.float().contiguous(),
+        decay.contiguous(),
+        beta.contiguous(),
+        state,
     )
 
 

@@ -13,9 +13,11 @@ are whose (`prepare`); the layers read `step`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from tokenmill.layers.state_snapshots import StateSnapshots
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class LinearStateStep:
     row_starts: list[int]
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64: the slots of the decode rows
+    # Sequence index -> (its rows before a block boundary, the snapshot slot to save there).
+    cuts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Sequence index -> (request, first position, known rows, block table) of a sequence
+    # verifying drafts: its layers keep the state after each row (`positions`) until `accept`.
+    verifying: dict[int, tuple[str, int, int, list[int]]] = field(default_factory=dict)
 
 
 class LinearStateCache:
@@ -68,19 +75,41 @@ class LinearStateCache:
         self._free = list(range(num_slots - 1, -1, -1))
         self.slot_of: dict[str, int] = {}
         self.step: LinearStateStep | None = None
+        self.snapshots: StateSnapshots | None = None  # with prefix caching (`use_snapshots`)
+        self.block_size = 0
+        # Per layer, per verifying sequence index: (conv, recurrent) states after each row.
+        self.positions: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(spec.num_layers)
+        ]
+
+    def use_snapshots(self, num_slots: int, block_size: int) -> StateSnapshots:
+        """Keep `num_slots` snapshots at block boundaries, for prefix hits."""
+        self.snapshots = StateSnapshots(self.conv, self.recurrent, num_slots)
+        self.block_size = block_size
+        return self.snapshots
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def admit(self, req_id: str) -> int:
-        """A zeroed slot for a sequence starting from its first token."""
+    def admit(self, req_id: str, num_computed: int = 0, block_ids: Sequence[int] = ()) -> int:
+        """A slot for a sequence: zeroed, or, after a prefix hit of `num_computed` tokens (a
+        block boundary), the snapshot kept with the hit's last block."""
         if not self._free:
             raise RuntimeError("no free linear-attention state slot (more than max_num_seqs)")
         slot = self._free.pop()
-        for conv, recurrent in zip(self.conv, self.recurrent, strict=True):
-            conv[slot].zero_()
-            recurrent[slot].zero_()
+        source = None
+        if num_computed:
+            assert self.snapshots is not None and num_computed % self.block_size == 0
+            source = self.snapshots.slot_to_read(block_ids[num_computed // self.block_size - 1])
+        for layer, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent, strict=True)):
+            if source is None:
+                conv[slot].zero_()
+                recurrent[slot].zero_()
+            else:
+                assert self.snapshots is not None
+                conv[slot].copy_(self.snapshots.conv[layer][source])
+                recurrent[slot].copy_(self.snapshots.recurrent[layer][source])
         self.slot_of[req_id] = slot
         return slot
 
@@ -89,12 +118,59 @@ class LinearStateCache:
         if slot is not None:
             self._free.append(slot)
 
-    def prepare(self, req_ids: Sequence[str], row_starts: Sequence[int], num_rows: int) -> None:
-        """The step's rows, request by request in row order (decodes first)."""
+    def prepare(
+        self,
+        req_ids: Sequence[str],
+        row_starts: Sequence[int],
+        num_rows: int,
+        first_positions: Sequence[int] = (),
+        known_ends: Sequence[int] = (),
+        block_tables: Sequence[list[int]] = (),
+    ) -> None:
+        """The step's rows, request by request in row order (decodes first); with positions,
+        which sequences cross a block boundary (a snapshot is saved there) and which verify
+        drafts (rows past `known_ends`)."""
         starts = [*row_starts, num_rows]
         slots = [self.slot_of[r] for r in req_ids]
         num_decodes = 0
         while num_decodes < len(slots) and starts[num_decodes + 1] - starts[num_decodes] == 1:
             num_decodes += 1
         decode_slots = torch.tensor(slots[:num_decodes], dtype=torch.int64, device=self.device)
-        self.step = LinearStateStep(slots, starts, num_decodes, decode_slots)
+        step = LinearStateStep(slots, starts, num_decodes, decode_slots)
+        for i, (first, known_end) in enumerate(zip(first_positions, known_ends, strict=True)):
+            if starts[i + 1] - starts[i] > known_end - first:
+                step.verifying[i] = (req_ids[i], first, known_end - first, block_tables[i])
+                continue
+            slot = self._snapshot_slot(first, known_end, block_tables[i])
+            if slot is not None:
+                step.cuts[i] = (known_end // self.block_size * self.block_size - first, slot)
+        for positions in self.positions:
+            positions.clear()
+        self.step = step
+
+    def _snapshot_slot(self, first: int, end: int, block_table: list[int]) -> int | None:
+        """The snapshot slot for the last block boundary in (first, end], if any."""
+        if self.snapshots is None or end // self.block_size <= first // self.block_size:
+            return None
+        return self.snapshots.slot_to_write(block_table[end // self.block_size - 1])
+
+    def accept(self, num_accepted: dict[str, int]) -> None:
+        """Roll each verifying sequence's states back to its last accepted row (`num_accepted`:
+        drafts accepted per request), saving a snapshot at a boundary among its rows."""
+        assert self.step is not None
+        for i, (req_id, first, known, table) in self.step.verifying.items():
+            row = known + num_accepted.get(req_id, 0) - 1
+            slot, end = self.step.slots[i], first + row + 1
+            snapshot = self._snapshot_slot(first, end, table)
+            boundary_row = end // self.block_size * self.block_size - first - 1
+            for layer, positions in enumerate(self.positions):
+                conv, recurrent = positions[i]
+                self.conv[layer][slot].copy_(conv[row])
+                self.recurrent[layer][slot].copy_(recurrent[row])
+                if snapshot is not None:
+                    assert self.snapshots is not None
+                    self.snapshots.save(
+                        layer, snapshot, conv[boundary_row], recurrent[boundary_row]
+                    )
+        for positions in self.positions:
+            positions.clear()

@@ -5,8 +5,9 @@ Projections (q, k, v together; the output gate z; beta's and the decay's inputs 
 every token of the step at once; then the causal depthwise conv1d (kernel 4, SiLU) and the gated
 delta rule run per sequence from its slot's states (layers/linear_state.py): the step's leading
 one-token rows (decodes) together, in the native kernel where it builds
-(kernels/gated_delta.py), each longer prompt chunk in the chunked form
-(layers/gated_delta_rule.py). The output is RMS-normed per head, gated by SiLU(z), projected.
+(kernels/gated_delta.py), each longer prompt chunk in the native prefill kernel (or, where it
+does not build, the chunked form: layers/gated_delta_rule.py). The output is RMS-normed per
+head, gated by SiLU(z), projected.
 
 Qwen3-Next stores q, k, v, z fused per key-head group (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5
 stores them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
@@ -20,8 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.gated_delta import decode_delta_rule_
-from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk
+from tokenmill.kernels.gated_delta import (
+    decode_delta_rule_,
+    native_prefill_applies,
+    prefill_delta_rule_,
+)
+from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk, recurrent_step_
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
 
 
@@ -118,16 +123,76 @@ class GatedDeltaNet(nn.Module):
             out[:rows] = decode_delta_rule_(
                 q, k, v, decay[:rows], beta[:rows], recurrent, step.decode_slots
             )
+        snapshots = self.states.snapshots
+        for i, (_, snapshot) in step.cuts.items():  # a decode row ending a block
+            if i < rows and snapshots is not None:
+                slot = step.slots[i]
+                snapshots.save(index, snapshot, conv_states[slot], recurrent[slot])
         for i in range(rows, len(step.slots)):
             start, end, slot = step.row_starts[i], step.row_starts[i + 1], step.slots[i]
-            qkv = self._conv_sequence(mixed[start:end], conv_states[slot], weight)
-            q, k, v = self._split_heads(qkv)
-            state = recurrent[slot]
-            out[start:end] = chunked_delta_rule(
-                *normalize_qk(q, k, self.num_v_heads), v, decay[start:end], beta[start:end], state
-            )
+            if i in step.verifying:
+                out[start:end] = self._verify(mixed[start:end], decay[start:end],
+                                              beta[start:end], slot, weight, i)  # fmt: skip
+                continue
+            cut = step.cuts.get(i)  # a prompt chunk, in two parts around a block boundary
+            split = end if cut is None else start + cut[0]
+            out[start:split] = self._chunk(mixed, decay, beta, start, split, slot, weight)
+            if cut is not None and snapshots is not None:
+                snapshots.save(index, cut[1], conv_states[slot], recurrent[slot])
+            if split < end:
+                out[split:end] = self._chunk(mixed, decay, beta, split, end, slot, weight)
         gated = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(gated.reshape(hidden.shape[0], self.value_size))
+
+    def _chunk(
+        self,
+        mixed: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+        start: int,
+        end: int,
+        slot: int,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows [start, end) of one sequence, in the chunked form, from its slot's states."""
+        assert self.states is not None
+        conv_state = self.states.conv[self.layer_index][slot]
+        q, k, v = self._split_heads(self._conv_sequence(mixed[start:end], conv_state, weight))
+        state = self.states.recurrent[self.layer_index][slot]
+        if native_prefill_applies(q, state):
+            return prefill_delta_rule_(q, k, v, decay[start:end], beta[start:end], state)
+        return chunked_delta_rule(
+            *normalize_qk(q, k, self.num_v_heads), v, decay[start:end], beta[start:end], state
+        )
+
+    def _verify(
+        self,
+        mixed: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+        slot: int,
+        weight: torch.Tensor,
+        sequence: int,
+    ) -> torch.Tensor:
+        """A sequence verifying drafts, token by token: the states after each row are kept
+        (`LinearStateCache.positions`) so `accept` can roll back the rejected ones."""
+        assert self.states is not None
+        conv_state = self.states.conv[self.layer_index][slot]
+        tokens, width = mixed.shape[0], conv_state.shape[-1]
+        padded = torch.cat([conv_state, mixed.transpose(0, 1)], dim=-1)
+        conv_positions = padded.unfold(1, width, 1)[:, 1:].transpose(0, 1).clone()
+        q, k, v = self._split_heads(self._conv_sequence(mixed, conv_state, weight))
+        q, k = normalize_qk(q, k, self.num_v_heads)
+        state = self.states.recurrent[self.layer_index][slot : slot + 1]
+        positions = state.new_empty((tokens, *state.shape[1:]))
+        out = v.new_empty(v.shape, dtype=torch.float32)
+        for t in range(tokens):
+            row = slice(t, t + 1)
+            v_row = v[row].float()
+            out[t] = recurrent_step_(q[row], k[row], v_row, decay[row], beta[row], state)[0]
+            positions[t] = state[0]
+        self.states.positions[self.layer_index][sequence] = (conv_positions, positions)
+        return out
 
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tokens = qkv.shape[0]

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenmill.config import ConfigError
-from tokenmill.quantization import gguf_gemma3, gguf_phi3
+from tokenmill.quantization import gguf_gemma3, gguf_hybrid, gguf_phi3
 from tokenmill.quantization.gguf_blocks import (
     CODE_BITS,
     GROUP_SIZE,
@@ -131,6 +131,8 @@ class GGUFCheckpoint:
         }
 
     def _hf_name(self, name: str) -> str | None:
+        if self.architecture == gguf_hybrid.ARCHITECTURE and name.startswith("blk."):
+            return gguf_hybrid.hf_name(name)
         return _hf_name(name, _NAMES.get(self.architecture, _GGUF_TO_HF))
 
     def hf_config(self, sizes: Mapping[str, int]) -> Any:
@@ -160,6 +162,8 @@ class GGUFCheckpoint:
             return gguf_gemma3.hf_config(sizes, meta, tied, token_ids)
         if arch == gguf_phi3.ARCHITECTURE:
             return gguf_phi3.hf_config(sizes, meta, tied, token_ids, self._float_list)
+        if arch == gguf_hybrid.ARCHITECTURE:
+            return gguf_hybrid.hf_config(sizes, meta, tied, token_ids)
         common = dict(
             vocab_size=sizes["vocab_size"],
             hidden_size=sizes["hidden_size"],
@@ -193,6 +197,8 @@ class GGUFCheckpoint:
         """tokenmill's layer name -> the format its method takes (`_format_of`), for the
         decoder's linears, the LM head (`output.weight`, or the embedding's when tied) and the
         embedding (`embed_tokens`); types with no int8/int4 form are dequantized (logged)."""
+        if self.architecture == gguf_hybrid.ARCHITECTURE:  # dequantized: floats throughout
+            return {}
         formats, dequantized = {}, []
         embedding = self._tensor("token_embd.weight").tensor_type
         output = self.tensors.get("output.weight")
@@ -226,6 +232,9 @@ class GGUFCheckpoint:
         """(Hugging Face name, reader) per tensor; a reader takes the tensor-parallel slice,
         which must be None (GGUF files load on one rank)."""
         permuted = permutes_qk(self.architecture)
+        if self.architecture == gguf_hybrid.ARCHITECTURE:
+            yield from self._hybrid_tensors()
+            return
         gemma = self.architecture == gguf_gemma3.ARCHITECTURE
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
@@ -247,6 +256,15 @@ class GGUFCheckpoint:
                 expert_name = hf_name.replace(".mlp.experts.", f".mlp.experts.{expert}.")
                 quantized = formats.get(_layer_of(expert_name), "float") != "float"
                 yield expert_name, _reader(tensor, quantized, 0, expert=expert)
+
+    def _hybrid_tensors(self) -> Iterator[tuple[str, Callable[[Any], object]]]:
+        """A Qwen3.5 file's tensors as floats, as the checkpoint holds them (gguf_hybrid)."""
+        for name, tensor in self.tensors.items():
+            hf_name = self._hf_name(name)
+            if hf_name is None:
+                raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
+            read = _reader(tensor, False, 0, gguf_hybrid.norm_shift(hf_name))
+            yield hf_name, _restored(read, hf_name, self._meta)
 
     def _float_list(self, name: str) -> list[float] | None:
         """A small float tensor's values (LongRoPE's factors), None if the file has none."""
@@ -354,3 +372,9 @@ def _reader(
 
 def _as_row(read: Callable[[Any], object]) -> Callable[[Any], object]:
     return lambda part: torch.as_tensor(read(part)).reshape(1, -1)
+
+
+def _restored(
+    read: Callable[[Any], object], hf_name: str, meta: Callable[..., Any]
+) -> Callable[[Any], object]:
+    return lambda part: gguf_hybrid.restore(hf_name, torch.as_tensor(read(part)), meta)

@@ -111,6 +111,10 @@ class ModelRunner:
             if scheduler_output.grammar_bitmask is not None:
                 apply_grammar(logits, scheduler_output.grammar_bitmask, inputs)
             output = self._sample(logits, inputs.sampling_states, inputs.sampling_drafts)
+            if self.linear_states is not None and any(inputs.sampling_drafts):
+                self.linear_states.accept(
+                    {r: len(t) - 1 for r, t in zip(output.req_ids, output.sampled_token_ids)}
+                )
             if self.hidden_consumer is not None:
                 self._record_hidden_states(self.hidden_consumer, hidden, inputs, output)
             num_drafts = scheduler_output.num_spec_tokens_to_propose
@@ -187,8 +191,15 @@ class ModelRunner:
             return self.decode_step.run(inputs.decode)
         assert inputs.metadata is not None
         if self.linear_states is not None:
-            req_ids = [s.req_id for s in inputs.states]
-            self.linear_states.prepare(req_ids, inputs.row_starts, len(inputs.input_ids))
+            states = inputs.states
+            self.linear_states.prepare(
+                [s.req_id for s in states],
+                inputs.row_starts,
+                len(inputs.input_ids),
+                inputs.first_positions,
+                inputs.known_ends,
+                [s.block_ids for s in states],
+            )
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _synchronize(self) -> None:
@@ -214,9 +225,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 lora=new.lora,
             )
-            if self.linear_states is not None:  # no prefix hits: a state starts at token 0
-                assert new.num_computed_tokens == 0, new.num_computed_tokens
-                self.linear_states.admit(new.req_id)
+            if self.linear_states is not None:  # a prefix hit starts from its snapshot
+                self.linear_states.admit(new.req_id, new.num_computed_tokens, new.block_ids)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

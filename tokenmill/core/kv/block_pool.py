@@ -10,7 +10,7 @@ as the prefix cache's LRU eviction order: the head is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tokenmill.core.kv.events import AllBlocksCleared, BlockRemoved, KVEventLog, external_block_hash
 
@@ -93,6 +93,8 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.events: KVEventLog | None = None  # set when KV cache events are published
+        # Told each block id handed out again (a hybrid model's state snapshots drop theirs).
+        self.on_reuse: Callable[[int], None] | None = None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -165,6 +167,8 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             new_blocks.append(block)
+            if self.on_reuse is not None:
+                self.on_reuse(block.block_id)
         if evicted and self.events is not None:
             self.events.add(BlockRemoved([external_block_hash(h) for h in evicted]))
         return new_blocks

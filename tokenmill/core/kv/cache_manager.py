@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenmill.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.kv.events import BlockStored, KVEventLog, external_block_hash
@@ -60,6 +60,8 @@ class KVCacheManager:
         self.groups = (
             WindowGroups(self.block_pool, block_size, windows[1:]) if len(windows) > 1 else None
         )
+        # Whether a hit may end with a block (a hybrid model's: where a state snapshot is kept).
+        self.hit_ends: Callable[[int], bool] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -103,6 +105,9 @@ class KVCacheManager:
         if self.groups is not None:  # the longest hit every group has the blocks for
             hashes = self.block_hashes(request)
             while hits and self.groups.hits(hashes, len(hits)) is None:
+                hits.pop()
+        if self.hit_ends is not None:  # a hybrid model: back to a block with a state snapshot
+            while hits and not self.hit_ends(hits[-1].block_id):
                 hits.pop()
         return hits, len(hits) * self.block_size
 

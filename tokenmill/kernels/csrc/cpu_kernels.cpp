@@ -21,6 +21,9 @@ at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& decay,
                               const at::Tensor& beta, at::Tensor& state_pool,
                               const at::Tensor& slots);  // gated_delta.cpp
+at::Tensor gated_delta_prefill(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& decay,
+                               const at::Tensor& beta, at::Tensor& state);  // gated_delta.cpp
 
 namespace {
 
@@ -89,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "the first maximal index of each row (float32)", no_gil);
   m.def("gated_delta_decode", &gated_delta_decode,
         "one token of the gated delta rule per row, its state updated in its slot", no_gil);
+  m.def("gated_delta_prefill", &gated_delta_prefill,
+        "one sequence's tokens of the gated delta rule, its state updated in place", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
                           const std::vector<std::vector<std::vector<PackedLinear>>>&,

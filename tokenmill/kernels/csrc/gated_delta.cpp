@@ -1,12 +1,14 @@
-// The gated delta rule's decode step (gated DeltaNet: Qwen3.5, Qwen3-Next): one token of each
-// row advances its sequence's recurrent state, read and written in place in its slot of the
-// pool. Per (row, value head), with S the [k_dim, v_dim] state:
+// The gated delta rule (gated DeltaNet: Qwen3.5, Qwen3-Next). The decode step: one token of
+// each row advances its sequence's recurrent state, read and written in place in its slot of
+// the pool. The prefill: one sequence's prompt chunk, token by token, each value head's state
+// kept hot in cache across the chunk's tokens (a job per value head). Per (row, value head), with S the [k_dim, v_dim] state:
 //   S *= exp(g);  d = beta * (v - k^T S);  S += k d^T;  o = q^T S
 // in two passes over S (decay + prediction, then update + read), vectorised along v_dim. q and
 // k arrive raw: l2-normalised here (eps 1e-6, as FLA and transformers), q scaled by
 // k_dim^-0.5. tokenmill/layers/gated_delta_rule.py is the torch reference.
 #include <cmath>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -116,26 +118,89 @@ void l2_normalize(const float* x, float* out, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
 }
 
+void run_head(int isa, const HeadJob& j) {
+  if (isa >= kAvx512) {
+    head_avx512(j);
+  } else if (isa >= kAvx2) {
+    head_avx2(j);
+  } else {
+    head_portable(j);
+  }
+}
+
+// Normalised q (scaled by k_dim^-0.5) and k, once per (token or row, key head).
+std::pair<at::Tensor, at::Tensor> normalized_qk(const at::Tensor& query, const at::Tensor& key) {
+  const int64_t k_dim = query.size(2), n = query.size(0) * query.size(1);
+  at::Tensor qn = at::empty(query.sizes(), query.options());
+  at::Tensor kn = at::empty(key.sizes(), key.options());
+  const float scale = 1.f / std::sqrt(static_cast<float>(k_dim));
+  for (int64_t i = 0; i < n; ++i) {
+    l2_normalize(query.data_ptr<float>() + i * k_dim, qn.data_ptr<float>() + i * k_dim, k_dim,
+                 scale);
+    l2_normalize(key.data_ptr<float>() + i * k_dim, kn.data_ptr<float>() + i * k_dim, k_dim, 1.f);
+  }
+  return {qn, kn};
+}
+
+void check_inputs(const char* name, const at::Tensor& query, const at::Tensor& key,
+                  const at::Tensor& value, const at::Tensor& decay, const at::Tensor& beta,
+                  const at::Tensor& state) {
+  TORCH_CHECK(query.dim() == 3 && key.sizes() == query.sizes() && value.dim() == 3, name,
+              ": q, k [rows, k_heads, k_dim], v [rows, v_heads, v_dim]");
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&query, &key, &value, &decay, &beta, &state}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), name,
+                ": contiguous float32 tensors expected");
+  }
+  const int64_t rows = query.size(0), v_heads = value.size(1);
+  TORCH_CHECK(value.size(0) == rows && v_heads % query.size(1) == 0, name, ": heads");
+  TORCH_CHECK(decay.sizes() == at::IntArrayRef({rows, v_heads}) && beta.sizes() == decay.sizes(),
+              name, ": decay, beta [rows, v_heads]");
+}
+
 }  // namespace
+
+at::Tensor gated_delta_prefill(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& decay,
+                               const at::Tensor& beta, at::Tensor& state) {
+  check_inputs("gated_delta_prefill", query, key, value, decay, beta, state);
+  const int64_t tokens = query.size(0), k_heads = query.size(1), k_dim = query.size(2);
+  const int64_t v_heads = value.size(1), v_dim = value.size(2);
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == v_heads && state.size(1) == k_dim &&
+                  state.size(2) == v_dim,
+              "gated_delta_prefill: state [v_heads, k_dim, v_dim]");
+  auto [qn, kn] = normalized_qk(query, key);
+  at::Tensor out = at::empty({tokens, v_heads, v_dim}, value.options());
+  const int64_t group = v_heads / k_heads;
+  const int isa = current_isa();
+  const float* qp = qn.data_ptr<float>();
+  const float* kp = kn.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const float* gp = decay.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_chunks(v_heads, [&](int64_t h, int) {
+    const int64_t kh = h / group;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t row = t * v_heads + h;
+      run_head(isa, HeadJob{qp + (t * k_heads + kh) * k_dim, kp + (t * k_heads + kh) * k_dim,
+                            vp + row * v_dim, std::exp(gp[row]), bp[row],
+                            sp + h * k_dim * v_dim, op + row * v_dim, k_dim, v_dim});
+    }
+  }, tokens * v_heads * k_dim * v_dim >= (1 << 15) ? team_size() : 1);
+  return out;
+}
 
 at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& decay,
                               const at::Tensor& beta, at::Tensor& state_pool,
                               const at::Tensor& slots) {
-  TORCH_CHECK(query.dim() == 3 && key.sizes() == query.sizes() && value.dim() == 3,
-              "gated_delta_decode: q, k [rows, k_heads, k_dim], v [rows, v_heads, v_dim]");
-  for (const at::Tensor* t :
-       std::initializer_list<const at::Tensor*>{&query, &key, &value, &decay, &beta, &state_pool}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "gated_delta_decode: contiguous float32 tensors expected");
-  }
+  check_inputs("gated_delta_decode", query, key, value, decay, beta, state_pool);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "gated_delta_decode: slots int64");
   const int64_t rows = query.size(0), k_heads = query.size(1), k_dim = query.size(2);
   const int64_t v_heads = value.size(1), v_dim = value.size(2);
-  TORCH_CHECK(value.size(0) == rows && v_heads % k_heads == 0, "gated_delta_decode: heads");
-  TORCH_CHECK(decay.sizes() == at::IntArrayRef({rows, v_heads}) && beta.sizes() == decay.sizes(),
-              "gated_delta_decode: decay, beta [rows, v_heads]");
   TORCH_CHECK(state_pool.dim() == 4 && state_pool.size(1) == v_heads &&
                   state_pool.size(2) == k_dim && state_pool.size(3) == v_dim,
               "gated_delta_decode: state pool [slots, v_heads, k_dim, v_dim]");
@@ -145,15 +210,7 @@ at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "gated_delta_decode: slot out of range");
   }
-  // Normalised q (scaled) and k, once per key head.
-  at::Tensor qn = at::empty(query.sizes(), query.options());
-  at::Tensor kn = at::empty(key.sizes(), key.options());
-  const float scale = 1.f / std::sqrt(static_cast<float>(k_dim));
-  for (int64_t i = 0; i < rows * k_heads; ++i) {
-    l2_normalize(query.data_ptr<float>() + i * k_dim, qn.data_ptr<float>() + i * k_dim, k_dim,
-                 scale);
-    l2_normalize(key.data_ptr<float>() + i * k_dim, kn.data_ptr<float>() + i * k_dim, k_dim, 1.f);
-  }
+  auto [qn, kn] = normalized_qk(query, key);
   at::Tensor out = at::empty({rows, v_heads, v_dim}, value.options());
   const int64_t group = v_heads / k_heads;
   const int isa = current_isa();
@@ -176,13 +233,7 @@ at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
                     op + job * v_dim,
                     k_dim,
                     v_dim};
-    if (isa >= kAvx512) {
-      head_avx512(j);
-    } else if (isa >= kAvx2) {
-      head_avx2(j);
-    } else {
-      head_portable(j);
-    }
+    run_head(isa, j);
   }, jobs * k_dim * v_dim >= (1 << 15) ? team_size() : 1);
   return out;
 }

@@ -16,6 +16,7 @@ QWEN3_5 = Family(
     name="qwen3_5",
     architectures=("Qwen3_5ForCausalLM",),
     traits=hybrid_traits,
+    gguf_architectures=("qwen35",),
     split_tensor=split_hybrid_tensor,
     model_class=HybridForCausalLM,
 )
