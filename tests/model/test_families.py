@@ -1,4 +1,4 @@
-"""Families beyond the Llama line (Phi-3, Gemma 3; models/families/) against transformers:
+"""Families beyond the Llama line (Phi-3, Gemma 2 and 3; models/families/) against transformers:
 greedy tokens equal in float32 with chunked prefill, prefix hits and preemption in the batches,
 through the native kernels (the fused stack) and through the layer modules."""
 
@@ -65,6 +65,15 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1e6,
         "rope_local_base_freq": 1e4,
         "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 5.0,
+    },
+    # Attention and final logits soft-capped low enough that the caps bend them.
+    "gemma2": {
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "sliding_window": 6,
+        "query_pre_attn_scalar": 8,
+        "attn_logit_softcapping": 2.0,
         "final_logit_softcapping": 5.0,
     },
     "gemma3-tied-linear-rope": {
@@ -166,13 +175,18 @@ def test_native_stack_greedy_equals_transformers_at_every_isa_level(
 def test_unsupported_architecture_names_the_registry(tiny_checkpoint, tmp_path: Path) -> None:
     source = tiny_checkpoint("llama")
     config = json.loads((source / "config.json").read_text())
-    config["architectures"] = ["Gemma2ForCausalLM"]
+    config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as error:
         load_hf_config(tmp_path)
     message = str(error.value)
-    assert "\n" not in message and "Gemma2ForCausalLM" in message
-    for architecture in ("Gemma3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
+    assert "\n" not in message and "GPTNeoXForCausalLM" in message
+    for architecture in (
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "LlamaForCausalLM",
+    ):
         assert architecture in MODEL_REGISTRY and architecture in message
 
 

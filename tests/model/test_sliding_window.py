@@ -1,0 +1,63 @@
+"""Model-wide and per-layer sliding windows of the Llama line (Mistral's `sliding_window`,
+Qwen2's `use_sliding_window` with `max_window_layers`) against transformers, with prompts
+longer than the window, chunked prefill, prefix hits and preemption: the window's KV groups
+(layers/kv_groups.py, core/kv/window_groups.py) give back the blocks behind the window."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenmill import LLM, SamplingParams
+from tokenmill_testing.transformers_reference import greedy_reference
+
+MAX_TOKENS = 8
+WINDOW = 8
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Layer 0 attends to everything, layers 1 and 2 within the window.
+    "qwen2": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+}
+# The fused native stack (the CPU default) and the layer modules with torch's kernels.
+PATHS = {"native": {}, "modules": {"attention_backend": "torch", "linear_backend": "torch"}}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_windowed_layers_free_blocks_and_equal_transformers(
+    tiny_checkpoint, name: str, path: str
+) -> None:
+    architecture, kwargs = CHECKPOINTS[name]
+    checkpoint = tiny_checkpoint(architecture, num_hidden_layers=3, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    rng = random.Random(5)
+    head = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [[*head, *(rng.randrange(3, vocab) for _ in range(n))] for n in (4, 9, 2)]
+    expected, _ = greedy_reference(model, prompts, MAX_TOKENS)
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=27,
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+        **PATHS[path],
+    )
+    manager = llm.engine.kv_cache_manager
+    assert manager.groups is not None  # the windowed layers' own block tables
+    assert (llm.engine.runner.model.decoder_stack is not None) == (path == "native")
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = llm.generate(prompts[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    rest = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], greedy, use_tqdm=False)]
+    assert [first, *rest] == expected
+    stats = llm.get_stats().scheduler
+    assert stats.prefix_cache.hits > 0 and stats.num_preemptions > 0
+    assert manager.num_free_blocks == manager.num_blocks - 1  # all back but the null block
