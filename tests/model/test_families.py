@@ -206,6 +206,9 @@ GEMMA3_AS_LLAMA_CPP = {
 # Phi-3's q/k/v and gate/up fused, LongRoPE's factors as tensors).
 GGUF_CHECKPOINTS = {
     "gemma3": GEMMA3_AS_LLAMA_CPP,
+    # Gemma 2 as llama.cpp reads it: query scale 1/sqrt(head_dim), even layers local, the
+    # LM head the embeddings.
+    "gemma2": {**CHECKPOINTS["gemma2"], "query_pre_attn_scalar": 16, "tie_word_embeddings": True},
     "phi3": {
         key: value
         for key, value in CHECKPOINTS["phi3-longrope-long"].items()

@@ -71,4 +71,5 @@ GEMMA2_FAMILY = Family(
     name="gemma2",
     architectures=(GEMMA2,),
     traits=gemma3_traits,
+    gguf_architectures=("gemma2",),
 )
