@@ -14,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ConfigError
 from tokenmill.kernels import native
 from tokenmill.models.config_checks import ModelLoadError
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
@@ -265,10 +264,31 @@ def test_online_quantization_matches_the_dequantized_float_model(
     )
 
 
-def test_captured_decode_is_refused_for_per_layer_windows(tiny_checkpoint) -> None:
-    kwargs = dict(CHECKPOINTS["gemma3"])
-    with pytest.raises(ConfigError, match="enforce_eager"):
-        LLM(model=str(tiny_checkpoint("gemma3", **kwargs)), enforce_eager=False)
+def test_captured_decode_equals_transformers_with_window_groups(
+    checkpoint: Path, reference
+) -> None:
+    """Decode steps through the captured step's static buffers (eager capture: the buffers,
+    not the compiler, are what differ), with a hybrid cache's every KV group and the layers'
+    own window masks, around chunks, preemption and prefix hits."""
+    from tokenmill.worker.capture_backends import eager_capture
+
+    prompts, expected = reference
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=10 if "gemma" not in checkpoint.name else 20,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=7,
+        enable_prefix_caching=True,
+    )
+    runner = llm.engine.runner
+    runner.use_captured_decode(8, llm.engine.max_model_len, capture=eager_capture)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert runner.decode_step.num_runs > 0
+    stats = llm.get_stats().scheduler
+    assert stats.prefix_cache.hits > 0 and stats.num_preemptions > 0
 
 
 class _CountingMLP(LlamaMLP):
