@@ -149,6 +149,18 @@ class StaticDecodeInputs:
         self.metadata.kv_groups = metadata[1:]
         self.fill(np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int64))
 
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.groups[0].slot_mapping  # the primary group's (as every group's below)
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.groups[0].block_tables
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.groups[0].mask
+
     def fill(
         self,
         token_ids: np.ndarray,
