@@ -93,3 +93,13 @@ class HeldBlocks:
             return result
 
         manager.allocate_slots = counting
+
+
+def test_use_sliding_window_is_refused_where_no_family_reads_it(tiny_checkpoint) -> None:
+    from tokenmill.config import ConfigError
+
+    checkpoint = tiny_checkpoint(
+        "qwen3_moe", num_hidden_layers=2, use_sliding_window=True, sliding_window=WINDOW
+    )
+    with pytest.raises(ConfigError, match="use_sliding_window is served for Qwen2 and Qwen3"):
+        LLM(model=str(checkpoint), dtype="float32", max_model_len=64)

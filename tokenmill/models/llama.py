@@ -264,6 +264,10 @@ class LlamaForCausalLM(nn.Module):
         family = family_of(architecture)
         self.traits = traits = family.traits(architecture, hf_config)
         shape = ModelShape.from_hf_config(hf_config)
+        if getattr(hf_config, "use_sliding_window", False) and family.name != "llama":
+            raise ConfigError(
+                f"use_sliding_window is served for Qwen2 and Qwen3, not {architecture}"
+            )
         if traits.layer_windows is not None:  # each layer has its own (attention.sliding_window)
             shape = replace(shape, sliding_window=None)
         self.shape = shape
