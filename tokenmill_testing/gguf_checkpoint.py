@@ -249,9 +249,9 @@ def save_gguf(
     architecture: str = "llama",
     config_overrides: dict | None = None,
 ) -> Path:
-    """`checkpoint` (a llama, gemma3 or phi3 directory) as a GGUF file: 2-D decoder weights in
-    `qtype` (or `overrides[gguf name]`), everything else in F32. `config_overrides` change
-    the metadata only (a file that disagrees with its tensors)."""
+    """`checkpoint` (a llama, gemma2, gemma3 or phi3 directory) as a GGUF file: 2-D decoder
+    weights in `qtype` (or `overrides[gguf name]`), everything else in F32. `config_overrides`
+    change the metadata only (a file that disagrees with its tensors)."""
     original = json.loads((checkpoint / "config.json").read_text())
     config = {**original, **(config_overrides or {})}
     tensors = {}
@@ -261,7 +261,7 @@ def save_gguf(
     _write_metadata(writer, config)
     _write_tokenizer(writer, checkpoint)
     heads, kv_heads = original["num_attention_heads"], original["num_key_value_heads"]
-    gemma = architecture == "gemma3"
+    gemma = architecture in ("gemma2", "gemma3")
     mapped = architecture in _MAPPED_ARCHITECTURES
     if architecture == "phi3":
         tensors.update(_phi3_rope_factors(writer, config))
@@ -293,6 +293,7 @@ def save_gguf(
 # Architectures whose tensors the gguf package's own map (llama.cpp's) names, whose q/k rows
 # llama.cpp's converter leaves as they are.
 _MAPPED_ARCHITECTURES = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+_MAPPED_ARCHITECTURES["gemma2"] = gguf.MODEL_ARCH.GEMMA2
 
 
 def mapped_gguf_name(hf_name: str, config: dict, architecture: str) -> str:
@@ -354,6 +355,10 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_sliding_window(config["sliding_window"])
         if config.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if writer.arch == "gemma2":  # as the converter writes them
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
 
 

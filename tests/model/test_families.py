@@ -1,4 +1,4 @@
-"""Families beyond the Llama line (Phi-3, Gemma 3; models/families/) against transformers:
+"""Families beyond the Llama line (Phi-3, Gemma 2 and 3; models/families/) against transformers:
 greedy tokens equal in float32 with chunked prefill, prefix hits and preemption in the batches,
 through the native kernels (the fused stack) and through the layer modules."""
 
@@ -14,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import ConfigError
 from tokenmill.kernels import native
 from tokenmill.models.config_checks import ModelLoadError
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
@@ -65,6 +64,15 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1e6,
         "rope_local_base_freq": 1e4,
         "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 5.0,
+    },
+    # Attention and final logits soft-capped low enough that the caps bend them.
+    "gemma2": {
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "sliding_window": 6,
+        "query_pre_attn_scalar": 8,
+        "attn_logit_softcapping": 2.0,
         "final_logit_softcapping": 5.0,
     },
     "gemma3-tied-linear-rope": {
@@ -166,13 +174,18 @@ def test_native_stack_greedy_equals_transformers_at_every_isa_level(
 def test_unsupported_architecture_names_the_registry(tiny_checkpoint, tmp_path: Path) -> None:
     source = tiny_checkpoint("llama")
     config = json.loads((source / "config.json").read_text())
-    config["architectures"] = ["Gemma2ForCausalLM"]
+    config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as error:
         load_hf_config(tmp_path)
     message = str(error.value)
-    assert "\n" not in message and "Gemma2ForCausalLM" in message
-    for architecture in ("Gemma3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
+    assert "\n" not in message and "GPTNeoXForCausalLM" in message
+    for architecture in (
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "LlamaForCausalLM",
+    ):
         assert architecture in MODEL_REGISTRY and architecture in message
 
 
@@ -192,6 +205,9 @@ GEMMA3_AS_LLAMA_CPP = {
 # Phi-3's q/k/v and gate/up fused, LongRoPE's factors as tensors).
 GGUF_CHECKPOINTS = {
     "gemma3": GEMMA3_AS_LLAMA_CPP,
+    # Gemma 2 as llama.cpp reads it: query scale 1/sqrt(head_dim), even layers local, the
+    # LM head the embeddings.
+    "gemma2": {**CHECKPOINTS["gemma2"], "query_pre_attn_scalar": 16, "tie_word_embeddings": True},
     "phi3": {
         key: value
         for key, value in CHECKPOINTS["phi3-longrope-long"].items()
@@ -248,10 +264,31 @@ def test_online_quantization_matches_the_dequantized_float_model(
     )
 
 
-def test_captured_decode_is_refused_for_per_layer_windows(tiny_checkpoint) -> None:
-    kwargs = dict(CHECKPOINTS["gemma3"])
-    with pytest.raises(ConfigError, match="enforce_eager"):
-        LLM(model=str(tiny_checkpoint("gemma3", **kwargs)), enforce_eager=False)
+def test_captured_decode_equals_transformers_with_window_groups(
+    checkpoint: Path, reference
+) -> None:
+    """Decode steps through the captured step's static buffers (eager capture: the buffers,
+    not the compiler, are what differ), with a hybrid cache's every KV group and the layers'
+    own window masks, around chunks, preemption and prefix hits."""
+    from tokenmill.worker.capture_backends import eager_capture
+
+    prompts, expected = reference
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=10 if "gemma" not in checkpoint.name else 20,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=7,
+        enable_prefix_caching=True,
+    )
+    runner = llm.engine.runner
+    runner.use_captured_decode(8, llm.engine.max_model_len, capture=eager_capture)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert runner.decode_step.num_runs > 0
+    stats = llm.get_stats().scheduler
+    assert stats.prefix_cache.hits > 0 and stats.num_preemptions > 0
 
 
 class _CountingMLP(LlamaMLP):

@@ -170,11 +170,13 @@ def test_paged_attention_matches_the_torch_backend(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5]], ids=["d24", "d64", "d128"])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-def test_paged_attention_sinks_match_the_torch_backend(
-    isa: int, dtype: torch.dtype, case: tuple, sliding_window: int | None
+@pytest.mark.parametrize("extra", ["sinks", "softcap"])
+def test_paged_attention_sinks_and_softcap_match_the_torch_backend(
+    isa: int, dtype: torch.dtype, case: tuple, sliding_window: int | None, extra: str
 ) -> None:
-    """gpt-oss's attention sinks (a per-head logit in the softmax's denominator) in every
-    kernel variant (the portable head loop, AVX-512 at head sizes 64 and 128)."""
+    """gpt-oss's attention sinks (a per-head logit in the softmax's denominator) and Gemma 2's
+    score soft-capping in every kernel variant (the portable head loop, AVX-512 at head sizes
+    64 and 128)."""
     num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens = case
     cache, query, block_tables = _paged_case(
         dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, seed=3
@@ -184,20 +186,21 @@ def test_paged_attention_sinks_match_the_torch_backend(
         sliding_window,
     )  # fmt: skip
     sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(7)) * 2
-    scale = head_dim**-0.5
+    # Scores of a few units capped at 1.5: most of them well into tanh's bend.
+    scale, softcap = (head_dim**-0.5, None) if extra == "sinks" else (head_dim**-0.25, 1.5)
     backend = TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)
-    backend.sinks = sinks
+    backend.sinks, backend.softcap = (sinks if extra == "sinks" else None), softcap
     reference, without = torch.empty_like(query), torch.empty_like(query)
     backend._attend_group(query, cache, group, reference)
     TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)._attend_group(
         query, cache, group, without
     )
-    assert not torch.allclose(reference.float(), without.float(), atol=1e-2)  # sinks matter
+    assert not torch.allclose(reference.float(), without.float(), atol=1e-2)  # they matter
     got = torch.full_like(query, float("nan"))
     assert group.query_start_loc is not None and group.seq_lens is not None
     assert native_paged_attention(
         query, cache, group.block_tables, group.query_start_loc, group.seq_lens,
-        sliding_window, scale, got, sinks,
+        sliding_window, scale, got, backend.sinks, softcap,
     )  # fmt: skip
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), reference.float(), atol=tolerance, rtol=tolerance)

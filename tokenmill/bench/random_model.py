@@ -12,6 +12,10 @@ download, the same files every time. Presets:
 - `1b`: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocabulary 49152,
   tied), saved in bfloat16 (2.5 GB); its widths are multiples of 256, so `llama-quantize`
   writes real K-quant blocks.
+- `gemma3-1b`: Gemma-3-1B's shape (hidden 1152, 26 layers, 4 / 1 heads of 256, MLP 6912, every
+  sixth layer global, the others within 512 tokens, tied), its 262144-token vocabulary cut to
+  the demo tokenizer's 2048 (llama.cpp's Gemma 3 converter keeps only the tokenizer's rows, so
+  both engines read the same LM head), saved in bfloat16.
 
 The tokenizer is the demo model's (2048 tokens); token ids above it are valid inputs for the
 larger vocabularies (benchmarks feed token ids). Weights are spread so that logits are not
@@ -41,7 +45,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 @dataclass(frozen=True)
 class Preset:
     name: str  # the cache directory's name: bump its version when changing the recipe
-    # Config fields (LlamaConfig's unless `architecture` names another), `dtype` by name.
+    # Config fields (LlamaConfig's unless `architecture` names another; `config_class` where
+    # its name is not the architecture's), `dtype` by name.
     shape: dict[str, Any] = field(default_factory=dict)
 
     def model_dir(self) -> Path:
@@ -100,6 +105,30 @@ PRESETS = {
             vocab_size=49152,
             tie_word_embeddings=True,
             rope_theta=500000.0,
+            dtype="bfloat16",
+        ),
+    ),
+    "gemma3-1b": Preset(
+        "bench-gemma3-1b-shaped-v1",
+        dict(
+            architecture="Gemma3ForCausalLM",
+            config_class="Gemma3TextConfig",
+            hidden_size=1152,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            intermediate_size=6912,
+            sliding_window=512,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
+            ],
+            query_pre_attn_scalar=256,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            tie_word_embeddings=True,
             dtype="bfloat16",
         ),
     ),
@@ -164,8 +193,10 @@ def _write_checkpoint(directory: Path, shape: dict[str, Any]) -> None:
     architecture = shape.pop("architecture", "LlamaForCausalLM")
     shape.setdefault("vocab_size", demo_config["vocab_size"])
     shape.setdefault("max_position_embeddings", 2048)
-    shape["rope_parameters"] = {"rope_type": "default", "rope_theta": shape.pop("rope_theta", 1e4)}
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    theta = shape.pop("rope_theta", 1e4)
+    shape.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": theta})
+    config_name = shape.pop("config_class", architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, config_name)
     config = config_class(**tokens, **shape)
     config.architectures = [architecture]
     default_dtype = torch.get_default_dtype()

@@ -116,7 +116,9 @@ def assemble(config: EngineConfig) -> EngineParts:
     model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
     default_sampling = _default_sampling(config, model_dir)
     kv_spec = _kv_spec(config, model, settings.dtype)  # a hybrid model's attention layers only
-    kv_groups = kv_groups_for(config, model.traits.layer_windows, kv_spec.num_layers)
+    window = model.shape.sliding_window  # model-wide (Mistral), where layers do not differ
+    windows = model.traits.layer_windows or ([window] * kv_spec.num_layers if window else None)
+    kv_groups = kv_groups_for(config, windows, kv_spec.num_layers, max_model_len)
     kv_spec = replace(kv_spec, num_layers=kv_groups.width)
     runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
         config, model, settings, device, executor, kv_spec, max_model_len, kv_groups

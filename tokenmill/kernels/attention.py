@@ -25,10 +25,12 @@ def native_paged_attention(
     scale: float,
     out: torch.Tensor,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """Write the attention of `query` (`[tokens, heads, head_dim]`) to `out`; False (nothing
     written) where the native kernel does not apply. `sinks`: each head's attention-sink logit
-    (`[heads]`, gpt-oss), which joins every row's softmax denominator."""
+    (`[heads]`, gpt-oss), which joins every row's softmax denominator. `softcap`: the scaled
+    scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     if (
         query.device.type != "cpu"
         or query.dtype not in NATIVE_ATTENTION_DTYPES
@@ -52,5 +54,6 @@ def native_paged_attention(
         scale,
         out,
         _NO_SINKS if sinks is None else sinks.float().contiguous(),
+        softcap or 0.0,
     )
     return True

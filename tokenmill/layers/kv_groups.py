@@ -27,6 +27,11 @@ class KVGroupLayout:
     def hybrid(self) -> bool:
         return len(self.windows) > 1
 
+    @property
+    def bounded(self) -> bool:
+        """Whether some group keeps only its window's blocks."""
+        return any(window is not None for window in self.windows)
+
     def blocks_per_seq(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
         """Blocks one sequence of `num_tokens` tokens holds, every group, while computing a
         chunk of `chunk` tokens (a sliding group holds the window before it and the chunk)."""
@@ -44,7 +49,12 @@ def single_group(num_layers: int) -> KVGroupLayout:
 
 def kv_group_layout(layer_windows: Sequence[int | None] | None, num_layers: int) -> KVGroupLayout:
     """Groups for per-layer windows (None: full attention); a model whose layers all attend
-    alike is one group, as before."""
+    alike is one group, as before: one whose every layer has the same window (Mistral's
+    model-wide `sliding_window`) a windowed one, its blocks behind the window freed too."""
+    if layer_windows is not None and len(set(layer_windows)) == 1 and layer_windows[0]:
+        return KVGroupLayout(
+            (layer_windows[0],), (0,) * num_layers, tuple(range(num_layers)), num_layers
+        )
     if layer_windows is None or len(set(layer_windows)) <= 1 or None not in layer_windows:
         return single_group(num_layers)
     kinds: dict[int | None, list[int]] = {}

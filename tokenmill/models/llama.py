@@ -74,10 +74,9 @@ def _sliding_window(hf_config: Any) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if window is None:
         return None
-    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
-        return None  # Qwen2/Qwen3 write a window but switch it off
     if hasattr(hf_config, "use_sliding_window"):
-        raise ValueError("per-layer sliding window attention (use_sliding_window) is unsupported")
+        # Qwen2/Qwen3: off, or on for the layers their family's traits give (layer_windows).
+        return None
     return int(window)
 
 
@@ -135,6 +134,13 @@ class LlamaAttention(nn.Module):
             scale=traits.attention_scale or shape.head_dim**-0.5,
         )
         self.attn.sliding_window = sliding_window
+        if traits.attention_softcap is not None:
+            if attention_backend == "triton":
+                raise ConfigError(
+                    "attention logit soft-capping (Gemma 2) runs on the cpu and torch attention "
+                    "backends, not triton"
+                )
+            self.attn.softcap = traits.attention_softcap
         self.sinks: nn.Parameter | None = None
         if traits.attention_sinks:
             if attention_backend == "triton":
@@ -258,6 +264,10 @@ class LlamaForCausalLM(nn.Module):
         family = family_of(architecture)
         self.traits = traits = family.traits(architecture, hf_config)
         shape = ModelShape.from_hf_config(hf_config)
+        if getattr(hf_config, "use_sliding_window", False) and family.name != "llama":
+            raise ConfigError(
+                f"use_sliding_window is served for Qwen2 and Qwen3, not {architecture}"
+            )
         if traits.layer_windows is not None:  # each layer has its own (attention.sliding_window)
             shape = replace(shape, sliding_window=None)
         self.shape = shape

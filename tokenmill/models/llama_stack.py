@@ -1,5 +1,5 @@
 """The shared decoder's layers as one native call per step (the C++ `DecoderStack`), for every
-family built on them (models/families/: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3).
+family built on them (models/families/: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3).
 
 Where it applies (the CPU, one rank, the `cpu` attention backend, every decoder linear one the
 native kernels multiply: dense packed, int8 or int4, as each layer's `LinearMethod` says
@@ -110,6 +110,8 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         attention.attn.scale,
         traits.activation == "gelu_tanh",
     )
+    if traits.attention_softcap is not None:
+        native.set_attention_softcap(traits.attention_softcap)
     return LlamaDecoderStack(native)
 
 

@@ -12,6 +12,7 @@ from tokenmill.models.family import Family
 
 _BUILTIN = (llama.FAMILY, phi3.FAMILY, gemma3.FAMILY, mixtral.FAMILY, qwen_moe.FAMILY)
 _BUILTIN += (gpt_oss.FAMILY,)
+_BUILTIN += (gemma3.GEMMA2_FAMILY,)
 _FAMILIES: dict[str, Family] = {}
 
 

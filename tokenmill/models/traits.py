@@ -29,6 +29,8 @@ class ArchitectureTraits:
     embedding_scale: float | None = None  # the embeddings are multiplied by it (Gemma)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # The attention's scores (scaled) soft-capped the same way before the softmax (Gemma 2).
+    attention_softcap: float | None = None
     # Per layer: its sliding window (None: full attention), where layers differ (Gemma 3);
     # None: the model-wide window of ModelShape.sliding_window for every layer.
     layer_windows: tuple[int | None, ...] | None = None
@@ -41,3 +43,15 @@ class ArchitectureTraits:
     # Each attention head has a learned sink logit (`self_attn.sinks`) that joins its softmax
     # denominator and attends to nothing (gpt-oss).
     attention_sinks: bool = False
+
+
+def layer_windows_of(hf_config: Any) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window from a config's `layer_types` (`sliding_attention` layers
+    attend within `sliding_window`; transformers derives the types for Gemma 2/3 and for
+    Qwen2/Qwen3's `use_sliding_window` with `max_window_layers`); None without layer types."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    windows = tuple(
+        int(window) if kind == "sliding_attention" and window else None for kind in layer_types
+    )
+    return windows or None

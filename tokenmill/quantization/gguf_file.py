@@ -58,6 +58,7 @@ _GGUF_TO_HF = {
 }
 # general.architecture -> its block tensors' Hugging Face names, where not llama's.
 _NAMES = {gguf_gemma3.ARCHITECTURE: gguf_gemma3.NAMES, gguf_phi3.ARCHITECTURE: gguf_phi3.NAMES}
+_NAMES[gguf_gemma3.GEMMA2_ARCHITECTURE] = gguf_gemma3.NAMES
 # The values that size the model: role (models/config_checks.py) -> metadata key after
 # `<architecture>.`.
 _SIZING_KEYS = {
@@ -160,6 +161,8 @@ class GGUFCheckpoint:
         tied = "output.weight" not in self.tensors
         if arch == gguf_gemma3.ARCHITECTURE:
             return gguf_gemma3.hf_config(sizes, meta, tied, token_ids)
+        if arch == gguf_gemma3.GEMMA2_ARCHITECTURE:
+            return gguf_gemma3.gemma2_hf_config(sizes, meta, tied, token_ids)
         if arch == gguf_phi3.ARCHITECTURE:
             return gguf_phi3.hf_config(sizes, meta, tied, token_ids, self._float_list)
         if arch == gguf_hybrid.ARCHITECTURE:
@@ -235,7 +238,7 @@ class GGUFCheckpoint:
         if self.architecture == gguf_hybrid.ARCHITECTURE:
             yield from self._hybrid_tensors()
             return
-        gemma = self.architecture == gguf_gemma3.ARCHITECTURE
+        gemma = self.architecture in gguf_gemma3.ARCHITECTURES
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
             if name in gguf_phi3.ROPE_FACTORS and self.architecture == gguf_phi3.ARCHITECTURE:

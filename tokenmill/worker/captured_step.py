@@ -9,7 +9,9 @@ block that no request owns; their outputs are dropped. Mixed and prefill steps s
 
 The attention metadata of a captured step is built here, not by `build_attention_group`: one
 decode group whose sizes depend only on the key, with a mask computed from the context lengths
-(so no shape depends on the data), and block tables padded with the scratch block.
+(so no shape depends on the data), and block tables padded with the scratch block. A hybrid
+model's other KV groups (layers/kv_groups.py) get the same, through their own block tables, and
+every group the masks of the layers' own windows (Gemma's local layers).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,6 +76,24 @@ class DecodeBatch:
     token_ids: np.ndarray
     block_ids: list[list[int]]
     seq_lens: np.ndarray
+    # A hybrid cache's other KV groups: per group, each row's block ids (empty: one group).
+    group_block_ids: list[list[list[int]]] = field(default_factory=list)
+
+
+class _StaticGroup:
+    """One KV group's buffers: its rows' slots, block tables and masks (the step's window and
+    each layer window's)."""
+
+    def __init__(
+        self, key: DecodeKey, block_size: int, windows: Sequence[int], device: torch.device
+    ) -> None:
+        batch, kv_len = key.batch, key.blocks * block_size
+        self.slot_mapping = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(batch, key.blocks, dtype=torch.int64, device=device)
+        self.mask = torch.zeros(batch, 1, 1, kv_len, dtype=torch.bool, device=device)
+        self.window_masks = {
+            w: torch.zeros(batch, 1, 1, kv_len, dtype=torch.bool, device=device) for w in windows
+        }
 
 
 class StaticDecodeInputs:
@@ -87,67 +107,94 @@ class StaticDecodeInputs:
         scratch_block: int,
         sliding_window: int | None,
         device: torch.device,
+        num_groups: int = 1,
+        layer_windows: Sequence[int] = (),
     ) -> None:
+        """`num_groups`: the KV groups (a hybrid cache's); `layer_windows`: the windows of
+        layers attending within their own (their masks kept beside the step's)."""
         self.key = key
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.sliding_window = sliding_window
-        kv_len = key.blocks * block_size
         self.input_ids = torch.zeros(key.batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(key.batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(key.batch, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(key.batch, key.blocks, dtype=torch.int64, device=device)
-        self.mask = torch.zeros(key.batch, 1, 1, kv_len, dtype=torch.bool, device=device)
         # What a kernel reading the block tables needs (layers/attention/selector.py): one
         # query per row, and each row's length.
         self.seq_lens = torch.ones(key.batch, dtype=torch.int32, device=device)
         query_start_loc = torch.arange(key.batch + 1, dtype=torch.int32, device=device)
-        self.metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping,
-            groups=[
-                AttentionGroup(
-                    token_start=0,
-                    token_end=key.batch,
-                    max_query_len=1,
-                    block_tables=self.block_tables,
-                    kv_len=kv_len,
-                    mask=self.mask,
-                    query_start_loc=query_start_loc,
-                    seq_lens=self.seq_lens,
-                    sliding_window=sliding_window,
-                )
-            ],
-        )
+        self.groups = [
+            _StaticGroup(key, block_size, layer_windows, device) for _ in range(num_groups)
+        ]
+        metadata = [
+            AttentionMetadata(
+                slot_mapping=group.slot_mapping,
+                groups=[
+                    AttentionGroup(
+                        token_start=0,
+                        token_end=key.batch,
+                        max_query_len=1,
+                        block_tables=group.block_tables,
+                        kv_len=key.blocks * block_size,
+                        mask=group.mask,
+                        query_start_loc=query_start_loc,
+                        seq_lens=self.seq_lens,
+                        sliding_window=sliding_window,
+                        window_masks=group.window_masks,
+                    )
+                ],
+            )
+            for group in self.groups
+        ]
+        self.metadata = metadata[0]
+        self.metadata.kv_groups = metadata[1:]
         self.fill(np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int64))
 
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.groups[0].slot_mapping  # the primary group's (as every group's below)
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.groups[0].block_tables
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.groups[0].mask
+
     def fill(
-        self, token_ids: np.ndarray, block_ids: Sequence[Sequence[int]], seq_lens: np.ndarray
+        self,
+        token_ids: np.ndarray,
+        block_ids: Sequence[Sequence[int]],
+        seq_lens: np.ndarray,
+        group_block_ids: Sequence[Sequence[Sequence[int]]] = (),
     ) -> None:
         """Copy in a decode batch (as `DecodeBatch`'s fields); rows past it are padding."""
         num_rows, (batch, blocks) = len(seq_lens), (self.key.batch, self.key.blocks)
         lens = np.ones(batch, dtype=np.int64)
         lens[:num_rows] = seq_lens
-        table = np.full((batch, blocks), self.scratch_block, dtype=np.int64)
-        for row, (ids, n) in enumerate(zip(block_ids, -(-lens[:num_rows] // self.block_size))):
-            table[row, :n] = ids[:n]
         positions = lens - 1
-        rows = np.arange(batch)
-        slots = table[rows, positions // self.block_size] * self.block_size
-        slots += positions % self.block_size
         keys = np.arange(blocks * self.block_size)
-        mask = keys[None, :] <= positions[:, None]
-        if self.sliding_window is not None:
-            mask &= keys[None, :] > positions[:, None] - self.sliding_window
+        causal = keys[None, :] <= positions[:, None]
+
+        def within(window: int | None) -> np.ndarray:
+            return (
+                causal if window is None else causal & (keys[None, :] > positions[:, None] - window)
+            )
+
         ids = np.zeros(batch, dtype=np.int64)
         ids[:num_rows] = token_ids
-        for buffer, values in (
-            (self.input_ids, ids),
-            (self.positions, positions),
-            (self.slot_mapping, slots),
-            (self.block_tables, table),
-            (self.mask, mask.reshape(self.mask.shape)),
-            (self.seq_lens, lens.astype(np.int32)),
-        ):
+        copies = [(self.input_ids, ids), (self.positions, positions)]
+        copies.append((self.seq_lens, lens.astype(np.int32)))
+        for group, group_ids in zip(self.groups, [block_ids, *group_block_ids]):
+            table = np.full((batch, blocks), self.scratch_block, dtype=np.int64)
+            for row, (row_ids, n) in enumerate(zip(group_ids, -(-seq_lens // self.block_size))):
+                table[row, :n] = row_ids[:n]
+            slots = table[np.arange(batch), positions // self.block_size] * self.block_size
+            copies += [(group.slot_mapping, slots + positions % self.block_size)]
+            copies += [(group.block_tables, table)]
+            copies += [(group.mask, within(self.sliding_window).reshape(group.mask.shape))]
+            copies += [(m, within(w).reshape(m.shape)) for w, m in group.window_masks.items()]
+        for buffer, values in copies:
             buffer.copy_(torch.from_numpy(values), non_blocking=True)
 
 
@@ -166,8 +213,12 @@ class CapturedDecodeStep:
         sliding_window: int | None,
         device: torch.device,
         label: str = "captured",
+        num_groups: int = 1,
+        layer_windows: Sequence[int] = (),
     ) -> None:
         self.forward = forward
+        self.num_groups = num_groups
+        self.layer_windows = tuple(layer_windows)
         self.capture = capture
         self.sizes = list(sizes)
         self.max_blocks = max_blocks
@@ -194,13 +245,19 @@ class CapturedDecodeStep:
         if entry is None:
             entry = self._capture(batch.key)
         inputs, replay = entry
-        inputs.fill(batch.token_ids, batch.block_ids, batch.seq_lens)
+        inputs.fill(batch.token_ids, batch.block_ids, batch.seq_lens, batch.group_block_ids)
         self.num_runs += 1
         return replay()[: len(batch.seq_lens)]
 
     def _capture(self, key: DecodeKey) -> tuple[StaticDecodeInputs, Callable[[], torch.Tensor]]:
         inputs = StaticDecodeInputs(
-            key, self.block_size, self.scratch_block, self.sliding_window, self.device
+            key,
+            self.block_size,
+            self.scratch_block,
+            self.sliding_window,
+            self.device,
+            self.num_groups,
+            self.layer_windows,
         )
         logger.info(
             "%s decode step for batch size %d, %d context blocks (%d of %d batch sizes)...",
@@ -231,9 +288,12 @@ def build_decode_step(
     sliding_window: int | None,
     capture: Capture | None = None,
     compile_backend: str = "inductor",
+    num_groups: int = 1,
+    layer_windows: Sequence[int] = (),
 ) -> CapturedDecodeStep:
     """CUDA graphs on a GPU; elsewhere the forward compiled by `torch.compile` (with
-    `compile_backend`); or the given `capture` of the uncompiled forward (tests)."""
+    `compile_backend`); or the given `capture` of the uncompiled forward (tests).
+    `num_groups`, `layer_windows`: a hybrid cache's KV groups, the layers' own windows."""
     sizes = capture_sizes(max_num_seqs)
     label = "capturing"
     if capture is None and device.type == "cuda":
@@ -258,4 +318,6 @@ def build_decode_step(
         sliding_window,
         device,
         label,
+        num_groups,
+        layer_windows,
     )

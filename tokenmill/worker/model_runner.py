@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tokenmill.config import ConfigError
 from tokenmill.kv_transfer.base import KVConnectorBase
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.kv_cache import swap_blocks
@@ -171,8 +170,7 @@ class ModelRunner:
     ) -> None:
         """Run decode-only steps through captured steps: CUDA graphs on a GPU, a compiled
         forward on the CPU, or `capture` (`worker/captured_step.py`)."""
-        if self.model.traits.layer_windows is not None:  # its mask is the model's one window
-            raise ConfigError("enforce_eager=False can't capture per-layer windows (Gemma 3)")
+        windows = {w for w in self.model.traits.layer_windows or () if w is not None}
         self.decode_step = build_decode_step(
             lambda ids, positions, metadata: self.model(ids, positions, self.kv_caches, metadata),
             self.device,
@@ -183,6 +181,8 @@ class ModelRunner:
             self.sliding_window,
             capture,
             compile_backend,
+            len(self.kv_groups.windows) if self.kv_groups else 1,
+            sorted(windows),
         )
 
     def _forward(self, inputs: BatchInputs) -> torch.Tensor:
@@ -364,7 +364,12 @@ class ModelRunner:
         key = self.decode_step.key_for(seq_lens)
         if key is None:
             return None
-        return DecodeBatch(key, input_ids, [s.block_ids for s in states], seq_lens)
+        groups = (
+            [[s.group_block_ids[g] for s in states] for g in range(len(self.kv_groups.windows) - 1)]
+            if self.kv_groups
+            else []
+        )
+        return DecodeBatch(key, input_ids, [s.block_ids for s in states], seq_lens, groups)
 
     @staticmethod
     def _record_hidden_states(

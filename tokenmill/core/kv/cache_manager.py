@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from tokenmill.core.kv.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.kv.events import BlockStored, KVEventLog, external_block_hash
-from tokenmill.core.kv.window_groups import WindowGroups
+from tokenmill.core.kv.window_groups import WindowGroups, free_behind
 from tokenmill.metrics.stats import KVBlockStates, PrefixCacheStats
 from tokenmill.step.request import Request
 
@@ -36,7 +36,9 @@ class KVCacheManager:
 
     `windows`: each KV group's sliding window (`layers/kv_groups.py`; None keeps every
     block). The first is the primary table (`req_to_blocks`, what the connectors and the
-    runner's proposers read); the others, for a hybrid model, are `WindowGroups`'.
+    runner's proposers read); the others, for a hybrid model, are `WindowGroups`'. A primary
+    with a window (a model-wide one: the only group then) gives back its blocks behind the
+    window too, the null block in their place.
     """
 
     def __init__(
@@ -55,13 +57,17 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # The host-side pool that swapped-out requests' blocks are copied to.
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None
-        self.req_to_swapped_blocks: dict[str, list[KVCacheBlock]] = {}
-        assert windows[0] is None, "the primary group keeps every block"
+        # None: a windowed primary's entry behind its window (the null block's).
+        self.req_to_swapped_blocks: dict[str, list[KVCacheBlock | None]] = {}
+        assert windows[0] is None or len(windows) == 1, "a windowed primary is the only group"
+        self.window = windows[0]
         self.groups = (
             WindowGroups(self.block_pool, block_size, windows[1:]) if len(windows) > 1 else None
         )
         # Whether a hit may end with a block (a hybrid model's: where a state snapshot is kept).
         self.hit_ends: Callable[[int], bool] | None = None
+        # Held forever where the primary table frees blocks: never written, never freed.
+        self.null_block = self.block_pool.get_new_blocks(1)[0] if self.window else None
 
     @property
     def num_blocks(self) -> int:
@@ -96,6 +102,8 @@ class KVCacheManager:
         if not self.reads_prefix_cache(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.null_block is not None:
+            return self._window_hits(request, max_blocks)
         hits = []
         for block_hash in self.block_hashes(request)[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -110,6 +118,21 @@ class KVCacheManager:
             while hits and not self.hit_ends(hits[-1].block_id):
                 hits.pop()
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, request: Request, max_blocks: int) -> tuple[list[KVCacheBlock], int]:
+        """A windowed primary's longest hit: of its k leading blocks only those within the
+        window of position k * block_size must be cached (the null block before them)."""
+        assert self.window is not None and self.null_block is not None
+        cached = [self.block_pool.get_cached_block(h) for h in self.block_hashes(request)]
+        run = 0  # cached blocks ending at index k - 1
+        best, best_first = 0, 0
+        for k in range(1, max_blocks + 1):
+            run = run + 1 if cached[k - 1] is not None else 0
+            first = max(0, k * self.block_size - self.window + 1) // self.block_size
+            if run >= k - first:
+                best, best_first = k, first
+        hits = [self.null_block] * best_first + cached[best_first:best]
+        return hits, best * self.block_size  # type: ignore[return-value]
 
     def reads_prefix_cache(self, request: Request) -> bool:
         """Whether the request may take blocks from the prefix cache: not with caching off,
@@ -172,6 +195,9 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         groups, group_hits = self.groups, None
         num_group_blocks = 0
+        if self.window is not None and self.null_block is not None:
+            first = max(0, num_computed - self.window + 1) // self.block_size
+            free_behind(self.block_pool, blocks, first, self.null_block)
         if groups is not None:
             groups.free_behind_window(request.sample_id, num_computed)
             if computed_blocks:
@@ -181,7 +207,7 @@ class KVCacheManager:
         num_free = self.block_pool.num_free_blocks
         if num_new_blocks + num_evictable_hits + num_group_blocks > num_free:
             return None
-        self.block_pool.touch(computed_blocks)
+        self.block_pool.touch(self.held(list(computed_blocks)))
         if groups is not None:
             groups.grow(request.sample_id, num_needed, group_hits)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
@@ -204,7 +230,8 @@ class KVCacheManager:
         stored = [
             index
             for index in range(start, num_full)
-            if self.block_pool.cache_block(blocks[index], hashes[index])
+            if blocks[index] is not self.null_block
+            and self.block_pool.cache_block(blocks[index], hashes[index])
         ]
         if self.groups is not None:
             self.groups.cache(request.sample_id, hashes, start, num_full)
@@ -239,16 +266,21 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Give back every block of the request, tail first, so that when they are evicted
         the tail blocks (least likely to be shared by another prompt) go first."""
-        blocks = self.req_to_blocks.pop(request.sample_id, [])
+        blocks = self.held(self.req_to_blocks.pop(request.sample_id, []))
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(request.sample_id, None)
         swapped = self.req_to_swapped_blocks.pop(request.sample_id, None)
         if swapped and self.swap_pool is not None:
-            self.swap_pool.free_blocks(swapped)
+            self.swap_pool.free_blocks(h for h in swapped if h is not None)
         if self.groups is not None:
             self.groups.free(request.sample_id)
             if self.swap_pool is not None:
                 self.groups.drop_swapped(request.sample_id, self.swap_pool)
+
+    def held(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """`blocks` without the null block (a windowed primary's entries behind its window)."""
+        null = self.null_block
+        return blocks if null is None else [b for b in blocks if b is not null]
 
     def holds_blocks(self, request: Request) -> bool:
         """Whether the request has blocks in the pool (a waiting one only after a KV
@@ -269,17 +301,20 @@ class KVCacheManager:
         """Move the request's blocks to the host pool: returns (device block, host block) pairs
         to copy, or None, changing nothing, if the host pool can't take them all."""
         blocks = self.req_to_blocks.get(request.sample_id, [])
+        held = self.held(blocks)
         groups = self.groups
-        num_held = len(blocks) + (0 if groups is None else groups.num_held(request.sample_id))
+        num_held = len(held) + (0 if groups is None else groups.num_held(request.sample_id))
         if self.swap_pool is None or num_held > self.swap_pool.num_free_blocks:
             return None
-        host_blocks = self.swap_pool.get_new_blocks(len(blocks))
+        new_hosts = iter(self.swap_pool.get_new_blocks(len(held)))
+        # None for the null block's entries (a windowed primary's, behind its window).
+        host_blocks = [None if b is self.null_block else next(new_hosts) for b in blocks]
         self.req_to_swapped_blocks[request.sample_id] = host_blocks
-        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
+        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks) if h is not None]
         if groups is not None:
             pairs += groups.swap_out(request.sample_id, self.swap_pool)
         del self.req_to_blocks[request.sample_id]
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(held))
         self.num_cached_blocks.pop(request.sample_id, None)
         return pairs
 
@@ -293,13 +328,17 @@ class KVCacheManager:
         num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         groups = self.groups
         num_group = 0 if groups is None else groups.swap_in_needed(request.sample_id, num_needed)
-        if num_needed + num_group > self.block_pool.num_free_blocks:
+        num_null = sum(1 for h in host_blocks if h is None)
+        if num_needed - num_null + num_group > self.block_pool.num_free_blocks:
             return None
-        blocks = self.block_pool.get_new_blocks(num_needed)
-        self.req_to_blocks[request.sample_id] = blocks
-        pairs = [(h.block_id, d.block_id) for h, d in zip(host_blocks, blocks)]
+        new_blocks = iter(self.block_pool.get_new_blocks(num_needed - num_null))
+        blocks = [self.null_block if h is None else next(new_blocks) for h in host_blocks]
+        blocks.extend(new_blocks)
+        self.req_to_blocks[request.sample_id] = blocks  # type: ignore[assignment]
+        pairs = [(h.block_id, d.block_id) for h, d in zip(host_blocks, blocks) if h is not None]
         assert self.swap_pool is not None
-        self.swap_pool.free_blocks(self.req_to_swapped_blocks.pop(request.sample_id))
+        swapped = self.req_to_swapped_blocks.pop(request.sample_id)
+        self.swap_pool.free_blocks(h for h in swapped if h is not None)
         if groups is not None:
             pairs += groups.swap_in(request.sample_id, num_needed, self.swap_pool)
         return pairs

@@ -47,13 +47,23 @@ def _gib(num_bytes: float) -> str:
 
 
 def kv_groups_for(
-    config: EngineConfig, layer_windows: list[int | None] | None, num_layers: int
+    config: EngineConfig,
+    layer_windows: list[int | None] | None,
+    num_layers: int,
+    max_model_len: int,
 ) -> KVGroupLayout:
     """The KV groups the engine keeps (layers/kv_groups.py): one where a KV connector moves
-    blocks (it knows one block table a request)."""
+    blocks (it knows one block table a request). A model-wide window (a windowed primary
+    table) only where it saves blocks at `max_model_len`, and not beside a draft model (whose
+    KV goes by the primary table, all of it)."""
     if config.kv_transfer_config is not None:
         return single_group(num_layers)
-    return kv_group_layout(layer_windows, num_layers)
+    layout = kv_group_layout(layer_windows, num_layers)
+    if layout.windows[0] is None:
+        return layout
+    size, chunk = config.block_size, config.max_num_batched_tokens
+    saves = layout.blocks_per_seq(max_model_len, size, chunk) + 1 < -(-max_model_len // size)
+    return layout if saves and config.speculative_config is None else single_group(num_layers)
 
 
 def _cpu_default(
@@ -94,7 +104,7 @@ def kv_cache_size(
     sliding groups only their window's, plus one step's chunk (`KVGroupLayout`)."""
     blocks_per_seq = -(-max_model_len // spec.block_size)
     min_blocks = blocks_per_seq
-    if groups is not None and groups.hybrid:
+    if groups is not None and groups.bounded:
         chunk = config.max_num_batched_tokens
         min_blocks = groups.blocks_per_seq(max_model_len, spec.block_size, chunk) + 1
         # Every sequence's window, and one of them a whole chunk (plus the null block).

@@ -22,6 +22,20 @@ def group_hash(block_hash: bytes, group: int) -> bytes:
     return block_hash + group.to_bytes(2, "little")
 
 
+def free_behind(
+    pool: BlockPool, table: list[KVCacheBlock], first: int, null_block: KVCacheBlock
+) -> None:
+    """Give back `table`'s blocks before entry `first`, oldest first (so they are evicted
+    from the prefix cache first), the null block in their place."""
+    behind = []
+    for index in range(min(first, len(table)) - 1, -1, -1):
+        if table[index] is null_block:
+            break
+        behind.append(table[index])
+        table[index] = null_block
+    pool.free_blocks(reversed(behind))
+
+
 class WindowGroups:
     def __init__(self, pool: BlockPool, block_size: int, windows: Sequence[int | None]) -> None:
         self.pool = pool
@@ -67,14 +81,8 @@ class WindowGroups:
         """Give back each sliding group's blocks that no later query reads, oldest first (so
         they are evicted from the prefix cache first)."""
         for window, table in zip(self.windows, self.tables.get(sample_id, ())):
-            first = min(self.first_needed(window, num_computed), len(table))
-            behind = []
-            for index in range(first - 1, -1, -1):
-                if table[index] is self.null_block:
-                    break
-                behind.append(table[index])
-                table[index] = self.null_block
-            self.pool.free_blocks(reversed(behind))
+            first = self.first_needed(window, num_computed)
+            free_behind(self.pool, table, first, self.null_block)
 
     def blocks_needed(
         self, sample_id: str, num_blocks: int, hits: list[list[KVCacheBlock]] | None

@@ -293,6 +293,11 @@ void DecoderStack::set_family_options(const at::Tensor& local_cos, const at::Ten
   shape_.gelu_tanh = gelu_tanh;
 }
 
+void DecoderStack::set_attention_softcap(double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "DecoderStack: softcap >= 0 (0: none)");
+  shape_.attention_softcap = static_cast<float>(softcap);
+}
+
 void DecoderStack::set_kv_groups(const std::vector<int64_t>& layer_groups) {
   TORCH_CHECK(layer_groups.empty() || layer_groups.size() == layers_.size(),
               "DecoderStack: one KV group per layer");
@@ -371,6 +376,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                           query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                           s.window, s.attention_scale,
                           b.attn.data_ptr(), is_bf16_, ld_attn};
+  attention.softcap = s.attention_softcap;
   const int64_t scratch_floats = attention_scratch_floats(attention);
   const int isa = current_isa();
   if (isa >= kAmx) amx_permitted();

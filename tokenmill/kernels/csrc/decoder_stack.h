@@ -20,6 +20,7 @@ struct StackShape {
   int64_t max_position = 0;
   int64_t rotary_dim = 0;  // the leading dimensions of a head RoPE rotates (<= head_dim)
   float attention_scale = 0.0f;
+  float attention_softcap = 0.0f;  // the attention's scores soft-capped (Gemma 2), 0: none
   bool gelu_tanh = false;  // the MLP's activation: gelu_tanh(gate) * up, else silu(gate) * up
   int64_t block_size = 0;  // of the KV cache, per call
 };
@@ -73,6 +74,8 @@ class DecoderStack {
   // tokens [query_start_loc[i], query_start_loc[i + 1]), the last of its seq_lens[i].
   // Each layer's KV group, for a hybrid cache (layers/kv_groups.py); empty: one group.
   void set_kv_groups(const std::vector<int64_t>& layer_groups);
+  // Every layer's attention scores soft-capped at `softcap` (Gemma 2); 0: none.
+  void set_attention_softcap(double softcap);
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,

@@ -24,6 +24,11 @@ inline float sink_weight(const AttentionArgs& a, int64_t head, float row_max) {
   return a.sinks == nullptr ? 0.0f : std::exp(a.sinks[head] - row_max);
 }
 
+// A score soft-capped (Gemma 2): cap * tanh(score / cap); as it is without a cap.
+inline float capped(const AttentionArgs& a, float score) {
+  return a.softcap > 0.0f ? a.softcap * std::tanh(score / a.softcap) : score;
+}
+
 template <typename C>
 __attribute__((always_inline)) inline void widen_rows(const C* src, int64_t stride, int64_t rows,
                                                       int64_t d, float* dst) {
@@ -96,6 +101,7 @@ __attribute__((always_inline)) inline void attend_head(const AttentionArgs& a,
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t j = 0; j < d; ++j) dot += q[j] * k[j];
+          dot = capped(a, dot);
           scores[t - t0] = dot;
           block_max = std::max(block_max, dot);
         }
@@ -257,8 +263,13 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
             sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), sum);
           dots[t] = sum;
         }
-        const __m512 scores =
-            _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), sum_lanes16(dots));
+        __m512 raw = sum_lanes16(dots);
+        if (a.softcap > 0.0f) {
+          _mm512_storeu_ps(probs, raw);
+          for (int t = 0; t < 16; ++t) probs[t] = capped(a, probs[t]);
+          raw = _mm512_loadu_ps(probs);
+        }
+        const __m512 scores = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), raw);
         const float new_max = std::max(row_max[row], _mm512_reduce_max_ps(scores));
         const float correction = exp_approx(row_max[row] - new_max);
         row_max[row] = new_max;
@@ -368,7 +379,7 @@ void attend(const AttentionArgs& a, const AttentionTask& task, float* scratch, i
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out,
-                     const at::Tensor& sinks) {
+                     const at::Tensor& sinks, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_attention: query [tokens, heads, d] with contiguous heads expected");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2,
@@ -390,7 +401,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
                                      sinks.numel() == query.size(1)),
               "paged_attention: sinks float32 [heads] (or empty: none)");
-  const AttentionArgs args{query.data_ptr(),
+  TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap >= 0 (0: none)");
+  AttentionArgs args{query.data_ptr(),
                            query.scalar_type() == at::kBFloat16,
                            query.stride(0),
                            kv_cache.data_ptr(),
@@ -410,6 +422,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            out.scalar_type() == at::kBFloat16,
                            out.size(1) * out.size(2),
                            sinks.numel() == 0 ? nullptr : sinks.data_ptr<float>()};
+  args.softcap = static_cast<float>(softcap);
   const int threads = team_size();
   const std::vector<AttentionTask> tasks =
       attention_tasks(args.query_start_loc, args.seq_lens, num_seqs, kv_heads, threads);

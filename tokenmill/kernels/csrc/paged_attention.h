@@ -27,6 +27,9 @@ struct AttentionArgs {
   // [heads] float32: each head's learned logit that joins the softmax's denominator and
   // attends to nothing (gpt-oss's attention sinks); nullptr: none.
   const float* sinks = nullptr;
+  // Scores (scaled) soft-capped as softcap * tanh(score / softcap) before the softmax
+  // (Gemma 2's attn_logit_softcapping); 0: none.
+  float softcap = 0.0f;
 };
 
 // One unit of work: queries [q_begin, q_end) (flat token indices) of sequence `seq`, for all
@@ -49,6 +52,6 @@ void attend(const AttentionArgs& args, const AttentionTask& task, float* scratch
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, int64_t window, double scale, at::Tensor& out,
-                     const at::Tensor& sinks);
+                     const at::Tensor& sinks, double softcap);
 
 }  // namespace tokenmill

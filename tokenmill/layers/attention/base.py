@@ -196,6 +196,9 @@ class PagedAttention(ABC):
         # Each head's attention-sink logit `[heads]` (gpt-oss), joining the softmax's
         # denominator; None: no sinks.
         self.sinks: torch.Tensor | None = None
+        # The scaled scores soft-capped, cap * tanh(score / cap), before the softmax (Gemma 2's
+        # attn_logit_softcapping); None: not capped.
+        self.softcap: float | None = None
 
     def forward(
         self,

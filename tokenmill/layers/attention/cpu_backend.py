@@ -41,6 +41,7 @@ class CpuPagedAttention(TorchPagedAttention):
             self.scale,
             output,
             self.sinks,
+            self.softcap,
         )
         assert attended, "the native kernel declined a CPU float32/bfloat16 step"
         return output

@@ -69,14 +69,19 @@ class TorchPagedAttention(PagedAttention):
             padded = padded.view(num_seqs, group.max_query_len, self.num_heads, self.head_dim)
         if self.sinks is not None:
             keys, values, mask = with_sinks(keys, values, mask, self.sinks, group.max_query_len)
-        attended = F.scaled_dot_product_attention(
-            padded.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        ).transpose(1, 2)
+        if self.softcap is not None:
+            attended = softcapped_attention(
+                padded.transpose(1, 2), keys, values, mask, self.scale, self.softcap
+            ).transpose(1, 2)
+        else:
+            attended = F.scaled_dot_product_attention(
+                padded.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            ).transpose(1, 2)
         if group.padded_index is None:
             out.view(attended.shape).copy_(attended)
             return
@@ -106,3 +111,28 @@ def with_sinks(
         bias = bias.expand(shape)
     sink = sinks.to(keys.dtype).view(1, heads, 1, 1).expand(num_seqs, heads, query_len, 1)
     return torch.cat((keys, zero), 2), torch.cat((values, zero), 2), torch.cat((bias, sink), -1)
+
+
+def softcapped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention whose scaled scores are soft-capped, cap * tanh(score / cap), before the
+    softmax (Gemma 2), as transformers computes it (`scaled_dot_product_attention` has no such
+    step). `query` `[seqs, heads, queries, d]`; `keys`, `values` `[seqs, kv_heads, kv_len, d]`;
+    `mask` bool (True: attend) or float (added), broadcastable to the scores."""
+    group = query.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)
