@@ -26,6 +26,7 @@ from tokenmill.engine.hybrid import (
     attach_state_cache,
     blocks_after_states,
     check_hybrid_config,
+    fit_state_slots,
     is_hybrid,
     num_state_slots,
 )
@@ -114,6 +115,8 @@ def assemble(config: EngineConfig) -> EngineParts:
     # their shards while this one loads its own.
     executor = TensorParallelExecutor(config, settings) if config.tensor_parallel_size > 1 else None
     model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
+    if is_hybrid(architecture):  # the state slots must leave room for KV blocks
+        config = fit_state_slots(config, model.state_spec.bytes_per_slot, device)
     default_sampling = _default_sampling(config, model_dir)
     kv_spec = _kv_spec(config, model, settings.dtype)  # a hybrid model's attention layers only
     window = model.shape.sliding_window  # model-wide (Mistral), where layers do not differ

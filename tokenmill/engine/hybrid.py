@@ -6,16 +6,21 @@ given the state cache, the KV cache manager its snapshots (docs/hybrid_models.md
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import torch
 
-from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError, EngineConfig
 from tokenmill.core.kv.cache_manager import KVCacheManager
-from tokenmill.core.kv.sizing import KVCacheSize
+from tokenmill.core.kv.sizing import AVAILABLE_MEMORY_SHARE, KVCacheSize, available_memory_bytes
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.linear_state import LinearStateCache
 from tokenmill.models.families.qwen3_5 import FAMILIES
 from tokenmill.models.hybrid import HybridForCausalLM
 from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 HYBRID_ARCHITECTURES = frozenset(a for family in FAMILIES for a in family.architectures)
 
@@ -51,6 +56,34 @@ def num_state_slots(config: EngineConfig) -> int:
     """State slots held: one per running sequence, and as many snapshots at block boundaries
     with prefix caching."""
     return config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+
+
+def fit_state_slots(
+    config: EngineConfig, bytes_per_slot: int, device: torch.device
+) -> EngineConfig:
+    """Under the CPU default budget (no kv_cache_memory / num_kv_blocks given), max_num_seqs
+    lowered so that the state slots take at most half of it: a real Qwen3.5's state is ~20 MiB
+    a sequence, so the default 256 sequences would leave no KV blocks. As vLLM's hybrid cache
+    does, the memory bounds how many sequences run; an explicit budget is kept as given."""
+    if device.type != "cpu" or config.num_kv_blocks is not None or config.kv_cache_memory:
+        return config
+    budget = DEFAULT_CPU_KV_CACHE_BYTES
+    available = available_memory_bytes()
+    if available is not None:
+        budget = min(budget, int(available * AVAILABLE_MEMORY_SHARE))
+    per_sequence = bytes_per_slot * num_state_slots(replace(config, max_num_seqs=1))
+    fitting = max(1, budget // 2 // per_sequence)
+    if fitting >= config.max_num_seqs:
+        return config
+    logger.warning(
+        "max_num_seqs lowered from %d to %d: each sequence's linear-attention state takes "
+        "%.1f MiB of the %.2f GiB CPU default KV budget (--kv-cache-memory sets it)",
+        config.max_num_seqs,
+        fitting,
+        per_sequence / 2**20,
+        budget / 2**30,
+    )
+    return replace(config, max_num_seqs=fitting)
 
 
 def blocks_after_states(
