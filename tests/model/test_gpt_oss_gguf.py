@@ -12,7 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.model.test_gpt_oss import CONFIG, generate, model_layers, reference
+from tests.model.test_gpt_oss import (
+    CONFIG,
+    MAX_TOKENS,
+    PROMPTS,
+    generate,
+    model_layers,
+    reference,
+)
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.native import native_kernels
 from tokenmill.quantization.gguf_file import GGUFCheckpoint
 from tokenmill_testing.gpt_oss_checkpoint import write_mxfp4_checkpoint
 from tokenmill_testing.llamacpp_convert import convert, llama_cpp_available
@@ -54,3 +63,18 @@ def test_mxfp4_blocks_read_back_as_the_checkpoints(converted) -> None:
     for name in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks"):
         full = f"model.layers.1.mlp.experts.{name}"
         assert torch.equal(read[full](None), theirs[full]), name
+
+
+def test_mxfp4_gguf_in_bfloat16_runs_the_native_kernel(converted) -> None:
+    """bfloat16 (the CPU default): the MXFP4 experts as 5-bit codes in the native MoE kernel
+    (activations rounded to int8 per 32): most greedy tokens stay float32's."""
+    if native_kernels() is None:
+        pytest.skip("needs the native kernels")
+    expected = reference(converted["dequantized"])
+    llm = LLM(model=str(converted["mxfp4.gguf"]), tokenizer=str(converted["checkpoint"]))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    experts = model_layers(llm)[0].mlp.experts
+    assert experts.uses_native_kernel and experts.gate_up_proj_blocks is None  # packed, freed
+    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.outputs[0].token_ids, e))
+    assert same >= 0.5 * MAX_TOKENS * len(PROMPTS)
