@@ -136,3 +136,61 @@ def test_the_router_multiplies_in_float32() -> None:
     logits = router(x)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, F.linear(x.float(), router.weight.float()), atol=1e-5)
+
+
+# gpt-oss's experts (models/gpt_oss_moe.py): biases on both products, the clamped SwiGLU on
+# interleaved gate/up columns. variant -> (hidden, width, model dtype, MXFP4, tolerance against
+# the float32 torch path: bf16 rounds activations; MXFP4's 5-bit products round them to int8).
+GPT_OSS = {
+    "float32": (48, 40, torch.float32, False, 1e-5),
+    "bfloat16": (48, 40, torch.bfloat16, False, 3e-2),
+    "mxfp4": (64, 96, torch.bfloat16, True, 6e-2),
+}
+
+
+def gpt_oss_experts(variant: str, mxfp4_weights: bool):
+    from tokenmill.models.gpt_oss_moe import GptOssExperts, GptOssMoEShape
+    from tokenmill.quantization import mxfp4
+
+    hidden, width, _, _, _ = GPT_OSS[variant]
+    shape = GptOssMoEShape(hidden, NUM_EXPERTS, TOP_K, width, 1.702, 7.0, mxfp4_weights)
+    experts = GptOssExperts(shape)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, rows, cols in (("gate_up_proj", 2 * width, hidden), ("down_proj", hidden, width)):
+            # std 3 outputs: gate/up values beyond the limit of 7 are clamped.
+            weight = torch.randn(NUM_EXPERTS, rows, cols, generator=generator) * 3 / cols**0.5
+            if mxfp4_weights:
+                blocks, scales = mxfp4.quantize(weight)
+                getattr(experts, f"{name}_blocks").copy_(blocks)
+                getattr(experts, f"{name}_scales").copy_(scales)
+            else:
+                getattr(experts, name).copy_(weight)
+            bias = torch.randn(NUM_EXPERTS, rows, generator=generator) / 4
+            getattr(experts, f"{name}_bias").copy_(bias)
+    return experts
+
+
+@needs_native
+@pytest.mark.parametrize("variant", sorted(GPT_OSS))
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_gpt_oss_experts_in_the_kernel_match_torch(isa: int, variant: str, tokens: int) -> None:
+    """Biases and the clamped SwiGLU in the native kernel, at each ISA level, against the
+    experts' own torch path in float32 (MXFP4: its exact expansion)."""
+    hidden, _, dtype, is_mxfp4, tolerance = GPT_OSS[variant]
+    reference_experts = gpt_oss_experts(variant, is_mxfp4)
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = route(torch.randn(tokens, NUM_EXPERTS, generator=generator), TOP_K, True)
+    calls = [lambda rows, e=e: reference_experts.expert(e, rows) for e in range(NUM_EXPERTS)]
+    reference = torch_experts(x, weights, ids, calls)
+    fast = gpt_oss_experts(variant, is_mxfp4).to(dtype)
+    got = fast(x.to(dtype), weights, ids)
+    assert fast.uses_native_kernel and got.dtype == dtype
+    scale = reference.abs().max().item()
+    assert (got.float() - reference).abs().max().item() <= tolerance * scale
+
+
+def test_gpt_oss_mxfp4_in_float32_keeps_the_exact_expansion() -> None:
+    experts = gpt_oss_experts("mxfp4", True)
+    assert experts.native_kernel(torch.zeros(1, 64)) is None

@@ -6,9 +6,10 @@ gate and up columns interleaved (even and odd) as the checkpoints store them.
 
 The experts are held stacked as the checkpoints store them, `[experts, out, in]`, either in
 the model's float dtype or, for an MXFP4 checkpoint, as its 4-bit blocks and scales
-(quantization/mxfp4.py), expanded one active expert at a time. They run in torch, one pair of
-products per active expert; the native MoE kernel (kernels/moe.py) computes SiLU-gated experts
-without biases and is not used here.
+(quantization/mxfp4.py). On the CPU they run in the native MoE kernel (kernels/moe.py, with
+the experts' biases and the clamped SwiGLU): float experts packed dense, MXFP4 ones in a
+bfloat16 model as exact 5-bit codes; elsewhere in torch, one pair of products per active
+expert, MXFP4 expanded one active expert at a time (the reference).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import moe
+from tokenmill.kernels.linear import native_dense_linear, pack_linear_weight
+from tokenmill.kernels.moe import ExpertsKernel
 from tokenmill.layers.fused_moe import torch_experts
 from tokenmill.quantization import mxfp4
 
@@ -72,14 +76,14 @@ class GptOssExperts(nn.Module):
             self.down_proj = _stacked(e, h, i)
         self.gate_up_proj_bias = _stacked(e, 2 * i)
         self.down_proj_bias = _stacked(e, h)
-        # MXFP4 experts' native 5-bit products (gate_up, down), packed at an expert's first
-        # bfloat16 step on the CPU; None: that expert expands its blocks instead.
-        self._native: dict[int, tuple[Any, Any] | None] = {}
+        # The native MoE kernel over these experts (kernels/moe.py), made at the first
+        # forward; False where it does not apply.
+        self._kernel: ExpertsKernel | bool | None = None
 
     def weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s `name` product weight `[out, in]` in `dtype`."""
         if not self.shape.mxfp4:
-            return getattr(self, name)[expert]
+            return getattr(self, name)[expert].to(dtype)
         blocks = getattr(self, f"{name}_blocks")[expert]
         return mxfp4.dequantize(blocks, getattr(self, f"{name}_scales")[expert], dtype)
 
@@ -89,29 +93,8 @@ class GptOssExperts(nn.Module):
         up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.shape.alpha))
 
-    def native_products(self, index: int, x: torch.Tensor) -> tuple[Any, Any] | None:
-        """Expert `index`'s native products for inputs like `x`: an MXFP4 expert in a
-        bfloat16 model on the CPU (float32 models keep the exact expansion, the reference)."""
-        if not self.shape.mxfp4 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            return None
-        if index not in self._native:
-            products = [
-                mxfp4.native_linear(
-                    getattr(self, f"{name}_blocks")[index], getattr(self, f"{name}_scales")[index]
-                )
-                for name in ("gate_up_proj", "down_proj")
-            ]
-            both = products[0] is not None and products[1] is not None
-            self._native[index] = (products[0], products[1]) if both else None
-        return self._native[index]
-
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        native = self.native_products(index, x)
-        if native is not None:
-            gate_up = native[0].forward(x.contiguous(), self.gate_up_proj_bias[index], False)
-            return native[1].forward(
-                self.activation(gate_up).contiguous(), self.down_proj_bias[index], False
-            )
+        """Expert `index` in torch (the reference path)."""
         gate_up = F.linear(
             x, self.weight("gate_up_proj", index, x.dtype), self.gate_up_proj_bias[index]
         )
@@ -120,8 +103,60 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert ids[t, j] (x[t]), as `torch_experts` groups it."""
+        if self._kernel is None:
+            self._kernel = self.native_kernel(x) or False
+        if self._kernel is not False:
+            return self._kernel(x, weights, ids)
         calls = [partial(self.expert, index) for index in range(self.shape.num_experts)]
         return torch_experts(x, weights, ids, calls)
+
+    @property
+    def uses_native_kernel(self) -> bool | None:
+        """Whether the experts run in the native kernel (None: before the first forward)."""
+        return None if self._kernel is None else self._kernel is not False
+
+    def native_kernel(self, x: torch.Tensor) -> ExpertsKernel | None:
+        """The native kernel for inputs like `x`, its weights packed from these experts': float
+        experts in the packed dense layout, MXFP4 ones as exact 5-bit codes in a bfloat16 model
+        (a float32 one keeps the exact expansion, the reference); None where it does not apply.
+        The stacked weights it packs are then freed (the kernel holds the only copy)."""
+        if not moe.applies_to(x) or (self.shape.mxfp4 and x.dtype != torch.bfloat16):
+            return None
+        products = [self.native_products(name, x.dtype) for name in ("gate_up_proj", "down_proj")]
+        if products[0] is None or products[1] is None:
+            return None
+        biases = (list(self.gate_up_proj_bias), list(self.down_proj_bias))
+        kernel = moe.moe_kernel(
+            products[0],
+            products[1],
+            self.shape.expert_size,
+            biases,
+            moe.CLAMPED_SWIGLU,
+            self.shape.alpha,
+            self.shape.limit,
+        )
+        suffixes = ("_blocks", "_scales") if self.shape.mxfp4 else ("",)
+        for name in ("gate_up_proj", "down_proj"):
+            for suffix in suffixes:
+                setattr(self, name + suffix, None)
+        return kernel
+
+    def native_products(self, name: str, dtype: torch.dtype) -> list[Any] | None:
+        """Each expert's `name` product as a native `PackedLinear`, or None (an MXFP4 scale
+        outside the 5-bit layout's range)."""
+        products = []
+        for index in range(self.shape.num_experts):
+            if self.shape.mxfp4:
+                blocks = getattr(self, f"{name}_blocks")[index]
+                product = mxfp4.native_linear(blocks, getattr(self, f"{name}_scales")[index])
+            else:
+                weight = getattr(self, name)[index]
+                packed = pack_linear_weight(weight.to(dtype))
+                product = native_dense_linear(packed, weight.shape[0], weight.shape[1])
+            if product is None:
+                return None
+            products.append(product)
+        return products
 
 
 class GptOssMoE(nn.Module):

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenmill.config import ConfigError
-from tokenmill.quantization import gguf_gemma3, gguf_hybrid, gguf_phi3
+from tokenmill.quantization import gguf_gemma3, gguf_gpt_oss, gguf_hybrid, gguf_phi3
 from tokenmill.quantization.gguf_blocks import (
     CODE_BITS,
     GROUP_SIZE,
@@ -57,8 +57,12 @@ _GGUF_TO_HF = {
     "ffn_norm": "post_attention_layernorm",
 }
 # general.architecture -> its block tensors' Hugging Face names, where not llama's.
-_NAMES = {gguf_gemma3.ARCHITECTURE: gguf_gemma3.NAMES, gguf_phi3.ARCHITECTURE: gguf_phi3.NAMES}
-_NAMES[gguf_gemma3.GEMMA2_ARCHITECTURE] = gguf_gemma3.NAMES
+_NAMES = {
+    gguf_gemma3.ARCHITECTURE: gguf_gemma3.NAMES,
+    gguf_gemma3.GEMMA2_ARCHITECTURE: gguf_gemma3.NAMES,
+    gguf_phi3.ARCHITECTURE: gguf_phi3.NAMES,
+    gguf_gpt_oss.ARCHITECTURE: gguf_gpt_oss.NAMES,
+}
 # The values that size the model: role (models/config_checks.py) -> metadata key after
 # `<architecture>.`.
 _SIZING_KEYS = {
@@ -134,7 +138,10 @@ class GGUFCheckpoint:
     def _hf_name(self, name: str) -> str | None:
         if self.architecture == gguf_hybrid.ARCHITECTURE and name.startswith("blk."):
             return gguf_hybrid.hf_name(name)
-        return _hf_name(name, _NAMES.get(self.architecture, _GGUF_TO_HF))
+        hf_name = _hf_name(name, _NAMES.get(self.architecture, _GGUF_TO_HF))
+        if hf_name is not None and self.architecture == gguf_gpt_oss.ARCHITECTURE:
+            return gguf_gpt_oss.hf_name(hf_name)
+        return hf_name
 
     def hf_config(self, sizes: Mapping[str, int]) -> Any:
         """A transformers LlamaConfig from the metadata, with the sizes `sizing_metadata`
@@ -149,16 +156,19 @@ class GGUFCheckpoint:
                 raise ConfigError(f"{self.path} lacks the metadata key {arch}.{key}")
             return value
 
-        if self.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or (
-            "rope_freqs.weight" in self.tensors
-        ):
-            raise ConfigError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
         token_ids = {
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
             "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
         }
         tied = "output.weight" not in self.tensors
+        if arch == gguf_gpt_oss.ARCHITECTURE:  # its YaRN read there
+            mxfp4 = gguf_gpt_oss.all_mxfp4(self.tensors)
+            return gguf_gpt_oss.hf_config(sizes, meta, tied, token_ids, mxfp4)
+        if self.field(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or (
+            "rope_freqs.weight" in self.tensors
+        ):
+            raise ConfigError(f"{self.path}: RoPE scaling in a GGUF file is not supported yet")
         if arch == gguf_gemma3.ARCHITECTURE:
             return gguf_gemma3.hf_config(sizes, meta, tied, token_ids)
         if arch == gguf_gemma3.GEMMA2_ARCHITECTURE:
@@ -214,7 +224,8 @@ class GGUFCheckpoint:
             linears = {f"layers.{layer}.{linear}": parts for linear, parts in dense.items()}
             if num_experts and f"blk.{layer}.ffn_gate.weight" not in self.tensors:
                 linears = {k: v for k, v in linears.items() if ".mlp." not in k}
-                linears.update(moe_linear_names(layer, num_experts, self.tensors.__contains__))
+                if self.architecture != gguf_gpt_oss.ARCHITECTURE:  # its experts: no Linears
+                    linears.update(moe_linear_names(layer, num_experts, self.tensors.__contains__))
             for linear, parts in linears.items():
                 part_types = [self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts]
                 types = set(part_types)
@@ -239,7 +250,13 @@ class GGUFCheckpoint:
             yield from self._hybrid_tensors()
             return
         gemma = self.architecture in gguf_gemma3.ARCHITECTURES
+        gpt_oss = self.architecture == gguf_gpt_oss.ARCHITECTURE
+        if gpt_oss:  # the experts, stacked as GptOssExperts holds them
+            mxfp4 = gguf_gpt_oss.all_mxfp4(self.tensors)
+            yield from gguf_gpt_oss.expert_tensors(self.tensors, self._num_blocks(), mxfp4)
         for name, tensor in self.tensors.items():
+            if gpt_oss and gguf_gpt_oss.is_expert_tensor(name):
+                continue
             hf_name = self._hf_name(name)
             if name in gguf_phi3.ROPE_FACTORS and self.architecture == gguf_phi3.ARCHITECTURE:
                 continue  # read into the config

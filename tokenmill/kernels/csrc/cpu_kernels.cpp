@@ -105,6 +105,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_attention_softcap", &DecoderStack::set_attention_softcap)
       .def("forward", &DecoderStack::forward, no_gil);
   pybind11::class_<MoEExperts>(m, "MoEExperts")
-      .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t>())
+      .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double,
+                          double>(),
+           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("intermediate_size"),
+           pybind11::arg("gate_up_bias") = std::vector<at::Tensor>{},
+           pybind11::arg("down_bias") = std::vector<at::Tensor>{},
+           pybind11::arg("activation") = static_cast<int64_t>(kMoESilu),
+           pybind11::arg("alpha") = 1.702, pybind11::arg("limit") = 7.0)
       .def("forward", &MoEExperts::forward, "an MoE block's routed experts", no_gil);
 }

@@ -1,6 +1,7 @@
 // The routed experts of an MoE block (moe.h): group the (token, choice) pairs by expert with a
-// counting sort, then per active expert gather its rows, gate/up product, SiLU(gate) * up,
-// down product, and add the rows back weighted. The products are the experts' own formats'
+// counting sort, then per active expert gather its rows, gate/up product (+ bias), the
+// activation (SiLU(gate) * up, or gpt-oss's clamped SwiGLU), down product (+ bias), and add the
+// rows back weighted. The products are the experts' own formats'
 // (PackedLinear), parallel on the worker pool; the elementwise phases below are compiled for
 // three ISA levels.
 #include "moe.h"
@@ -38,10 +39,32 @@ __attribute__((always_inline)) inline void add_rows(const float* y, int64_t hidd
   }
 }
 
+// act[r] = gpt-oss's clamped SwiGLU of gate_up's row r, its gate and up columns interleaved.
+template <typename Act>
+__attribute__((always_inline)) inline void clamped_swiglu_rows(const float* gate_up, int64_t size,
+                                                               Act* act, int64_t rows,
+                                                               float alpha, float limit) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pair = gate_up + r * 2 * size;
+    Act* out = act + r * size;
+#pragma omp simd
+    for (int64_t j = 0; j < size; ++j) {
+      const float gate = std::min(pair[2 * j], limit);
+      const float up = std::min(std::max(pair[2 * j + 1], -limit), limit);
+      store_float(out + j, (up + 1.0f) * gate / (1.0f + exp_approx(-alpha * gate)));
+    }
+  }
+}
+
 #define TM_MOE_VARIANTS(NAME, ATTR)                                                       \
   template <typename Act>                                                                 \
   ATTR void silu_mul_##NAME(const float* gate_up, int64_t size, Act* act, int64_t rows) { \
     silu_mul_rows(gate_up, size, act, rows);                                              \
+  }                                                                                       \
+  template <typename Act>                                                                 \
+  ATTR void swiglu_##NAME(const float* gate_up, int64_t size, Act* act, int64_t rows,     \
+                          float alpha, float limit) {                                     \
+    clamped_swiglu_rows(gate_up, size, act, rows, alpha, limit);                          \
   }                                                                                       \
   ATTR void add_rows_##NAME(const float* y, int64_t hidden, int64_t rows,                 \
                             const int64_t* token_of, const float* scale, float* out) {    \
@@ -59,6 +82,19 @@ void silu_mul(int isa, const float* gate_up, int64_t size, Act* act, int64_t row
   else silu_mul_portable(gate_up, size, act, rows);
 }
 
+template <typename Act>
+void clamped_swiglu(int isa, const float* gate_up, int64_t size, Act* act, int64_t rows,
+                    float alpha, float limit) {
+  if (isa >= kAvx512) swiglu_avx512(gate_up, size, act, rows, alpha, limit);
+  else if (isa >= kAvx2) swiglu_avx2(gate_up, size, act, rows, alpha, limit);
+  else swiglu_portable(gate_up, size, act, rows, alpha, limit);
+}
+
+c10::optional<at::Tensor> bias_of(const std::vector<at::Tensor>& biases, int64_t e) {
+  if (biases.empty()) return c10::nullopt;
+  return biases[e];
+}
+
 void add_weighted_rows(int isa, const float* y, int64_t hidden, int64_t rows,
                        const int64_t* token_of, const float* scale, float* out) {
   if (isa >= kAvx512) add_rows_avx512(y, hidden, rows, token_of, scale, out);
@@ -66,13 +102,38 @@ void add_weighted_rows(int isa, const float* y, int64_t hidden, int64_t rows,
   else add_rows_portable(y, hidden, rows, token_of, scale, out);
 }
 
+// Per-expert biases as float32 of `size` values each, checked (empty stays empty).
+std::vector<at::Tensor> float_biases(const std::vector<at::Tensor>& biases, size_t experts,
+                                     int64_t size, const char* name) {
+  TORCH_CHECK(biases.empty() || biases.size() == experts, "MoEExperts: ", name,
+              " biases: one per expert or none");
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& bias : biases) {
+    TORCH_CHECK(bias.numel() == size, "MoEExperts: a ", name, " bias has ", bias.numel(),
+                " values, not ", size);
+    out.push_back(bias.to(at::kFloat).contiguous().view({size}));
+  }
+  return out;
+}
+
 }  // namespace
 
 MoEExperts::MoEExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down,
-                       int64_t intermediate_size)
-    : gate_up_(std::move(gate_up)), down_(std::move(down)), intermediate_(intermediate_size) {
+                       int64_t intermediate_size, std::vector<at::Tensor> gate_up_bias,
+                       std::vector<at::Tensor> down_bias, int64_t activation, double alpha,
+                       double limit)
+    : gate_up_(std::move(gate_up)),
+      down_(std::move(down)),
+      intermediate_(intermediate_size),
+      activation_(activation),
+      alpha_(static_cast<float>(alpha)),
+      limit_(static_cast<float>(limit)) {
   TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size(),
               "MoEExperts: one gate/up and one down linear per expert");
+  TORCH_CHECK(activation == kMoESilu || activation == kMoEClampedSwiglu,
+              "MoEExperts: activation ", activation, " is not 0 (silu) or 1 (clamped swiglu)");
+  gate_up_bias_ = float_biases(gate_up_bias, gate_up_.size(), 2 * intermediate_size, "gate/up");
+  down_bias_ = float_biases(down_bias, down_.size(), gate_up_[0].weight().k, "down");
   for (size_t e = 0; e < gate_up_.size(); ++e) {
     TORCH_CHECK(gate_up_[e].weight().n == 2 * intermediate_size &&
                     down_[e].weight().k == intermediate_size &&
@@ -129,13 +190,18 @@ at::Tensor MoEExperts::forward(const at::Tensor& x, const at::Tensor& weights,
     char* xe_bytes = static_cast<char*>(xe.data_ptr());
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(xe_bytes + r * row_bytes, x_bytes + rows_token[r] * row_bytes, row_bytes);
-    const at::Tensor gate_up = gate_up_[e].forward(xe, c10::nullopt, /*float32_out=*/true);
+    const at::Tensor gate_up = gate_up_[e].forward(xe, bias_of(gate_up_bias_, e), true);
     at::Tensor act = at::empty({rows, intermediate_}, x.options());
-    if (is_bf16)
-      silu_mul(isa, gate_up.data_ptr<float>(), intermediate_, act.data_ptr<bf16>(), rows);
+    const float* gu = gate_up.data_ptr<float>();
+    if (activation_ == kMoEClampedSwiglu && is_bf16)
+      clamped_swiglu(isa, gu, intermediate_, act.data_ptr<bf16>(), rows, alpha_, limit_);
+    else if (activation_ == kMoEClampedSwiglu)
+      clamped_swiglu(isa, gu, intermediate_, act.data_ptr<float>(), rows, alpha_, limit_);
+    else if (is_bf16)
+      silu_mul(isa, gu, intermediate_, act.data_ptr<bf16>(), rows);
     else
-      silu_mul(isa, gate_up.data_ptr<float>(), intermediate_, act.data_ptr<float>(), rows);
-    const at::Tensor y = down_[e].forward(act, c10::nullopt, /*float32_out=*/true);
+      silu_mul(isa, gu, intermediate_, act.data_ptr<float>(), rows);
+    const at::Tensor y = down_[e].forward(act, bias_of(down_bias_, e), /*float32_out=*/true);
     add_weighted_rows(isa, y.data_ptr<float>(), hidden, rows, rows_token,
                       scale.data() + start[e], out_data);
   }

@@ -7,14 +7,26 @@
 
 namespace tokenmill {
 
+// The experts' activation of gate/up's row ([2 * size] float32) into [size].
+enum MoEActivation : int64_t {
+  // silu(gate) * up, gate the first `size` columns and up the rest (Mixtral, Qwen).
+  kMoESilu = 0,
+  // gpt-oss's clamped SwiGLU on interleaved columns (gate even, up odd): g = min(gate, limit),
+  // (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g).
+  kMoEClampedSwiglu = 1,
+};
+
 // A block's experts, each a gate/up and a down `PackedLinear` of any weight format (dense
-// float32/bf16, int8, int4: the layer's LinearMethod chose at load time).
+// float32/bf16, int8, int4, 5-bit: the layer's LinearMethod chose at load time), optionally
+// a bias per expert on each product ([2 * intermediate] and [hidden]; empty: none).
 class MoEExperts {
  public:
   MoEExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLinear> down,
-             int64_t intermediate_size);
+             int64_t intermediate_size, std::vector<at::Tensor> gate_up_bias = {},
+             std::vector<at::Tensor> down_bias = {}, int64_t activation = kMoESilu,
+             double alpha = 1.702, double limit = 7.0);
 
-  // out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]:
+  // out[t] = sum_j weights[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j]:
   // tokens grouped by expert, each active expert's two products once over its rows (a token
   // batch of one reads only its k experts' weights), the sum in float32. x [T, H] float32 or
   // bfloat16, weights [T, k] float32, ids [T, k] int64; the result in x's dtype.
@@ -22,7 +34,10 @@ class MoEExperts {
 
  private:
   std::vector<PackedLinear> gate_up_, down_;
+  std::vector<at::Tensor> gate_up_bias_, down_bias_;  // float32, or empty
   int64_t intermediate_;
+  int64_t activation_;
+  float alpha_, limit_;
 };
 
 }  // namespace tokenmill

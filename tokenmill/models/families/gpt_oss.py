@@ -2,7 +2,8 @@
 sink per head, sliding-window and full attention layers alternating as `layer_types` says,
 YaRN RoPE, and every MLP gpt-oss's own mixture of experts (models/gpt_oss_moe.py: biased
 router, top-k then softmax, biased experts, clamped SwiGLU), whose experts a checkpoint stores
-stacked, in bfloat16 or as MXFP4 blocks (quantization/mxfp4.py). docs/moe.md, "gpt-oss"."""
+stacked, in bfloat16 or as MXFP4 blocks (quantization/mxfp4.py). GGUF: `gpt-oss`
+(quantization/gguf_gpt_oss.py). docs/moe.md, "gpt-oss"."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ FAMILY = Family(
     name="gpt_oss",
     architectures=("GptOssForCausalLM",),
     traits=gpt_oss_traits,
+    gguf_architectures=("gpt-oss",),
     split_tensor=transpose_experts,
     mlp=gpt_oss_mlp,
     mixture_of_experts=True,
