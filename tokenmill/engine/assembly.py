@@ -99,6 +99,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     hf_config, architecture = load_hf_config(model_dir)
     if is_hybrid(architecture):
         check_hybrid_config(config, architecture)
+    stage_layer_ranges(hf_config.num_hidden_layers, config.pipeline_parallel_size)  # checked
     max_model_len = _max_model_len(config, hf_config.max_position_embeddings)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device = config.torch_device()

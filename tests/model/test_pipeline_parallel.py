@@ -1,0 +1,80 @@
+"""Pipeline parallelism on the CPU (gloo): two stages, and two stages of two tensor-parallel
+ranks each, give the greedy tokens of one process through chunked prefill, preemption and
+prefix hits; each stage loads only its own part of the weights. Refusals: the unit tests in
+tests/unit/test_pipeline_parallel_config.py."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.weight_bytes import weight_bytes
+
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 64,
+    "block_size": 4,
+    "max_num_batched_tokens": 12,  # prompts are chunked
+    "num_kv_blocks": 16,  # room for one request at a time: preemption
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    # Three layers: the stages split unevenly (2 + 1); the vocabulary splits unevenly over
+    # two tensor-parallel ranks.
+    return tiny_checkpoint("llama", num_hidden_layers=3, vocab_size=1021)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    phrase = [rng.randrange(10, 1000) for _ in range(9)]
+    return [phrase * 4, [rng.randrange(10, 1000) for _ in range(30)], [*phrase * 2, 11, 12]]
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy, in two waves so the second hits the prefix cache."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = llm.generate(prompts[:2], greedy, use_tqdm=False)
+    second = llm.generate(prompts, greedy, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in first + second]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """One process's tokens and weight bytes."""
+    single = LLM(str(checkpoint), **ENGINE)
+    return generate(single, prompts), weight_bytes(single.engine.runner.model)
+
+
+@pytest.fixture
+def engine(request, checkpoint: Path) -> Iterator[LLM]:
+    """One distributed engine per process at a time: each test's is shut down after it."""
+    tp, pp = request.param
+    llm = LLM(str(checkpoint), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("engine", [(1, 2), (2, 2)], indirect=True, ids=["pp2", "tp2xpp2"])
+def test_stages_generate_what_one_process_does(engine: LLM, expected, prompts) -> None:
+    tokens, whole_bytes = expected
+    assert generate(engine, prompts) == tokens
+    stats = engine.get_stats().scheduler
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache.hits > 0
+    per_rank = engine.engine.parts.executor.weight_bytes
+    assert per_rank[0] == weight_bytes(engine.engine.runner.model)
+    if len(per_rank) == 2:  # untied: the embedding on the first stage, the head on the last
+        assert sum(per_rank) == whole_bytes, per_rank
+    # The first stage holds two of three layers and the embedding; the last, one and the head.
+    assert all(b < whole_bytes for b in per_rank), per_rank
+    first = engine.engine.runner.model
+    assert first.stage_layers == list(first.layers[:2])
+    assert first.lm_head.__class__.__name__ == "PPMissingLayer"
+    assert len(engine.engine.runner.kv_tensors) == 2  # its own layers' KV cache only
