@@ -1,6 +1,7 @@
 """Pipeline parallelism on the CPU (gloo): two stages, and two stages of two tensor-parallel
 ranks each, give the greedy tokens of one process through chunked prefill, preemption and
-prefix hits; each stage loads only its own part of the weights. Refusals: the unit tests in
+prefix hits, with most steps run in two micro-batches; each stage loads only its own part of
+the weights. Refusals: the unit tests in
 tests/unit/test_pipeline_parallel_config.py."""
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def checkpoint(tiny_checkpoint) -> Path:
 def prompts() -> list[list[int]]:
     rng = random.Random(3)
     phrase = [rng.randrange(10, 1000) for _ in range(9)]
-    return [phrase * 4, [rng.randrange(10, 1000) for _ in range(30)], [*phrase * 2, 11, 12]]
+    other = [rng.randrange(10, 1000) for _ in range(14)]
+    return [phrase * 2, other, [*phrase, 11, 12], phrase[:5]]
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

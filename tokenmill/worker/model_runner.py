@@ -93,6 +93,12 @@ class ModelRunner:
             self._start_kv_load(connector, scheduler_output)
         if scheduler_output.is_empty:
             return self._with_kv_transfers(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        return self._with_kv_transfers(self._execute_batch(scheduler_output))
+
+    def _execute_batch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward, logits and sampling of the scheduled requests (a pipeline's last stage runs
+        it once per micro-batch: worker/pipeline.py)."""
+        connector = self.kv_connector
         inputs = self._prepare_inputs(scheduler_output)
         if self.lora is not None:
             self.lora.prepare_step(inputs.states, inputs.row_starts, len(inputs.input_ids))
@@ -123,7 +129,7 @@ class ModelRunner:
             output.prompt_logprobs = prompt_logprobs(
                 self.model, hidden, inputs.prompt_logprob_rows, self.device
             )
-        return self._with_kv_transfers(output)
+        return output
 
     def _with_kv_transfers(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """The step is done with the connector's metadata; what its transfers did since."""

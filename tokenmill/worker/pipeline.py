@@ -8,10 +8,16 @@ receives the previous stage's hidden states (point-to-point, rank (p-1, t) to (p
 before the last sends its own on, and the last stage samples. Its `ModelRunnerOutput` is
 broadcast back to every rank: the engine reads it, and the other stages append the sampled
 tokens to their copies of the requests (positions and block tables depend on them).
+
+Micro-batches: a step's requests run in one run per stage (`micro_batch_count`), so that while
+the last stage runs the first micro-batch the first stage runs the second (GPipe's schedule,
+within one step; the scheduler stays one and synchronous). Requests do not read each other's
+KV within a step, so any split gives the same tokens.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -96,9 +102,11 @@ class StageLink:
         dist.recv(hidden, self.previous)
         return hidden
 
-    def send_hidden(self, hidden: torch.Tensor) -> None:
+    def send_hidden(self, hidden: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Sent asynchronously: (the send, the tensor it reads), to wait for before reuse."""
         assert self.next is not None
-        dist.send(hidden.contiguous(), self.next)
+        hidden = hidden.contiguous()
+        return dist.isend(hidden, self.next), hidden
 
     def share_output(self, output: ModelRunnerOutput | None) -> ModelRunnerOutput:
         """The last stage's output, on every rank (a collective over the step group)."""
@@ -107,7 +115,7 @@ class StageLink:
 
 class PipelineStageRunner(ModelRunner):
     """A rank's runner: a plain `ModelRunner` without pipeline parallelism (`link` None),
-    else its stage's part of each step (see the module's docstring)."""
+    else its stage's part of each step (see the module's docstring), in micro-batches."""
 
     def __init__(
         self,
@@ -121,30 +129,63 @@ class PipelineStageRunner(ModelRunner):
             spec = replace(spec, kv_cache_spec=replace(spec.kv_cache_spec, num_layers=layers))
         super().__init__(model, spec, device)
         self.link = link
+        self.num_micro_batches = micro_batch_count(link.position.pp_size if link else 1)
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # this step's, until they complete
 
+    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         link = self.link
         if link is None:
             return super().execute_model(scheduler_output)
+        swap_blocks(scheduler_output.blocks_to_swap_out, self.kv_tensors, self.swap_caches)
+        swap_blocks(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_tensors)
+        self._update_states(scheduler_output)
+        batches = self._micro_batches(scheduler_output)
         output = None
         if link.stage.is_last:
-            output = super().execute_model(scheduler_output)
-        else:
-            self._run_early_stage(scheduler_output)
+            output = merge_outputs([self._execute_batch(batch) for batch in batches])
+        else:  # each micro-batch's hidden states go on while the next one runs here
+            for batch in batches:
+                self._forward(self._prepare_inputs(batch))
+            for work, _ in self._sends:
+                work.wait()
+            self._sends.clear()
         output = link.share_output(output)
         if not link.stage.is_last:
             for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
                 self.requests[req_id].append(token_ids)
         return output
 
-    @torch.inference_mode()
-    def _run_early_stage(self, scheduler_output: SchedulerOutput) -> None:
-        """A stage before the last: its layers over the step's tokens, sent on; no sampling."""
-        swap_blocks(scheduler_output.blocks_to_swap_out, self.kv_tensors, self.swap_caches)
-        swap_blocks(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_tensors)
-        self._update_states(scheduler_output)
-        if not scheduler_output.is_empty:
-            self._forward(self._prepare_inputs(scheduler_output))
+    def _micro_batches(self, scheduler_output: SchedulerOutput) -> list[SchedulerOutput]:
+        """The step's requests in up to `num_micro_batches` runs of about equal tokens; one
+        where a request wants logprobs (their rows are laid out for the whole step)."""
+        if scheduler_output.is_empty:
+            return []
+        scheduled = list(scheduler_output.num_scheduled_tokens.items())
+        count = min(self.num_micro_batches, len(scheduled))
+        wants_logprobs = any(
+            self.requests[req_id].sampling_params.logprobs is not None
+            or self.requests[req_id].sampling_params.prompt_logprobs is not None
+            for req_id, _ in scheduled
+        )
+        if count <= 1 or wants_logprobs:
+            return [scheduler_output]
+        share = scheduler_output.total_num_scheduled_tokens / count
+        groups: list[dict[str, int]] = [{}]
+        done = 0
+        for req_id, num_tokens in scheduled:
+            if groups[-1] and done >= share * len(groups) and len(groups) < count:
+                groups.append({})
+            groups[-1][req_id] = num_tokens
+            done += num_tokens
+        return [
+            replace(
+                scheduler_output,
+                num_scheduled_tokens=group,
+                total_num_scheduled_tokens=sum(group.values()),
+            )
+            for group in groups
+        ]
 
     def _forward(self, inputs: BatchInputs) -> torch.Tensor:
         link = self.link
@@ -159,10 +200,27 @@ class PipelineStageRunner(ModelRunner):
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, received
         )
         if not link.stage.is_last:
-            link.send_hidden(hidden)
+            self._sends.append(link.send_hidden(hidden))
         return hidden
 
     @property
     def dtype(self) -> torch.dtype:
         """Of the hidden states between stages: the model's."""
         return self.model.stage_layers[0].input_layernorm.weight.dtype
+
+
+def micro_batch_count(pp_size: int) -> int:
+    """Micro-batches per step: one per stage, so that every stage has work while the others
+    run theirs (`TOKENMILL_PP_MICRO_BATCHES` overrides, e.g. 1 for a step in one piece)."""
+    return max(1, int(os.environ.get("TOKENMILL_PP_MICRO_BATCHES", pp_size)))
+
+
+def merge_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """The micro-batches' outputs as one step's (several only without logprobs)."""
+    if len(parts) == 1:
+        return parts[0]
+    merged = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+    for part in parts:
+        merged.req_ids.extend(part.req_ids)
+        merged.sampled_token_ids.extend(part.sampled_token_ids)
+    return merged
