@@ -17,7 +17,7 @@ from tokenmill.worker.pipeline import RankPosition
 def test_layers_split_evenly_first_stages_taking_the_rest() -> None:
     assert stage_layer_ranges(16, 2) == [(0, 8), (8, 16)]
     assert stage_layer_ranges(5, 3) == [(0, 2), (2, 4), (4, 5)]
-    with pytest.raises(ConfigError, match="pipeline_parallel_size=3 is more than .* 2 decoder"):
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=3 is more than .* 2 decoder"):
         stage_layer_ranges(2, 3)
 
 
@@ -59,7 +59,7 @@ def test_unsupported_features_are_refused(options: dict, feature: str | None) ->
     options = {"pipeline_parallel_size": 2, **options}
     if "speculative_config" in options:
         options["speculative_config"] = SpeculativeConfig.parse(options["speculative_config"])
-    match = f"does not support {feature}.*chunked prefill" if feature else "must be >= 1"
+    match = rf"does not support {feature}.*chunked prefill" if feature else "must be >= 1"
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**options)
 
