@@ -78,8 +78,14 @@ def main() -> None:
             torch.set_num_threads(num_threads)
             elapsed, outputs[name] = run(llm, workload.prompts, params)
             seconds[name].append(elapsed)
+            print(f"{name}: {elapsed:.2f} s", flush=True)
     sharded.shutdown()
-    assert len({str(o) for o in outputs.values()}) == 1, f"{split}'s outputs differ"
+    first = next(iter(outputs.values()))
+    same = [sum(a == b for a, b in zip(first, o)) for o in outputs.values()]
+    print(f"outputs equal to the first configuration's: {same} of {len(first)}")
+    # float32 is exact; in bfloat16 a split rounds differently (stages hand over bf16 hidden
+    # states), so a near-tie in a random model's logits may flip a greedy token.
+    assert args.dtype != "float32" or min(same) == len(first), f"{split}'s outputs differ"
     tokens = workload.num_output_tokens
     rates = {name: tokens / statistics.median(s[1:]) for name, s in seconds.items()}
     print(f"model {model}: {args.num_prompts} prompts, {args.input_len} in, {args.output_len} out")

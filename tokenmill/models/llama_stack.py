@@ -76,8 +76,6 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         return None  # a family's own MLP (an MoE's experts, models/moe.py) runs in its module
     if family_of(model.architecture).model_class is not None:
         return None  # a family's own model class (hybrid layers, models/hybrid.py)
-    if not model.stage.is_last:
-        return None  # the stack ends with the final norm, which the last stage applies
     linears = [_layer_linears(layer) for layer in model.stage_layers]
     if any(part is None for part in linears):
         return None
@@ -89,7 +87,7 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     native = module.DecoderStack(
         layers,
         linears,
-        model.norm.scale().detach(),
+        final_norm_of(model),
         cos,
         signed_sin,
         attention.num_heads,
@@ -112,7 +110,18 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         attention.attn.scale,
         traits.activation == "gelu_tanh",
     )
+    native.set_final_norm(model.stage.is_last)  # a stage before the last hands on the sum
     return LlamaDecoderStack(native)
+
+
+def final_norm_of(model: nn.Module) -> torch.Tensor:
+    """The final norm's scale; on a pipeline stage before the last (which has none) ones of
+    the hidden states' dtype, for the stack's width and dtype only."""
+    if model.stage.is_last:
+        return model.norm.scale().detach()
+    return torch.ones(
+        model.shape.hidden_size, dtype=model.stage_layers[0].input_layernorm.weight.dtype
+    )
 
 
 def _layer_linears(layer: nn.Module) -> list[Any] | None:

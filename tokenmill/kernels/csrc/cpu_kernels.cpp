@@ -97,6 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, int64_t>())
       .def("set_family_options", &DecoderStack::set_family_options)
       .def("set_kv_groups", &DecoderStack::set_kv_groups)
+      .def("set_final_norm", &DecoderStack::set_final_norm)
       .def("forward", &DecoderStack::forward, no_gil);
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t>())
