@@ -1,8 +1,7 @@
 """Pipeline parallelism on the CPU (gloo): two stages, and two stages of two tensor-parallel
-ranks each, give the greedy tokens of one process through chunked prefill, preemption and
-prefix hits, with most steps run in two micro-batches; each stage loads only its own part of
-the weights. Refusals: the unit tests in
-tests/unit/test_pipeline_parallel_config.py."""
+ranks each, give one process's greedy tokens and logprobs through chunked prefill, preemption
+(by recompute, or by swap) and prefix hits, most steps in two micro-batches; each stage loads
+only its own part of the weights. Refusals: tests/unit/test_pipeline_parallel_config.py."""
 
 from __future__ import annotations
 
@@ -39,16 +38,26 @@ def prompts() -> list[list[int]]:
     return [phrase * 2, other, [*phrase, 11, 12], phrase[:5]]
 
 
-def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy, in two waves so the second hits the prefix cache."""
+def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list | None]]:
+    """Greedy, in two waves so the second hits the prefix cache; one request of the second
+    asks for logprobs (its steps run in one piece)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     first = llm.generate(prompts[:2], greedy, use_tqdm=False)
-    second = llm.generate(prompts, greedy, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in first + second]
+    params = [greedy, with_logprobs, *[greedy] * (len(prompts) - 2)]
+    second = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, rounded(o.outputs[0].logprobs)) for o in first + second]
+
+
+def rounded(logprobs: list | None) -> list | None:
+    """To 4 decimals: tensor parallelism's all-reduces sum in another order."""
+    if logprobs is None:
+        return None
+    return [{t: (round(p.logprob, 4), p.rank) for t, p in step.items()} for step in logprobs]
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoint: Path, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+def expected(checkpoint: Path, prompts: list[list[int]]) -> tuple[list, int]:
     """One process's tokens and weight bytes."""
     single = LLM(str(checkpoint), **ENGINE)
     return generate(single, prompts), weight_bytes(single.engine.runner.model)
@@ -57,13 +66,19 @@ def expected(checkpoint: Path, prompts: list[list[int]]) -> tuple[list[list[int]
 @pytest.fixture
 def engine(request, checkpoint: Path) -> Iterator[LLM]:
     """One distributed engine per process at a time: each test's is shut down after it."""
-    tp, pp = request.param
-    llm = LLM(str(checkpoint), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    tp, pp, preemption = request.param
+    options = {**ENGINE, "preemption_mode": preemption, "swap_space": 0.01}
+    llm = LLM(str(checkpoint), tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
     yield llm
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("engine", [(1, 2), (2, 2)], indirect=True, ids=["pp2", "tp2xpp2"])
+@pytest.mark.parametrize(
+    "engine",
+    [(1, 2, "recompute"), (2, 2, "swap")],  # each stage swaps its own layers' blocks
+    indirect=True,
+    ids=["pp2", "tp2xpp2-swap"],
+)
 def test_stages_generate_what_one_process_does(engine: LLM, expected, prompts) -> None:
     tokens, whole_bytes = expected
     assert generate(engine, prompts) == tokens
