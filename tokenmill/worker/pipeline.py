@@ -96,9 +96,11 @@ class StageLink:
         self.next = position.global_rank(pp + 1, tp) if not self.stage.is_last else None
         self.output_source = position.global_rank(position.pp_size - 1, 0)
 
-    def receive_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    def receive_hidden(
+        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         assert self.previous is not None
-        hidden = torch.empty(num_tokens, hidden_size, dtype=dtype)
+        hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         dist.recv(hidden, self.previous)
         return hidden
 
@@ -195,7 +197,9 @@ class PipelineStageRunner(ModelRunner):
         received = None
         if not link.stage.is_first:
             shape = self.model.shape
-            received = link.receive_hidden(len(inputs.input_ids), shape.hidden_size, self.dtype)
+            received = link.receive_hidden(
+                len(inputs.input_ids), shape.hidden_size, self.dtype, self.device
+            )
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, received
         )
