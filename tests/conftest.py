@@ -46,6 +46,7 @@ SLOW_MODULES = {
     "tests/model/test_captured_decode.py": "traces and compiles decode steps (torch.compile)",
     "tests/model/test_tensor_parallel.py": "starts tensor-parallel worker processes",
     "tests/model/test_tensor_parallel_failures.py": "starts and kills tensor-parallel workers",
+    "tests/model/test_pipeline_parallel.py": "starts pipeline-parallel worker processes",
     "tests/model/test_quantization_checkpoints.py": "each pre-quantized format through a whole "
     "engine, against its float model",
     "tests/bench/test_vs_peers.py": "the peer harness: servers, llama.cpp, offline batches",

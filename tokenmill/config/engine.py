@@ -196,6 +196,12 @@ class EngineConfig:
         "ranks (processes; devices on CUDA) to shard the model over; the engine starts them "
         "(docs/scale_out.md)",
     )
+    pipeline_parallel_size: int = config_field(
+        1,
+        "pipeline stages (processes) to split the decoder layers over, each running its own "
+        "layers (tensor_parallel_size ranks per stage); the engine starts them "
+        "(docs/scale_out.md)",
+    )
     nnodes: int = config_field(
         1,
         "machines the tensor-parallel ranks span: this one starts tensor_parallel_size/nnodes "
@@ -267,6 +273,7 @@ class EngineConfig:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._check_tensor_parallel()
         self._check_executor_backend()
+        self._check_pipeline_parallel()
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self._check_kv_transfer()
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
@@ -307,6 +314,28 @@ class EngineConfig:
                 "distributed_executor_backend 'ray' places every rank itself: leave nnodes at 1 "
                 "(nnodes is the mp backend's way across machines)"
             )
+
+    def _check_pipeline_parallel(self) -> None:
+        size = self.pipeline_parallel_size
+        if size < 1:
+            raise ConfigError(f"pipeline_parallel_size must be >= 1, got {size}")
+        if size == 1:
+            return
+        refused = [
+            (self.speculative_config is not None, "speculative decoding (speculative_config)"),
+            (self.enforce_eager is False, "captured decode steps (enforce_eager=False)"),
+            (self.kv_transfer_config is not None, "KV connectors (kv_transfer_config)"),
+            (self.enable_lora, "LoRA (enable_lora)"),
+            (self.quantization is not None, "online quantization (quantization)"),
+            (self.nnodes > 1, "ranks on several machines (nnodes > 1)"),
+        ]
+        for unsupported, feature in refused:
+            if unsupported:
+                raise ConfigError(
+                    f"pipeline_parallel_size > 1 does not support {feature}; it runs float "
+                    "checkpoints of the shared decoder families on one machine, with tensor "
+                    "parallelism, chunked prefill, prefix caching and preemption"
+                )
 
     def _check_kv_transfer(self) -> None:
         if self.kv_transfer_config is None:

@@ -50,6 +50,7 @@ from tokenmill.models.loader import (
     load_tokenizer,
     sampling_defaults,
 )
+from tokenmill.models.pipeline_split import WHOLE, stage_layer_ranges
 from tokenmill.quantization.selection import weight_format_summary
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.spec_decode.eagle import EagleDraft
@@ -100,6 +101,7 @@ def assemble(config: EngineConfig) -> EngineParts:
     hf_config, architecture = load_hf_config(model_dir)
     if is_hybrid(architecture):
         check_hybrid_config(config, architecture)
+    stage_layer_ranges(hf_config.num_hidden_layers, config.pipeline_parallel_size)  # checked
     max_model_len = _max_model_len(config, hf_config.max_position_embeddings)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
     device = config.torch_device()
@@ -113,8 +115,10 @@ def assemble(config: EngineConfig) -> EngineParts:
     torch.manual_seed(config.seed)
     # Tensor parallelism: this process is rank 0; the executor starts ranks 1..N-1, which load
     # their shards while this one loads its own.
-    executor = TensorParallelExecutor(config, settings) if config.tensor_parallel_size > 1 else None
-    model = load_model(model_dir, settings, device, executor.tp if executor else SINGLE)
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    executor = TensorParallelExecutor(config, settings) if ranks > 1 else None
+    tp, stage = (executor.tp, executor.stage) if executor else (SINGLE, WHOLE)
+    model = load_model(model_dir, settings, device, tp, stage)
     if is_hybrid(architecture):  # the state slots must leave room for KV blocks
         config = fit_state_slots(config, model.state_spec.bytes_per_slot, device)
     default_sampling = _default_sampling(config, model_dir)
@@ -123,6 +127,9 @@ def assemble(config: EngineConfig) -> EngineParts:
     windows = model.traits.layer_windows or ([window] * kv_spec.num_layers if window else None)
     kv_groups = kv_groups_for(config, windows, kv_spec.num_layers, max_model_len)
     kv_spec = replace(kv_spec, num_layers=kv_groups.width)
+    if config.pipeline_parallel_size > 1:  # sized for the largest stage; each rank caches its own
+        ranges = stage_layer_ranges(model.shape.num_layers, config.pipeline_parallel_size)
+        kv_spec = replace(kv_spec, num_layers=max(end - start for start, end in ranges))
     runner, kv_cache_manager, draft_has_kv, kv_size_reason = _runner(
         config, model, settings, device, executor, kv_spec, max_model_len, kv_groups
     )

@@ -38,6 +38,7 @@ def check_hybrid_config(config: EngineConfig, architecture: str) -> None:
         (config.enable_lora, "LoRA adapters"),
         (config.enforce_eager is False, "captured decode steps (enforce_eager=False)"),
         (config.tensor_parallel_size > 1, "tensor parallelism (tensor_parallel_size > 1)"),
+        (config.pipeline_parallel_size > 1, "pipeline parallelism (pipeline_parallel_size > 1)"),
     )
     for refused, feature in refusals:
         if refused:

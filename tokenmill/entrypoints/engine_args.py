@@ -52,6 +52,7 @@ ENGINE_SECTIONS: dict[str, tuple[str, ...]] = {
     "decoding": ("speculative_config", "structured_outputs_config"),
     "parallel": (
         "tensor_parallel_size",
+        "pipeline_parallel_size",
         "nnodes",
         "distributed_timeout",
         "distributed_executor_backend",

@@ -15,11 +15,22 @@ import torch
 import torch.distributed as dist
 
 
+class GroupSlot:
+    """A process group made only once the ranks have met (a pipeline stage's tensor-parallel
+    group), while the model holding it is built before: read at each collective."""
+
+    group: Any = None
+
+
+def _resolved(group: Any) -> Any:
+    return group.group if isinstance(group, GroupSlot) else group
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
-    group: Any = None  # a torch.distributed process group (None: the default one)
+    group: Any = None  # a torch.distributed process group or GroupSlot (None: the default)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, intermediate rows), which must divide evenly."""
@@ -49,7 +60,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, group=_resolved(self.group))
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x.contiguous(), group=_resolved(self.group))
         return torch.cat(parts, dim=-1)
 
 

@@ -22,6 +22,7 @@ from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
+from tokenmill.models.pipeline_split import WHOLE, PipelineStage, PPMissingLayer
 from tokenmill.models.registry import family_of
 from tokenmill.models.traits import ArchitectureTraits
 
@@ -255,10 +256,12 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel = SINGLE,
         attention_backend: str = "torch",
         max_model_len: int | None = None,
+        stage: PipelineStage = WHOLE,
     ) -> None:
         """`attention_backend`: every layer's (resolved: torch, cpu or triton).
         `max_model_len`: the longest sequence served, which the RoPE tables cover (None: the
-        config's max_position_embeddings; a config may claim far more than is served)."""
+        config's max_position_embeddings; a config may claim far more than is served).
+        `stage`: the pipeline stage this rank runs (models/pipeline_split.py): its layers only."""
         super().__init__()
         self.architecture = architecture
         family = family_of(architecture)
@@ -278,9 +281,22 @@ class LlamaForCausalLM(nn.Module):
         self.local_rotary = None
         if traits.local_rope is not None:
             self.local_rotary = RotaryEmbedding(shape.head_dim, positions, traits.local_rope, dtype)
-        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
+        if stage.size > 1 and traits.layer_windows is not None:
+            raise ConfigError("pipeline parallelism does not support per-layer windows (Gemma 3)")
+        self.stage = stage
+        self.stage_start, self.stage_end = start, end = stage.layer_range(shape.num_layers)
+        if stage.size > 1:  # the KV cache holds this stage's layers only
+            self.num_kv_layers = end - start
+        holds_embedding = stage.is_first or (stage.is_last and shape.tie_word_embeddings)
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
+            if holds_embedding
+            else PPMissingLayer()
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            PPMissingLayer()
+            if not start <= i < end
+            else LlamaDecoderLayer(
                 shape,
                 traits,
                 tp,
@@ -290,11 +306,14 @@ class LlamaForCausalLM(nn.Module):
             )
             for i in range(shape.num_layers)
         )
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, traits.norm_offset)
-        vocab_rows = self.embed_tokens.weight.shape[0]
-        self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
-        if shape.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.norm: nn.Module = PPMissingLayer()
+        self.lm_head: nn.Module = PPMissingLayer()
+        if stage.is_last:
+            self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, traits.norm_offset)
+            vocab_rows = tp.vocab_range(shape.vocab_size)[1]
+            self.lm_head = nn.Linear(shape.hidden_size, vocab_rows, bias=False)
+            if shape.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
         # The layers as one native call (models/llama_stack.py), set once the weights are in.
         self.decoder_stack: LlamaDecoderStack | None = None
         # Each layer's KV group where the runner keeps several (layers/kv_groups.py).
@@ -314,21 +333,32 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.traits.embedding_scale is not None:
-            # As transformers: the scale rounded to the weights' dtype first.
-            hidden = hidden * torch.tensor(self.traits.embedding_scale, dtype=hidden.dtype)
+        """`hidden_states`: on a pipeline stage after the first, the previous stage's output
+        (instead of the embedded `input_ids`); a stage before the last returns its layers'
+        output, not normed."""
+        hidden = hidden_states
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids)
+            if self.traits.embedding_scale is not None:
+                # As transformers: the scale rounded to the weights' dtype first.
+                hidden = hidden * torch.tensor(self.traits.embedding_scale, dtype=hidden.dtype)
         if self.decoder_stack is not None and self.decoder_stack.applies(metadata, kv_caches):
             return self.decoder_stack(hidden, positions, kv_caches, metadata, self.kv_layer_groups)
         rope = self.rotary.cos_sin(positions)
         local_rope = rope if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         groups = self.kv_layer_groups
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for index, (layer, kv_cache) in enumerate(zip(self.stage_layers, kv_caches, strict=True)):
             layer_rope = local_rope if layer.uses_local_rope else rope
             layer_metadata = metadata if groups is None else metadata.of_group(groups[index])
             hidden = layer(layer_rope, hidden, kv_cache, layer_metadata)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.stage.is_last else hidden
+
+    @property
+    def stage_layers(self) -> list[LlamaDecoderLayer]:
+        """The decoder layers this rank runs: all, or its pipeline stage's."""
+        return list(self.layers[self.stage_start : self.stage_end])
 
     @property
     def num_local_kv_heads(self) -> int:

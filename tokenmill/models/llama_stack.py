@@ -76,29 +76,29 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         return None  # a family's own MLP (an MoE's experts, models/moe.py) runs in its module
     if family_of(model.architecture).model_class is not None:
         return None  # a family's own model class (hybrid layers, models/hybrid.py)
-    linears = [_layer_linears(layer) for layer in model.layers]
+    linears = [_layer_linears(layer) for layer in model.stage_layers]
     if any(part is None for part in linears):
         return None
-    layers = [_layer_tensors(layer) for layer in model.layers]
+    layers = [_layer_tensors(layer) for layer in model.stage_layers]
     if any(tensors is None for tensors in layers):
         return None
-    attention = model.layers[0].self_attn
+    attention = model.stage_layers[0].self_attn
     cos, signed_sin = model.rotary.tables(torch.float32)
     native = module.DecoderStack(
         layers,
         linears,
-        model.norm.scale().detach(),
+        final_norm_of(model),
         cos,
         signed_sin,
         attention.num_heads,
         attention.num_kv_heads,
         attention.head_dim,
-        model.layers[0].mlp.intermediate_size,
+        model.stage_layers[0].mlp.intermediate_size,
         model.shape.rms_norm_eps,
         model.shape.sliding_window or 0,
     )
     traits = model.traits
-    uses_local = [layer.uses_local_rope for layer in model.layers]
+    uses_local = [layer.uses_local_rope for layer in model.stage_layers]
     local_cos, local_sin = cos, signed_sin
     if model.local_rotary is not None:
         local_cos, local_sin = model.local_rotary.tables(torch.float32)
@@ -106,13 +106,24 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         local_cos,
         local_sin,
         uses_local,
-        [layer.self_attn.attn.sliding_window or 0 for layer in model.layers],
+        [layer.self_attn.attn.sliding_window or 0 for layer in model.stage_layers],
         attention.attn.scale,
         traits.activation == "gelu_tanh",
     )
     if traits.attention_softcap is not None:
         native.set_attention_softcap(traits.attention_softcap)
+    native.set_final_norm(model.stage.is_last)  # a stage before the last hands on the sum
     return LlamaDecoderStack(native)
+
+
+def final_norm_of(model: nn.Module) -> torch.Tensor:
+    """The final norm's scale; on a pipeline stage before the last (which has none) ones of
+    the hidden states' dtype, for the stack's width and dtype only."""
+    if model.stage.is_last:
+        return model.norm.scale().detach()
+    return torch.ones(
+        model.shape.hidden_size, dtype=model.stage_layers[0].input_layernorm.weight.dtype
+    )
 
 
 def _layer_linears(layer: nn.Module) -> list[Any] | None:

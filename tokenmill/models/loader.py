@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -25,9 +24,11 @@ from tokenmill.layers.parallel import SINGLE, TensorParallel
 from tokenmill.models.config_checks import ModelLoadError, check_sizes, check_values, hf_sizing
 from tokenmill.models.families import qwen3_5  # noqa: F401  (registers the hybrid families)
 from tokenmill.models.family import Family
+from tokenmill.models.freed_heap import return_freed_heap
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama_stack import build_decoder_stack
 from tokenmill.models.mtp_names import own_tensor_shapes, without_mtp
+from tokenmill.models.pipeline_split import WHOLE, PipelineStage, stage_holds
 from tokenmill.models.registry import families, family_of, gguf_architectures, gguf_family
 from tokenmill.models.safetensors_files import checkpoint_files, open_safetensors
 from tokenmill.models.sharding import RankSlice, fused_part_sizes, rank_slice
@@ -227,6 +228,7 @@ def load_model(
     settings: LoadSettings,
     device: torch.device,
     tp: TensorParallel = SINGLE,
+    stage: PipelineStage = WHOLE,
 ) -> LlamaForCausalLM:
     """The model, or under tensor parallelism this rank's shard of it (`tp`): the one way a
     model is loaded. Its attention layers get `settings.attention_backend` when built; each
@@ -234,10 +236,10 @@ def load_model(
     load (`quantization/selection.py`) and converted after."""
     hf_config, architecture = load_hf_config(model_dir)
     dtype, quantization = settings.dtype, settings.quantization
+    staged = {"stage": stage} if stage.size > 1 else {}  # pipeline parallelism: its layers only
+    args = (hf_config, architecture, dtype, tp, settings.attention_backend, settings.max_model_len)
     with torch.device(device):
-        model = MODEL_REGISTRY[architecture](
-            hf_config, architecture, dtype, tp, settings.attention_backend, settings.max_model_len
-        )
+        model = MODEL_REGISTRY[architecture](*args, **staged)
     model.to(dtype=dtype)
     plan = LinearPlan.online(dtype, device, settings.linear_backend, quantization, tp.size > 1)
     tensors = _checkpoint_tensors(Path(model_dir), model, plan, hf_config, quantization)
@@ -250,22 +252,8 @@ def load_model(
     log_plan(plan, model)
     if settings.attention_backend == "cpu":
         model.decoder_stack = build_decoder_stack(model)
-    _return_freed_heap()
+    return_freed_heap()
     return model
-
-
-def _return_freed_heap() -> None:
-    """Give the load's freed temporaries back to the OS. The float layers a quantized model
-    is built with before its methods replace them, and the decoded blocks of a GGUF file, are
-    freed, but glibc keeps their pages in the heap: after loading a 144 MB Q8_0 file the process
-    held 233 MB more than its live tensors until `malloc_trim`. Elsewhere (no glibc) a no-op."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
 
 
 def _checkpoint_tensors(
@@ -286,8 +274,8 @@ def _checkpoint_tensors(
             f"--quantization {quantization} is for float checkpoints; {path} is {kind}, "
             "whose own quantization is used"
         )
-    if model.tp.size > 1:
-        raise ConfigError(f"{kind} loads on one rank for now: use tensor_parallel_size 1")
+    if model.tp.size > 1 or getattr(model, "stage", WHOLE).size > 1:
+        raise ConfigError(f"{kind} loads on one rank for now: no tensor or pipeline parallelism")
     if scheme is not None:
         plan.default = scheme.weight_format
         return scheme.gather(_family_tensors(_iter_checkpoint_tensors(path), model, hf_config))
@@ -352,7 +340,7 @@ def _load_tied_quantized_head(model: LlamaForCausalLM) -> None:
     into the head's rows) is quantized from the embedding's weight."""
     head = model.lm_head
     embedding = getattr(model.embed_tokens, "weight", None)
-    tied = model.shape.tie_word_embeddings
+    tied = model.shape.tie_word_embeddings and isinstance(head, Linear)
     if tied and embedding is not None and not head.quant_method.holds_float_weight:
         head.quant_method.load_weight(head, embedding.detach(), 0)
 
@@ -411,6 +399,8 @@ def _reader(f: Any, name: str) -> TensorReader:
 def _is_ignored(name: str, model: LlamaForCausalLM) -> bool:
     if "rotary_emb.inv_freq" in name:
         return True
+    if not stage_holds(model, name):
+        return True  # another pipeline stage's
     if model.tp.rank > 0 and name.endswith((".o_proj.bias", ".down_proj.bias")):
         return True  # row-parallel biases live on rank 0 (added once, after the all-reduce)
     return name == "lm_head.weight" and model.shape.tie_word_embeddings

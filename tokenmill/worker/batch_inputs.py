@@ -90,3 +90,27 @@ def apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask, inputs: BatchIn
             bitmask_rows.extend(range(first, first + len(drafts) + 1))
         row += len(drafts) + 1
     apply_grammar_bitmask(logits, grammar.bitmask, logit_rows, bitmask_rows)
+
+
+def captured_inputs(
+    decode: DecodeBatch,
+    states: list[CachedRequestState],
+    computed: np.ndarray,
+    known_ends: list[int],
+    device: torch.device,
+) -> BatchInputs:
+    """A captured decode step's inputs go to its key's static buffers, not to tensors."""
+    return BatchInputs(
+        input_ids=torch.from_numpy(decode.token_ids),
+        positions=torch.from_numpy(decode.seq_lens - 1),
+        metadata=None,
+        logits_indices=torch.arange(len(states), device=device),
+        sampling_states=states,
+        sampling_drafts=[[] for _ in states],
+        prompt_logprob_rows=[],
+        states=states,
+        row_starts=list(range(len(states))),
+        first_positions=computed.tolist(),
+        known_ends=known_ends,
+        decode=decode,
+    )

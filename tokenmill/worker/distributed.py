@@ -148,8 +148,8 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def broadcast_object(obj: Any, group: Any) -> Any:
-    """Rank 0's `obj` on every rank of `group` (other ranks pass None)."""
+def broadcast_object(obj: Any, group: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank of `group` (other ranks pass None)."""
     holder = [obj]
-    dist.broadcast_object_list(holder, src=0, group=group)
+    dist.broadcast_object_list(holder, src=src, group=group)
     return holder[0]

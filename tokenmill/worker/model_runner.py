@@ -28,7 +28,13 @@ from tokenmill.step.layout import attention_group_key, layout_decode, layout_ste
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.step.scheduler_output import SchedulerOutput
-from tokenmill.worker.batch_inputs import BatchInputs, all_decode, apply_grammar, decode_inputs
+from tokenmill.worker.batch_inputs import (
+    BatchInputs,
+    all_decode,
+    apply_grammar,
+    captured_inputs,
+    decode_inputs,
+)
 from tokenmill.worker.captured_step import (
     Capture,
     CapturedDecodeStep,
@@ -92,6 +98,12 @@ class ModelRunner:
             self._start_kv_load(connector, scheduler_output)
         if scheduler_output.is_empty:
             return self._with_kv_transfers(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        return self._with_kv_transfers(self._execute_batch(scheduler_output))
+
+    def _execute_batch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward, logits and sampling of the scheduled requests (a pipeline's last stage runs
+        it once per micro-batch: worker/pipeline.py)."""
+        connector = self.kv_connector
         inputs = self._prepare_inputs(scheduler_output)
         if self.lora is not None:
             self.lora.prepare_step(inputs.states, inputs.row_starts, len(inputs.input_ids))
@@ -126,7 +138,7 @@ class ModelRunner:
             output.prompt_logprobs = prompt_logprobs(
                 self.model, hidden, inputs.prompt_logprob_rows, self.device
             )
-        return self._with_kv_transfers(output)
+        return output
 
     def _with_kv_transfers(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """The step is done with the connector's metadata; what its transfers did since."""
@@ -274,7 +286,7 @@ class ModelRunner:
         )
         decode = self._captured_decode(states, input_ids, query_lens, seq_lens)
         if decode is not None:
-            return self._captured_inputs(decode, states, computed, known_ends)
+            return captured_inputs(decode, states, computed, known_ends, self.device)
         positions, metadata = layout_step(
             [s.block_ids for s in states],
             query_lens,
@@ -321,29 +333,6 @@ class ModelRunner:
             layout([s.group_block_ids[group] for s in states])[1]
             for group in range(len(self.kv_groups.windows) - 1)
         ]
-
-    def _captured_inputs(
-        self,
-        decode: DecodeBatch,
-        states: list[CachedRequestState],
-        computed: np.ndarray,
-        known_ends: list[int],
-    ) -> BatchInputs:
-        """A captured decode step's inputs go to its key's static buffers, not to tensors."""
-        return BatchInputs(
-            input_ids=torch.from_numpy(decode.token_ids),
-            positions=torch.from_numpy(decode.seq_lens - 1),
-            metadata=None,
-            logits_indices=torch.arange(len(states), device=self.device),
-            sampling_states=states,
-            sampling_drafts=[[] for _ in states],
-            prompt_logprob_rows=[],
-            states=states,
-            row_starts=list(range(len(states))),
-            first_positions=computed.tolist(),
-            known_ends=known_ends,
-            decode=decode,
-        )
 
     def _captured_decode(
         self,

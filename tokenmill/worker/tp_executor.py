@@ -29,14 +29,13 @@ from typing import Any, NoReturn
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import LoadSettings
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.scheduler_output import SchedulerOutput
 from tokenmill.worker.distributed import Rendezvous, broadcast_object, join_group, leave_group
 from tokenmill.worker.launchers import Worker, worker_launcher
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.pipeline import PipelineStageRunner, RankPosition, StageLink, join_stages
 from tokenmill.worker.runner_spec import RunnerSpec
 from tokenmill.worker.tp_worker import STOP, report_weight_bytes
 
@@ -54,7 +53,9 @@ class TensorParallelError(RuntimeError):
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, load_settings: LoadSettings) -> None:
         """`load_settings`: how every rank loads its shard (`models/loader.py`)."""
-        size = config.tensor_parallel_size
+        # Pipeline parallelism multiplies the ranks: rank 0 is the first stage's first.
+        self.position = RankPosition(0, config.tensor_parallel_size, config.pipeline_parallel_size)
+        size = self.position.world_size
         device = config.torch_device()
         launcher = worker_launcher(config, size)  # mp: processes; ray: actors (launchers.py)
         self.rendezvous = Rendezvous.local(
@@ -85,15 +86,18 @@ class TensorParallelExecutor:
         )
         self._finalizer = weakref.finalize(self, _release, self.workers, self._stopping)
         # Rank 0 loads its shard while the workers start; the groups are joined after that.
-        self.tp = TensorParallel(rank=0, size=size)
+        self.tp = self.position.tensor_parallel()
+        self.stage = self.position.stage
         self.step_group: Any = None
+        self.link: StageLink | None = None
         self.weight_bytes: list[int] = []  # per rank, once the runners are built
 
     def make_runner(
         self, model: LlamaForCausalLM, spec: RunnerSpec, device: torch.device
-    ) -> ModelRunner:
+    ) -> PipelineStageRunner:
         """Rank 0's runner; every worker builds the same one over its shard."""
         self._join()
+        self.link = self.collective(lambda: join_stages(self.position, self.tp, self.step_group))
         self.collective(lambda: broadcast_object(spec, self.step_group))
         self.weight_bytes = self.collective(lambda: report_weight_bytes(model, self.step_group))
         return TensorParallelRunner(self, model, spec, device)
@@ -227,8 +231,9 @@ def _stop_workers(workers: list[Any], graceful: bool) -> None:
         worker.join(_JOIN_TIMEOUT_S)
 
 
-class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: each step goes to the workers first, then runs here in lockstep."""
+class TensorParallelRunner(PipelineStageRunner):
+    """Rank 0's runner: each step goes to the workers first, then runs here in lockstep (with
+    pipeline parallelism: the first stage's part, then the last stage's output comes back)."""
 
     def __init__(
         self,
@@ -237,9 +242,10 @@ class TensorParallelRunner(ModelRunner):
         spec: RunnerSpec,
         device: torch.device,
     ) -> None:
-        super().__init__(model, spec, device)
+        super().__init__(model, spec, device, executor.link)
         self.executor = executor
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.executor.broadcast_step(scheduler_output)
-        return self.executor.collective(lambda: ModelRunner.execute_model(self, scheduler_output))
+        step = PipelineStageRunner.execute_model
+        return self.executor.collective(lambda: step(self, scheduler_output))

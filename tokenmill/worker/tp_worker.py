@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.layers.parallel import TensorParallel
 from tokenmill.models.loader import LoadSettings, load_model
 from tokenmill.models.weight_bytes import weight_bytes
 from tokenmill.worker.distributed import (
@@ -29,7 +28,7 @@ from tokenmill.worker.distributed import (
     leave_group,
     rank_device,
 )
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.pipeline import PipelineStageRunner, RankPosition, join_stages
 from tokenmill.worker.runner_spec import RunnerSpec
 
 logger = logging.getLogger(__name__)
@@ -72,13 +71,15 @@ def serve_rank(
     device = rank_device(config.torch_device(), rank % (rendezvous.world_size // config.nnodes))
     # Load first, as rank 0 does: once the ranks meet, every step is bounded by the timeout.
     torch.manual_seed(config.seed)
-    tp = TensorParallel(rank=rank, size=rendezvous.world_size)
-    model = load_model(config.model, load_settings, device, tp)
+    position = RankPosition(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+    tp = position.tensor_parallel()
+    model = load_model(config.model, load_settings, device, tp, position.stage)
     _, step_group = join_group(rendezvous, rank)
     try:
+        link = join_stages(position, tp, step_group)
         spec: RunnerSpec = broadcast_object(None, step_group)
         report_weight_bytes(model, step_group)
-        runner = ModelRunner(model, spec, device)
+        runner = PipelineStageRunner(model, spec, device, link)
         while True:
             scheduler_output = broadcast_object(None, step_group)
             if scheduler_output == STOP:

@@ -103,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_family_options", &DecoderStack::set_family_options)
       .def("set_kv_groups", &DecoderStack::set_kv_groups)
       .def("set_attention_softcap", &DecoderStack::set_attention_softcap)
+      .def("set_final_norm", &DecoderStack::set_final_norm)
       .def("forward", &DecoderStack::forward, no_gil);
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,

@@ -51,7 +51,12 @@ __attribute__((always_inline)) inline void add_norm_rows(float* residual, float*
 #pragma omp simd
       for (int64_t j = 0; j < hidden; ++j) x[j] += dx[j];
     }
-    rms_norm_row(x, weight, hidden, eps, out + r * ld_out);
+    if (weight == nullptr) {  // no norm: the sum as it is (a pipeline stage's output)
+      Act* o = out + r * ld_out;
+      for (int64_t j = 0; j < hidden; ++j) store_float(o + j, x[j]);
+    } else {
+      rms_norm_row(x, weight, hidden, eps, out + r * ld_out);
+    }
   }
 }
 
@@ -267,6 +272,8 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
     layers_.push_back(std::move(layer));
   }
 }
+
+void DecoderStack::set_final_norm(bool apply) { apply_final_norm_ = apply; }
 
 void DecoderStack::set_family_options(const at::Tensor& local_cos, const at::Tensor& local_sin,
                                       const std::vector<bool>& layer_is_local,
@@ -501,7 +508,8 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     gemm_parts(layer.parts[3], act, ld_act, delta, hidden, lw.down_bias);
   }
   // The final norm, into the output's dtype.
-  add_norm_phase(delta, layers_.back().weights.mlp_out_norm, final_norm_.data_ptr<float>(),
+  add_norm_phase(delta, layers_.back().weights.mlp_out_norm,
+                 apply_final_norm_ ? final_norm_.data_ptr<float>() : nullptr,
                  out.data_ptr(), hidden, out.scalar_type() == at::kBFloat16);
   WorkerPool::instance().run(job, threads);
   return out;

@@ -76,6 +76,9 @@ class DecoderStack {
   void set_kv_groups(const std::vector<int64_t>& layer_groups);
   // Every layer's attention scores soft-capped at `softcap` (Gemma 2); 0: none.
   void set_attention_softcap(double softcap);
+  // Whether forward applies the final norm (false: a pipeline stage before the last, whose
+  // output is the last layer's sum; `final_norm` then only gives the width and dtype).
+  void set_final_norm(bool apply);
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -104,6 +107,7 @@ class DecoderStack {
   std::vector<int64_t> layer_groups_;
   at::Tensor final_norm_, cos_, sin_, local_cos_, local_sin_;
   bool is_bf16_ = false;
+  bool apply_final_norm_ = true;
   Buffers buffers_;
 };
 
