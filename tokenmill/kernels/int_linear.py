@@ -271,7 +271,9 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     width, bits = weight.padded_in, weight.bits
     # The rows' blocks first, then their lanes: unpacking the whole table (a tied LM head's
     # vocabulary) per lookup cost a 1B model's decode step ~300 ms.
-    codes = weight.codes[block]  # [n, block bytes]
+    # index_select: `codes[block]` runs torch's parallel index kernel, ~25 ms a lookup when
+    # the kernels' own worker threads hold the cores (measured on 2 busy cores).
+    codes = weight.codes.index_select(0, block)  # [n, block bytes]
     picked_rows = torch.arange(len(rows))
     if bits == 8:
         lanes = codes.view(-1, width // 4, BLOCK_ROWS, 4)[picked_rows, :, lane]
@@ -291,12 +293,13 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
             unsigned = nibbles.to(torch.int16)
         if bits in _MASKED_BITS:
             planes = bits - base
-            masks = codes[:, base_bytes:].reshape(-1, width // 8, planes, 2, 8, 1)
-            mask_bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).view(
-                -1, width // 8, planes, 2, BLOCK_ROWS, 4
-            )
+            masks = codes[:, base_bytes:].reshape(-1, width // 8, planes, 2, 8)
+            # Bit lane * 4 + j of a mask is the row's column j: byte lane // 2, from bit
+            # 4 * (lane % 2). Only the rows' bytes are expanded (a step's cost, not a block's).
+            picked_bytes = masks[picked_rows, :, :, :, lane // 2].to(torch.int16)
+            shifts = (4 * (lane % 2)).view(-1, 1, 1, 1, 1) + torch.arange(4)
             # [n, chunks, plane, half, j] -> each plane's bit onto the base codes
-            picked = mask_bits[picked_rows, :, :, :, lane].to(torch.int16)
+            picked = (picked_bytes[..., None] >> shifts) & 1
             for h in range(planes):
                 unsigned = unsigned + (picked[:, :, h] << (base + h))
         unsigned = unsigned.reshape(len(rows), width)

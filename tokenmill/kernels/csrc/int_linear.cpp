@@ -522,6 +522,89 @@ TM_AVX512BF16 void block_vnni(const Problem& p, const QuantInput& a, int64_t nb,
 }
 
 
+// K-quant scales held factored (int8 sub-scales of 16 or 32 columns times a float16 scale per
+// 256): the per-group work in integers. Each group's dot product starts at -center x the sum
+// of its activation codes (`qsum`, per 16 columns), so the codes' center comes off exactly;
+// times the group's int8 sub-scale (vpmulld), summed over an activation block of 32 columns,
+// one conversion to float times the activation scale; one multiply by the super-block's
+// scale per 256 columns. block_vnni converts and scales every group in float instead: for
+// Q6_K's groups of 16 that was as many instructions as the group's dot products.
+// |sum| <= 32 columns x 128 x 127 x 128 (an activation block) < 2^27.
+template <int BITS, int R, int GROUP>
+TM_AVX512BF16 void block_vnni_factored(const Problem& p, const QuantInput& a, int64_t nb,
+                                       int64_t m0, float* out) {
+  static_assert(GROUP == 16 || GROUP == 32);
+  constexpr int32_t center = center_of(BITS);
+  constexpr int kGroupsPerAct = kActBlock / GROUP;
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const int64_t scale_stride = p.kp / kActBlock, sum_stride = p.kp / 16;
+  const int8_t* xq[R];
+  const float* x_scale[R];
+  const int32_t* x_qsum[R];
+  const float* x_group_sum[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (m0 + r) * p.kp;
+    x_scale[r] = a.qscale + (m0 + r) * scale_stride;
+    x_qsum[r] = a.qsum + (m0 + r) * sum_stride;
+    x_group_sum[r] = a.group_sum + (m0 + r) * p.groups;
+  }
+  __m512 total[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  const half* offsets = p.offsets ? p.offsets + nb * p.groups * kBlockRows : nullptr;
+  const int64_t supers = p.groups / p.super_groups;
+  for (int64_t s = 0; s < supers; ++s) {
+    __m512 dot[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
+    const int64_t g_end = (s + 1) * p.super_groups;
+    for (int64_t g0 = s * p.super_groups; g0 < g_end; g0 += kGroupsPerAct) {
+      __m512i scaled[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) scaled[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int gi = 0; gi < kGroupsPerAct; ++gi) {
+        const int64_t g = g0 + gi, col = g * GROUP;
+        __m512i acc[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t codes_sum = x_qsum[r][col / 16];
+          if constexpr (GROUP == 32) codes_sum += x_qsum[r][col / 16 + 1];
+          acc[r] = _mm512_set1_epi32(-center * codes_sum);
+        }
+        segment_vnni<BITS, R, GROUP>(p, block, xq, col, acc);
+        const __m512i sub = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(p.sub_scales + p.scale_at(nb, g))));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          scaled[r] = _mm512_add_epi32(scaled[r], _mm512_mullo_epi32(acc[r], sub));
+      }
+      const int64_t act = g0 * GROUP / kActBlock;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled[r]), _mm512_set1_ps(x_scale[r][act]),
+                                 dot[r]);
+    }
+    const __m512 super = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p.super_scales + p.super_at(nb, s * p.super_groups))));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(super, dot[r], total[r]);
+    if (offsets) {
+      for (int64_t g = s * p.super_groups; g < g_end; ++g) {
+        const __m512 offset = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + g * kBlockRows)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_group_sum[r][g]), total[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlockRows, total[r]);
+}
+
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch: a tile of up to kMaxTile tokens against one 16-row block.
 
@@ -529,6 +612,10 @@ template <int BITS, int R>
 void run_tile(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, float* out,
               int isa) {
   if (a.path == QuantPath::kInt8) {
+    if constexpr (BITS != 8) {
+      if (p.sub_scales && p.group == 16) return block_vnni_factored<BITS, R, 16>(p, a, nb, m0, out);
+      if (p.sub_scales && p.group == 32) return block_vnni_factored<BITS, R, 32>(p, a, nb, m0, out);
+    }
     if (p.group == 16) block_vnni<BITS, R, 16>(p, a, nb, m0, out);
     else block_vnni<BITS, R, 32>(p, a, nb, m0, out);
   } else if (isa >= kAvx512) {
