@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.linear import OneDNNLinearMethod
+
 # Architectures this module builds: name -> (checkpoint prefix, classification head kind).
 ENCODER_ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "BertModel": ("", None),
@@ -32,6 +34,8 @@ _ACTIVATIONS = {
     "relu": F.relu_,
     "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
 }
+# oneDNN's GELU fused into the product (OneDNNLinearMethod.apply_then), by hidden_act.
+_GELU_ALGORITHMS = {"gelu": "none", "gelu_new": "tanh"}
 
 
 @dataclass(frozen=True)
@@ -222,8 +226,13 @@ class _Intermediate(nn.Module):
         super().__init__()
         self.dense = nn.Linear(shape.hidden_size, shape.intermediate_size)
         self.act = _ACTIVATIONS[shape.hidden_act]
+        self.hidden_act = shape.hidden_act
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        method = getattr(self.dense, "quant_method", None)
+        if isinstance(method, OneDNNLinearMethod) and self.hidden_act in _GELU_ALGORITHMS:
+            algorithm = _GELU_ALGORITHMS[self.hidden_act]
+            return method.apply_then(self.dense, hidden, "gelu", algorithm)
         return self.act(self.dense(hidden))
 
 
