@@ -143,11 +143,12 @@ class PackedLinearMethod(DenseLinearMethod):
 
 class OneDNNLinearMethod(DenseLinearMethod):
     """float32 or bfloat16 on the CPU with the weight reordered for oneDNN (module docstring),
-    where the native kernels are not built. A small weight is kept in torch's layout too, for
-    products of a few rows; a large one is dropped after the reorder (`layer.weight` is then
-    None). `pad_rows`: products' rows padded to few shapes (`padded_rows`), so a decoder's
-    steps reuse oneDNN's primitives; an encoder's steps (thousands of rows, each step its own
-    count) skip the padding copy, which cost more than a new primitive."""
+    where the native kernels are not built, and a float32 encoder's (pooling/model_loading.py).
+    A small weight is kept in torch's layout too, for products of a few rows; a large one is
+    dropped after the reorder (`layer.weight` is then None). `pad_rows`: products' rows padded
+    to few shapes (`padded_rows`), so a decoder's steps reuse oneDNN's primitives; an
+    encoder's steps (thousands of rows, each step its own count) skip the padding copy, which
+    cost more than a new primitive."""
 
     def __init__(self, dtype: torch.dtype = torch.float32, pad_rows: bool = True) -> None:
         super().__init__(dtype)
