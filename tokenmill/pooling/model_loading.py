@@ -134,11 +134,16 @@ def _load_encoder(
 
 def _encoder_linear_chooser(settings: LoadSettings, device: torch.device) -> Any:
     """The dense linears as the decoders have them (the native packed layout on the CPU),
-    but oneDNN's for float32 on the CPU: at an encoder step's thousands of rows it matched or
-    beat the packed kernels there, and it fuses the bias and GELU into the MLP's product."""
-    auto_cpu = settings.linear_backend == "auto" and device.type == "cpu"
-    if auto_cpu and settings.dtype == torch.float32 and onednn_linear_available():
-        return lambda name, linear: OneDNNLinearMethod(torch.float32, pad_rows=False)
+    but oneDNN's for an encoder on the CPU in float32, or bfloat16 where oneDNN has native
+    bf16: at an encoder step's thousands of rows it beat the packed kernels there (the whole
+    forward 1.3x in float32 and bfloat16 on a Zen 4), and it fuses the bias and GELU into the
+    MLP's product."""
+    if settings.linear_backend == "auto" and device.type == "cpu" and onednn_linear_available():
+        dtype = settings.dtype
+        if dtype == torch.float32 or (
+            dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
+            return lambda name, linear: OneDNNLinearMethod(dtype, pad_rows=False)
     return LinearPlan.online(settings.dtype, device, settings.linear_backend, None, False).choose
 
 
