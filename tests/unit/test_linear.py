@@ -48,6 +48,22 @@ def test_matches_nn_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows", [2, 37])
+def test_fused_gelu_unpadded_matches_linear_then_gelu(approximate: str, rows: int) -> None:
+    """The encoder's MLP product: bias and GELU fused, rows not padded (2 rows: F.linear)."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160)
+    x = torch.randn(rows, 96)
+    layer = Linear.from_module(linear, OneDNNLinearMethod(pad_rows=False))
+    layer.quant_method.process_weights_after_loading(layer)
+    with torch.inference_mode():
+        expected = torch.nn.functional.gelu(linear(x), approximate=approximate)
+        got = layer.quant_method.apply_then(layer, x, "gelu", approximate)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(native_kernels() is None, reason="native kernels not buildable here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 300])

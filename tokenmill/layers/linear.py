@@ -143,9 +143,16 @@ class PackedLinearMethod(DenseLinearMethod):
 
 class OneDNNLinearMethod(DenseLinearMethod):
     """float32 or bfloat16 on the CPU with the weight reordered for oneDNN (module docstring),
-    where the native kernels are not built. A small weight is kept in torch's layout too, for
-    products of a few rows; a large one is dropped after the reorder (`layer.weight` is then
-    None)."""
+    where the native kernels are not built, and a float32 encoder's (pooling/model_loading.py).
+    A small weight is kept in torch's layout too, for products of a few rows; a large one is
+    dropped after the reorder (`layer.weight` is then None). `pad_rows`: products' rows padded
+    to few shapes (`padded_rows`), so a decoder's steps reuse oneDNN's primitives; an
+    encoder's steps (thousands of rows, each step its own count) skip the padding copy, which
+    cost more than a new primitive."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, pad_rows: bool = True) -> None:
+        super().__init__(dtype)
+        self.pad_rows = pad_rows
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
@@ -155,13 +162,21 @@ class OneDNNLinearMethod(DenseLinearMethod):
             layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_then(layer, x, "none", "")
+
+    def apply_then(self, layer: Linear, x: torch.Tensor, op: str, algorithm: str) -> torch.Tensor:
+        """The product with oneDNN's pointwise `op` fused after the bias ("none", or "gelu"
+        with `algorithm` "none" (erf) or "tanh": one pass over the output, not two)."""
         num_rows = x.shape[0]
         if layer.few_rows_by_f_linear and num_rows <= _SMALL_WEIGHT_ROWS:
-            return F.linear(x, layer.weight, layer.bias)
-        padding = padded_rows(num_rows) - num_rows
+            out = F.linear(x, layer.weight, layer.bias)
+            return out if op == "none" else F.gelu(out, approximate=algorithm)
+        padding = padded_rows(num_rows) - num_rows if self.pad_rows else 0
         if padding:
             x = F.pad(x, (0, 0, 0, padding))
-        out = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(
+            x, layer.packed_weight, layer.bias, op, [], algorithm
+        )
         return out[:num_rows] if padding else out
 
 

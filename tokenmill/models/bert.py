@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.linear import OneDNNLinearMethod
+
 # Architectures this module builds: name -> (checkpoint prefix, classification head kind).
 ENCODER_ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "BertModel": ("", None),
@@ -25,7 +27,15 @@ ENCODER_ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "XLMRobertaForSequenceClassification": ("roberta.", "roberta"),
     "RobertaForSequenceClassification": ("roberta.", "roberta"),
 }
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+# In place, on the product's fresh output: a second [tokens, intermediate] buffer cost more
+# than the activation itself.
+_ACTIVATIONS = {
+    "gelu": torch.ops.aten.gelu_,
+    "relu": F.relu_,
+    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+}
+# oneDNN's GELU fused into the product (OneDNNLinearMethod.apply_then), by hidden_act.
+_GELU_ALGORITHMS = {"gelu": "none", "gelu_new": "tanh"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,11 @@ class _Bucket:
     valid: torch.Tensor | None  # [count, longest] real positions; None: no padding
     count: int
     longest: int
+    # With padding: each padded slot's row in the bucket (a padding slot repeats its
+    # sequence's last token, so keys and values stay finite under the mask), and each real
+    # token's slot. One gather in and one out, no zero-filled copy (which cost as much).
+    gather: torch.Tensor | None = None  # [count * longest]
+    slots: torch.Tensor | None = None  # [end - start]
 
 
 def attention_buckets(lengths: list[int], device: torch.device) -> list[_Bucket]:
@@ -113,17 +128,33 @@ def attention_buckets(lengths: list[int], device: torch.device) -> list[_Bucket]
             length is None
             or (len(members) + 1) * length > (1 + MAX_PADDING_SHARE) * (tokens + length)
         ):
-            longest = max(members)
-            valid = None
-            if min(members) != longest:
-                row_lengths = torch.tensor(members, device=device)
-                valid = torch.arange(longest, device=device)[None, :] < row_lengths[:, None]
-            buckets.append(_Bucket(first, first + tokens, valid, len(members), longest))
+            buckets.append(_bucket(first, tokens, members, device))
             first, tokens, members = first + tokens, 0, []
         if length is not None:
             members.append(length)
             tokens += length
     return buckets
+
+
+def _bucket(first: int, tokens: int, members: list[int], device: torch.device) -> _Bucket:
+    longest = max(members)
+    if min(members) == longest:
+        return _Bucket(first, first + tokens, None, len(members), longest)
+    row_lengths = torch.tensor(members)
+    column = torch.arange(longest)[None, :]
+    valid = column < row_lengths[:, None]
+    starts = torch.cumsum(row_lengths, 0) - row_lengths
+    gather = (starts[:, None] + torch.minimum(column, row_lengths[:, None] - 1)).reshape(-1)
+    slots = valid.reshape(-1).nonzero().squeeze(1)
+    return _Bucket(
+        first,
+        first + tokens,
+        valid.to(device),
+        len(members),
+        longest,
+        gather.to(device),
+        slots.to(device),
+    )
 
 
 class _SelfAttention(nn.Module):
@@ -141,7 +172,7 @@ class _Output(nn.Module):
         self.LayerNorm = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(hidden) + residual)
+        return self.LayerNorm(self.dense(hidden).add_(residual))
 
 
 class _Attention(nn.Module):
@@ -175,17 +206,18 @@ class _Attention(nn.Module):
         context = torch.empty_like(qkv[:, 0])
         for b in buckets:
             rows = qkv[b.start : b.end]
-            if b.valid is None:
+            if b.gather is None:
                 part = rows.view(b.count, b.longest, *rows.shape[1:])
             else:
-                part = rows.new_zeros(b.count, b.longest, *rows.shape[1:])
-                part[b.valid] = rows
+                part = rows.index_select(0, b.gather).view(b.count, b.longest, *rows.shape[1:])
             q, k, v = part.permute(2, 0, 3, 1, 4)  # each [count, heads, longest, head_dim]
             mask = None if b.valid is None else b.valid[:, None, None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-            context[b.start : b.end] = (
-                out.reshape(-1, *out.shape[2:]) if b.valid is None else out[b.valid]
-            )
+            out = out.reshape(-1, *out.shape[2:])  # a view: SDPA lays heads inside tokens
+            if b.slots is None:
+                context[b.start : b.end] = out
+            else:
+                torch.index_select(out, 0, b.slots, out=context[b.start : b.end])
         return self.output(context.view(num_tokens, width), hidden)
 
 
@@ -194,8 +226,13 @@ class _Intermediate(nn.Module):
         super().__init__()
         self.dense = nn.Linear(shape.hidden_size, shape.intermediate_size)
         self.act = _ACTIVATIONS[shape.hidden_act]
+        self.hidden_act = shape.hidden_act
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        method = getattr(self.dense, "quant_method", None)
+        if isinstance(method, OneDNNLinearMethod) and self.hidden_act in _GELU_ALGORITHMS:
+            algorithm = _GELU_ALGORITHMS[self.hidden_act]
+            return method.apply_then(self.dense, hidden, "gelu", algorithm)
         return self.act(self.dense(hidden))
 
 
