@@ -222,9 +222,10 @@ class EagleProposer:
         rows = len(states)
         context = torch.tensor(ends, device=self.device)  # positions 0 .. end - 1 are known
         table = self._block_table(states, ends)
-        keys, values = read_kv(self.kv_caches[0], table, x.dtype)
+        # Attention in float32: torch's bfloat16 attention of one query costs ~1 ms on a CPU.
+        keys, values = read_kv(self.kv_caches[0], table, torch.float32)
         width = max(ends)
-        kv = x.new_zeros(2, rows, kv_heads, width + num_steps, dim)  # the steps' own after width
+        kv = x.new_zeros(2, rows, kv_heads, width + num_steps, dim, dtype=torch.float32)
         kv[0, :, :, :width] = keys[:, :, :width]
         kv[1, :, :, :width] = values[:, :, :width]
         mask = None  # every step sees the steps before it, and its context
@@ -235,14 +236,14 @@ class EagleProposer:
 
         def layer_output(x: torch.Tensor, q: torch.Tensor, end: int) -> torch.Tensor:
             out = F.scaled_dot_product_attention(
-                q.reshape(rows, heads, 1, dim),
+                q.reshape(rows, heads, 1, dim).float(),
                 kv[0, :, :, :end],
                 kv[1, :, :, :end],
                 attn_mask=None if mask is None else mask[..., :end],
                 scale=attn.attn.scale,
                 enable_gqa=heads != kv_heads,
             )
-            x = x + attn.o_proj(out.reshape(rows, heads * dim))
+            x = x + attn.o_proj(out.reshape(rows, heads * dim).to(x.dtype))
             return x + mlp(layer.post_attention_layernorm(x))
 
         tokens, features = draft.greedy(layer_output(x, q, width))
