@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.layers.kv_cache import KVCacheSpec, read_kv, write_kv
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.layers.rotary import apply_rotary_
@@ -110,7 +111,7 @@ class EagleDraft(OneLayerDraft):
 
     def greedy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drafted token ids, the feature the next step reads) from the layer's output."""
-        return self.compute_logits(out).argmax(dim=-1), out
+        return argmax_rows(self.compute_logits(out)), out
 
 
 class EagleProposer:
