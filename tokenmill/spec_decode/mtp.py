@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.layers.parallel import SINGLE
 from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from tokenmill.spec_decode.eagle import OneLayerDraft
@@ -68,4 +69,4 @@ class MtpDraft(OneLayerDraft):
     def greedy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drafted token ids, the feature the next step reads) from the layer's output."""
         normed = self.norm(out)
-        return self.compute_logits(normed).argmax(dim=-1), normed if self.post_norm_feature else out
+        return argmax_rows(self.compute_logits(normed)), normed if self.post_norm_feature else out
