@@ -97,7 +97,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, int64_t>())
       .def("set_family_options", &DecoderStack::set_family_options)
       .def("set_kv_groups", &DecoderStack::set_kv_groups)
-      .def("forward", &DecoderStack::forward, no_gil);
+      .def("set_lora", &DecoderStack::set_lora)
+      .def("forward", &DecoderStack::forward, no_gil, pybind11::arg("hidden"),
+           pybind11::arg("positions"), pybind11::arg("kv_caches"), pybind11::arg("slot_mapping"),
+           pybind11::arg("query_start_loc"), pybind11::arg("seq_lens"),
+           pybind11::arg("block_tables"), pybind11::arg("lora_segments") = pybind11::none());
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t>())
       .def("forward", &MoEExperts::forward, "an MoE block's routed experts", no_gil);

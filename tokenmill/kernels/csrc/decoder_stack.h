@@ -7,6 +7,7 @@
 #include "cpu_common.h"
 #include "int_linear.h"
 #include "linear.h"
+#include "lora.h"
 #include "paged_attention.h"
 
 namespace tokenmill {
@@ -73,10 +74,17 @@ class DecoderStack {
   // tokens [query_start_loc[i], query_start_loc[i + 1]), the last of its seq_lens[i].
   // Each layer's KV group, for a hybrid cache (layers/kv_groups.py); empty: one group.
   void set_kv_groups(const std::vector<int64_t>& layer_groups);
+  // Multi-LoRA: each layer's adapters on qkv, o, gate_up and down as (a, bt) pairs (8 per
+  // layer, None where a linear has none), the `LoRALinear`s' stacked slots, read in place
+  // (written between steps as adapters come and go; lora.h). A step's `lora_segments`
+  // ([n, 3] int64: first, end, slot) add each adapter row's delta after the base products,
+  // inside the stack's own phases.
+  void set_lora(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers);
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables);
+                     const at::Tensor& block_tables,
+                     const c10::optional<at::Tensor>& lora_segments = c10::nullopt);
 
  private:
   struct Layer {
@@ -102,6 +110,9 @@ class DecoderStack {
   at::Tensor final_norm_, cos_, sin_, local_cos_, local_sin_;
   bool is_bf16_ = false;
   Buffers buffers_;
+  std::vector<std::array<LoRAStack, 4>> lora_;  // empty: no adapters
+  std::vector<at::Tensor> lora_tensors_;        // what lora_ points into
+  int64_t lora_slots_ = 0, lora_width_ = 0;     // the widest of any linear
 };
 
 }  // namespace tokenmill
