@@ -173,23 +173,57 @@ TM_AVX512 void axpy_bf16_avx512(float* y, const u16* x, float alpha, int64_t n) 
   }
 }
 
+TM_AVX512 __m512 load16_avx512(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+TM_AVX512 __m512 load16_avx512(const u16* p, __mmask16 mask) { return widen16_avx512(p, mask); }
+
+// y[0:n] += sum over k of t[k] * b[w[k] * ld + 0:n]: 64 outputs at a time held in registers
+// while every w adds to them (y read and written once, one load per FMA).
+template <typename T>
+TM_AVX512 void expand_avx512(float* y, const T* b, int64_t ld, const float* t, const int64_t* w,
+                             int64_t nw, int64_t n) {
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 acc[4];
+    for (int q = 0; q < 4; ++q) acc[q] = _mm512_loadu_ps(y + j + 16 * q);
+    for (int64_t k = 0; k < nw; ++k) {
+      const __m512 scale = _mm512_set1_ps(t[k]);
+      const T* row = b + w[k] * ld + j;
+      for (int q = 0; q < 4; ++q)
+        acc[q] = _mm512_fmadd_ps(scale, load16_avx512(row + 16 * q, 0xFFFF), acc[q]);
+    }
+    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(y + j + 16 * q, acc[q]);
+  }
+  for (; j < n; j += 16) {
+    const int64_t left = std::min<int64_t>(16, n - j);
+    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+    __m512 acc = _mm512_maskz_loadu_ps(mask, y + j);
+    for (int64_t k = 0; k < nw; ++k)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(t[k]), load16_avx512(b + w[k] * ld + j, mask), acc);
+    _mm512_mask_storeu_ps(y + j, mask, acc);
+  }
+}
+
 template <typename T>
 struct Kernels {
   float (*dot)(const T*, const T*, int64_t);
   void (*axpy)(float*, const T*, float, int64_t);
+  // As expand_avx512; null: an axpy per w.
+  void (*expand)(float*, const T*, int64_t, const float*, const int64_t*, int64_t, int64_t);
 };
 
 Kernels<float> float_kernels(int isa) {
-  if (isa >= kAvx512) return {dot_avx512, axpy_avx512};
-  if (isa >= kAvx2) return {dot_avx2, axpy_avx2};
-  return {dot_portable, axpy_portable};
+  if (isa >= kAvx512) return {dot_avx512, axpy_avx512, expand_avx512<float>};
+  if (isa >= kAvx2) return {dot_avx2, axpy_avx2, nullptr};
+  return {dot_portable, axpy_portable, nullptr};
 }
 
 Kernels<u16> bf16_kernels(int isa) {
-  if (isa >= kAvx512Bf16) return {dot_bf16_avx512bf16, axpy_bf16_avx512};
-  if (isa >= kAvx512) return {dot_bf16_avx512, axpy_bf16_avx512};
-  if (isa >= kAvx2) return {dot_bf16_avx2, axpy_bf16_avx2};
-  return {dot_bf16_portable, axpy_bf16_portable};
+  if (isa >= kAvx512Bf16) return {dot_bf16_avx512bf16, axpy_bf16_avx512, expand_avx512<u16>};
+  if (isa >= kAvx512) return {dot_bf16_avx512, axpy_bf16_avx512, expand_avx512<u16>};
+  if (isa >= kAvx2) return {dot_bf16_avx2, axpy_bf16_avx2, nullptr};
+  return {dot_bf16_portable, axpy_bf16_portable, nullptr};
 }
 
 template <typename T>
@@ -205,10 +239,18 @@ void expand_row(const Kernels<T>& k, const LoRAStack& s, const LoRARows& rows,
                 const float* shrunk, float* y, int64_t ld_y, int64_t i, int64_t c0, int64_t c1) {
   const T* bt = static_cast<const T*>(s.bt) + rows.slot[i] * s.width * s.out + c0;
   float* yr = y + rows.row[i] * ld_y + c0;
-  for (int64_t w = 0; w < s.width; ++w) {
-    const float t = shrunk[i * s.width + w];
-    if (t != 0.0f) k.axpy(yr, bt + w * s.out, t, c1 - c0);  // ranks below the width: zeros
+  const float* t = shrunk + i * s.width;
+  constexpr int64_t kMaxWidth = 256;
+  if (k.expand != nullptr && s.width <= kMaxWidth) {
+    float values[kMaxWidth];
+    int64_t ws[kMaxWidth], nw = 0;
+    for (int64_t w = 0; w < s.width; ++w)
+      if (t[w] != 0.0f) values[nw] = t[w], ws[nw++] = w;  // ranks below the width: zeros
+    k.expand(yr, bt, s.out, values, ws, nw, c1 - c0);
+    return;
   }
+  for (int64_t w = 0; w < s.width; ++w)
+    if (t[w] != 0.0f) k.axpy(yr, bt + w * s.out, t[w], c1 - c0);
 }
 
 }  // namespace
