@@ -2,15 +2,17 @@
 and the time to load an adapter.
 
     python -m benchmarks.lora [--model PATH] [--adapters 8] [--requests 64] [--tokens 32]
-                              [--rounds 3] [--rank 16] [--dtype float32]
+                              [--rounds 3] [--rank 16] [--dtype float32] [--with-modules]
 
 With no model: the SmolLM2-135M-shaped random checkpoint (`tokenmill bench make-model
 --preset smollm`). Random peft adapters (every decoder target, --rank) are written to a
 temporary directory. Per round, in a shuffled order: all requests on the base model through
-an engine without --enable-lora, the same through the LoRA engine (base-only steps keep the
-fused stack), and the requests spread evenly over the adapters on the LoRA engine
-(--max-loras = --adapters). Output tokens/s, median over rounds. Adapter load time: reading
-and checking each adapter into a fresh store (median).
+an engine without --enable-lora, the same through the LoRA engine, and the requests spread
+evenly over the adapters on the LoRA engine (--max-loras = --adapters); with --with-modules
+also the mixed requests through the layer modules (the fused stack set aside: the path
+adapter steps took before the stack applied them). Output tokens/s, median over rounds, and
+CPU time per output token (the work, which others' load on a shared machine disturbs less).
+Adapter load time: reading and checking each adapter into a fresh store (median).
 """
 
 from __future__ import annotations
@@ -38,12 +40,27 @@ def make_adapters(model: Path, count: int, rank: int, root: Path) -> list[LoRARe
     ]
 
 
-def run(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], tokens: int) -> float:
+def run(
+    llm: LLM,
+    prompts: list[list[int]],
+    loras: list[LoRARequest | None],
+    tokens: int,
+    stack: bool = True,
+) -> tuple[float, float]:
+    """Output tokens/s, and CPU seconds (every thread of the process) per output token: on a
+    shared machine the second counts the work done, not the time others took."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+    model = llm.engine.runner.model
+    fused = model.decoder_stack
+    model.decoder_stack = fused if stack else None
+    start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    finally:
+        model.decoder_stack = fused
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    tokens_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return tokens_out / elapsed, cpu / tokens_out
 
 
 def main() -> None:
@@ -56,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--with-modules", action="store_true")
     args = parser.parse_args()
     model = args.model or PRESETS["smollm"].model_dir()
     settings = {"dtype": args.dtype, "max_model_len": 512, "max_num_seqs": args.requests}
@@ -79,26 +97,35 @@ def main() -> None:
         ]
         mixed = [adapters[i % len(adapters)] for i in range(args.requests)]
         cases = {
-            "base, no --enable-lora": (base_llm, [None] * args.requests),
-            "base, LoRA engine": (lora_llm, [None] * args.requests),
-            f"{args.adapters} adapters mixed": (lora_llm, mixed),
+            "base, no --enable-lora": (base_llm, [None] * args.requests, True),
+            "base, LoRA engine": (lora_llm, [None] * args.requests, True),
+            f"{args.adapters} adapters mixed": (lora_llm, mixed, True),
         }
-        for llm, loras in cases.values():  # warm-up: kernels, slots, caches
-            run(llm, prompts[:8], loras[:8], 4)
+        if args.with_modules:
+            cases[f"{args.adapters} adapters, modules"] = (lora_llm, mixed, False)
+        for llm, loras, stack in cases.values():  # warm-up: kernels, slots, caches
+            run(llm, prompts[:8], loras[:8], 4, stack)
         results: dict[str, list[float]] = {name: [] for name in cases}
+        cpu: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):
             for name in rng.sample(list(cases), len(cases)):
-                llm, loras = cases[name]
+                llm, loras, stack = cases[name]
                 llm.reset_prefix_cache()
-                results[name].append(run(llm, prompts, loras, args.tokens))
+                speed, cpu_per_token = run(llm, prompts, loras, args.tokens, stack)
+                results[name].append(round(speed, 1))
+                cpu[name].append(cpu_per_token)
     print(
         f"{model.name}, {args.dtype}, {args.requests} requests x {args.prompt_tokens} prompt + "
         f"{args.tokens} output tokens, rank {args.rank}, {args.rounds} rounds"
     )
     baseline = statistics.median(results["base, no --enable-lora"])
+    cpu_baseline = statistics.median(cpu["base, no --enable-lora"])
     for name, values in results.items():
-        median = statistics.median(values)
-        print(f"  {name:28s} {median:8.1f} output tok/s  ({median / baseline:.2f}x)  {values}")
+        median, cpu_ms = statistics.median(values), statistics.median(cpu[name])
+        print(
+            f"  {name:28s} {median:8.1f} output tok/s  ({median / baseline:.2f}x)  {values}; "
+            f"CPU {cpu_ms * 1e3:.2f} ms/token ({cpu_baseline / cpu_ms:.2f}x)"
+        )
     loads = store.load_seconds
     print(
         f"  adapter load (read + check): median {statistics.median(loads) * 1e3:.1f} ms "

@@ -181,19 +181,19 @@ def test_lora_requests_need_enable_lora(base: Path, adapters, prompts) -> None:
         llm.generate(prompts, greedy(), use_tqdm=False, lora_request=adapters["all"])
 
 
-def test_base_only_steps_keep_the_fused_stack(
+def test_adapter_and_base_steps_keep_the_fused_stack(
     base: Path, adapters: dict[str, LoRARequest], prompts, expected
 ) -> None:
-    """A step with adapter rows runs the layer modules; the next base-only step is back on
-    the fused native stack."""
+    """Steps with adapter rows and base-only steps all run the fused native stack, which
+    adds the adapters itself (tests/model/test_lora_stack.py: at every ISA level)."""
     llm = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=16)
     model = llm.engine.runner.model
     stack = model.decoder_stack
-    assert stack is not None
-    llm.generate(prompts[:1], greedy(), use_tqdm=False, lora_request=adapters["mlp"])
-    assert model.decoder_stack is None
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert stack is not None and stack.lora_mapping is llm.engine.runner.lora.mapping
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=adapters["mlp"])
     assert model.decoder_stack is stack
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected["mlp"]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected[None]
 
 

@@ -5,9 +5,9 @@ and each step's row -> slot mapping.
 Under tensor parallelism every rank installs the same layers over its shard (layer.py says
 which part of an adapter each holds) and maps the same rows: the step is broadcast whole.
 
-The fused native decoder stack (models/llama_stack.py) knows nothing of adapters: a step with
-any adapter rows runs the layer modules (the reference path); a base-only step still runs the
-fused stack."""
+The fused native decoder stack (models/llama_stack.py) reads every layer's stacked slots in
+place and this step's rows, and adds the adapters beside its own products; without it (tensor
+parallelism, a mixture-of-experts MLP, no native build) the `LoRALinear`s add them."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ class LoRAModelManager:
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self._in_slot: list[PeftAdapter | None] = [None] * max_loras
         self._install()
+        if self._fused_stack is not None:
+            self._fused_stack.use_lora(self.mapping, self._stack_tensors())
 
     def _install(self) -> None:
         dtype = _model_dtype(self.model)
@@ -93,6 +95,18 @@ class LoRAModelManager:
             start += size
         return parts, in_features, in_start
 
+    def _stack_tensors(self) -> list[list[torch.Tensor | None]]:
+        """Each layer's `(a, bt)` for qkv, o, gate_up, down, as the fused stack takes them."""
+        per_layer: list[list[torch.Tensor | None]] = [[None] * 8 for _ in self.model.layers]
+        order = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        for decoder_layer, tensors in zip(self.model.layers, per_layer, strict=True):
+            owners = (decoder_layer.self_attn,) * 2 + (decoder_layer.mlp,) * 2
+            for index, (owner, name) in enumerate(zip(owners, order, strict=True)):
+                layer = getattr(owner, name, None)
+                if isinstance(layer, LoRALinear):
+                    tensors[2 * index], tensors[2 * index + 1] = layer.a, layer.bt
+        return per_layer
+
     @property
     def resident_ids(self) -> list[int]:
         """Adapter ids in the slots, least recently used first."""
@@ -101,8 +115,7 @@ class LoRAModelManager:
     def prepare_step(
         self, states: Sequence[LoRAState], row_starts: Sequence[int], num_rows: int
     ) -> None:
-        """Put the step's adapters into slots and map its rows to them; the fused stack is
-        set aside for a step with adapter rows."""
+        """Put the step's adapters into slots and map its rows to them."""
         adapters = {s.lora.lora_int_id: s.lora for s in states if s.lora is not None}
         if len(adapters) > self.max_loras:
             raise RuntimeError(f"{len(adapters)} adapters in one step, above max_loras")
@@ -121,7 +134,6 @@ class LoRAModelManager:
         self.mapping.segment_tensor = (
             torch.tensor(segments, dtype=torch.int64) if segments else None
         )
-        self.model.decoder_stack = None if segments else self._fused_stack
 
     def _activate(self, adapter: PeftAdapter, in_step: Any) -> int:
         lora_id = adapter.lora_int_id
@@ -150,7 +162,6 @@ class LoRAModelManager:
     def clear_step(self) -> None:
         self.mapping.segments = []
         self.mapping.segment_tensor = None
-        self.model.decoder_stack = self._fused_stack
 
 
 def base_shapes(model: nn.Module) -> BaseShapes:

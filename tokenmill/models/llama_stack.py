@@ -7,7 +7,8 @@ through `native_linear`; a float32 or bfloat16 KV cache), `LlamaForCausalLM.forw
 the embedded tokens to it instead of running its layers one op at a time: per layer that is
 ~100 torch ops and ~10 waits for OpenMP threads less. The layers' modules stay the reference
 (and the path for everything else); the stack reads their weights, it holds no copy of the
-packed linears. `TOKENMILL_FUSED_STACK=0` turns it off (A/B measurements).
+packed linears. With LoRA (lora/model_manager.py) each adapter row's delta is added inside
+the stack, after each base product. `TOKENMILL_FUSED_STACK=0` turns it off (A/B measurements).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class LlamaDecoderStack:
     def __init__(self, native: Any) -> None:
         self.native = native
         self.layer_groups: tuple[int, ...] | None = None  # as the native stack was told
+        self.lora_mapping: Any = None  # multi-LoRA's per-step rows (lora/layer.py), if any
+
+    def use_lora(self, mapping: Any, layers: list[list[torch.Tensor | None]]) -> None:
+        """Adapters inside the stack: each layer's stacked `(a, bt)` for qkv, o, gate_up and
+        down (8 tensors, None where a linear has none), read in place each step, and the
+        mapping whose `segment_tensor` says which rows run which slot."""
+        self.native.set_lora(layers)
+        self.lora_mapping = mapping
 
     @staticmethod
     def applies(metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
@@ -63,6 +72,7 @@ class LlamaDecoderStack:
             step.query_start_loc,
             step.seq_lens,
             block_tables,
+            None if self.lora_mapping is None else self.lora_mapping.segment_tensor,
         )
 
 

@@ -104,7 +104,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_kv_groups", &DecoderStack::set_kv_groups)
       .def("set_attention_softcap", &DecoderStack::set_attention_softcap)
       .def("set_final_norm", &DecoderStack::set_final_norm)
-      .def("forward", &DecoderStack::forward, no_gil);
+      .def("set_lora", &DecoderStack::set_lora)
+      .def("forward", &DecoderStack::forward, no_gil, pybind11::arg("hidden"),
+           pybind11::arg("positions"), pybind11::arg("kv_caches"), pybind11::arg("slot_mapping"),
+           pybind11::arg("query_start_loc"), pybind11::arg("seq_lens"),
+           pybind11::arg("block_tables"), pybind11::arg("lora_segments") = pybind11::none());
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double,

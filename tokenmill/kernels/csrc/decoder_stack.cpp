@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <utility>
 
 namespace tokenmill {
@@ -314,7 +315,8 @@ void DecoderStack::set_kv_groups(const std::vector<int64_t>& layer_groups) {
 at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                                  const std::vector<at::Tensor>& kv_caches,
                                  const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
-                                 const at::Tensor& seq_lens, const at::Tensor& block_tables) {
+                                 const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                                 const c10::optional<at::Tensor>& lora_segments) {
   const StackShape& s = shape_;
   const int64_t tokens = hidden_in.size(0), hidden = s.hidden;
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(1) == hidden, "DecoderStack: hidden [T, H]");
@@ -425,9 +427,37 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
       }
     });
   };
+  // Multi-LoRA: the step's adapter rows; each linear's shrink runs beside its products (in
+  // their phase: both only read the input), its expand in a phase of its own after them.
+  LoRARows lora_rows;
+  if (lora_segments.has_value() && lora_segments->defined() && !lora_.empty())
+    lora_rows = lora_rows_of(*lora_segments, tokens, lora_slots_);
+  const int64_t lora_n = lora_rows.size();
+  std::vector<float> lora_shrunk(lora_n * lora_width_);
+  auto lora_shrink = [&](const LoRAStack* w, const void* input, int64_t ld_in) {
+    std::function<void(int64_t)> shrink;
+    if (w != nullptr && !w->empty() && lora_n > 0)
+      shrink = [=, &lora_rows, &lora_shrunk](int64_t i) {
+        lora_shrink_row(*w, lora_rows, input, ld_in, lora_shrunk.data(), i, isa);
+      };
+    return shrink;
+  };
+  auto lora_expand_phase = [&](const LoRAStack* w, float* output, int64_t ld_out) {
+    if (w == nullptr || w->empty() || lora_n == 0) return;
+    const int64_t blocks = (w->out + kLoRAOutBlock - 1) / kLoRAOutBlock;
+    job.add_phase(lora_n * blocks, [=, &lora_rows, &lora_shrunk](int64_t chunk, int) {
+      const int64_t i = chunk / blocks, c0 = (chunk % blocks) * kLoRAOutBlock;
+      lora_expand_row(*w, lora_rows, lora_shrunk.data(), output, ld_out, i, c0,
+                      std::min(w->out, c0 + kLoRAOutBlock), isa);
+    });
+  };
+  // `extra`: work for `extra_chunks` more chunks of the products' phase (a LoRA shrink).
   auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
-                        int64_t ld_out, const float* bias, bool prepare = true) {
+                        int64_t ld_out, const float* bias, bool prepare,
+                        const std::function<void(int64_t)>& extra) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
+    const int64_t products = (w.blocks() + per - 1) / per;
+    const int64_t extra_chunks = extra ? lora_n : 0;
     const GemmOut o{output, ld_out, false, bias, w.n};  // n: no column past the real ones
     if (w.quantized()) {  // its input rows prepared (quantized or widened) once, then products
       const QuantInput in = b.quant.view(w, tokens, isa);
@@ -437,19 +467,23 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
           rows_of(chunk, r0, r1);
           prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
         });
-      job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
+      job.add_phase(products + extra_chunks, [=, &w](int64_t chunk, int) {
+        if (chunk >= products) return extra(chunk - products);
         quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
       });
       return;
     }
-    job.add_phase((w.blocks() + per - 1) / per, [=, &w](int64_t chunk, int) {
+    job.add_phase(products + extra_chunks, [=, &w](int64_t chunk, int) {
+      if (chunk >= products) return extra(chunk - products);
       packed_gemm(w, input, ld_in, tokens, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per),
                   isa);
     });
   };
   // A linear held in parts (each its own format): each part's product into its columns.
   auto gemm_parts = [&](const std::vector<PackedWeight>& parts, const void* input, int64_t ld_in,
-                        float* output, int64_t ld_out, const float* bias) {
+                        float* output, int64_t ld_out, const float* bias,
+                        const LoRAStack* lora = nullptr) {
+    const std::function<void(int64_t)> shrink = lora_shrink(lora, input, ld_in);
     // A part after a quantized one reuses its prepared input where it reads the same: the
     // input rows and their group sums depend on k, k_pad and the group only.
     int64_t column = 0;
@@ -457,22 +491,25 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     for (const PackedWeight& w : parts) {
       const bool same_input = prepared && w.quantized() && w.k == prepared->k &&
                               w.k_pad == prepared->k_pad && w.group == prepared->group;
+      const bool last = &w == &parts.back();
       gemm_phase(w, input, ld_in, output + column, ld_out, bias ? bias + column : nullptr,
-                 !same_input);
+                 !same_input, last ? shrink : nullptr);
       if (!same_input) prepared = w.quantized() ? &w : nullptr;
       column += w.n;
     }
+    lora_expand_phase(lora, output, ld_out);
   };
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& layer = layers_[li];
     const LayerWeights& lw = layer.weights;
+    const LoRAStack* lora = lora_n > 0 ? lora_[li].data() : nullptr;  // qkv, o, gate_up, down
     void* cache = kv_caches[li].data_ptr();
     const int64_t group = layer_groups_.empty() ? 0 : layer_groups_[li];
     const StepArgs* step = &steps[group];  // the vector outlives the job
     const int64_t* group_table = block_tables.data_ptr<int64_t>() + group * num_seqs * table_width;
     const float* previous_out_norm = li == 0 ? nullptr : layers_[li - 1].weights.mlp_out_norm;
     add_norm_phase(li == 0 ? nullptr : delta, previous_out_norm, lw.input_norm, x, ld_x, bf16_act);
-    gemm_parts(layer.parts[0], x, ld_x, qkv, ld_qkv, lw.qkv_bias);
+    gemm_parts(layer.parts[0], x, ld_x, qkv, ld_qkv, lw.qkv_bias, lora);
     job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &lw](int64_t chunk, int) {
       const int64_t u0 = chunk * units_per_chunk, u1 = std::min(units, u0 + units_per_chunk);
       if (cache_bf16) {
@@ -491,9 +528,10 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                     a.window = lw.window;
                     attend(a, tasks[i], scratch.data() + participant * scratch_floats, isa);
                   });
-    gemm_parts(layer.parts[1], attn, ld_attn, delta, hidden, lw.o_bias);
+    gemm_parts(layer.parts[1], attn, ld_attn, delta, hidden, lw.o_bias, lora ? lora + 1 : nullptr);
     add_norm_phase(delta, lw.attn_out_norm, lw.post_norm, x, ld_x, bf16_act);
-    gemm_parts(layer.parts[2], x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias);
+    gemm_parts(layer.parts[2], x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias,
+               lora ? lora + 2 : nullptr);
     job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
       int64_t r0, r1;
       rows_of(chunk, r0, r1);
@@ -505,7 +543,8 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                 ld_act, r0, r1);
       }
     });
-    gemm_parts(layer.parts[3], act, ld_act, delta, hidden, lw.down_bias);
+    gemm_parts(layer.parts[3], act, ld_act, delta, hidden, lw.down_bias,
+               lora ? lora + 3 : nullptr);
   }
   // The final norm, into the output's dtype.
   add_norm_phase(delta, layers_.back().weights.mlp_out_norm,

@@ -7,6 +7,7 @@
 #include "cpu_common.h"
 #include "int_linear.h"
 #include "linear.h"
+#include "lora.h"
 #include "paged_attention.h"
 
 namespace tokenmill {
@@ -79,10 +80,17 @@ class DecoderStack {
   // Whether forward applies the final norm (false: a pipeline stage before the last, whose
   // output is the last layer's sum; `final_norm` then only gives the width and dtype).
   void set_final_norm(bool apply);
+  // Multi-LoRA: each layer's adapters on qkv, o, gate_up and down as (a, bt) pairs (8 per
+  // layer, None where a linear has none), the `LoRALinear`s' stacked slots, read in place
+  // (written between steps as adapters come and go; lora.h). A step's `lora_segments`
+  // ([n, 3] int64: first, end, slot) add each adapter row's delta after the base products,
+  // inside the stack's own phases.
+  void set_lora(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers);
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_tables);
+                     const at::Tensor& block_tables,
+                     const c10::optional<at::Tensor>& lora_segments = c10::nullopt);
 
  private:
   struct Layer {
@@ -109,6 +117,9 @@ class DecoderStack {
   bool is_bf16_ = false;
   bool apply_final_norm_ = true;
   Buffers buffers_;
+  std::vector<std::array<LoRAStack, 4>> lora_;  // empty: no adapters
+  std::vector<at::Tensor> lora_tensors_;        // what lora_ points into
+  int64_t lora_slots_ = 0, lora_width_ = 0;     // the widest of any linear
 };
 
 }  // namespace tokenmill
