@@ -1,5 +1,5 @@
 """`--distributed-executor-backend ray`: tensor- and pipeline-parallel ranks as Ray actors on a
-local Ray instance (one per session, 4 logical CPUs) give the greedy tokens of one process; a
+local Ray instance (one per session, 2 CPUs) give the greedy tokens of one process; a
 killed actor fails the engine clearly; what Ray cannot do is refused in one line. Skipped where
 Ray is not installed or cannot start."""
 
@@ -31,7 +31,7 @@ def ray_instance() -> Iterator[None]:
     """One local Ray instance for the session (ray.init takes seconds)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tokenmill[ray]')")
     try:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     except Exception as e:  # no shared memory, no ports: an environment without Ray
         pytest.skip(f"a local Ray instance cannot start here: {e}")
     yield
@@ -55,24 +55,24 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_two_ranks_over_ray_generate_what_one_process_does(ray_engine, checkpoint) -> None:
-    executor = ray_engine.engine.parts.executor
-    assert type(executor.workers[0]).__name__ == "RayWorker"
-    assert greedy(ray_engine) == greedy(LLM(checkpoint, **ENGINE))
-    assert len(executor.weight_bytes) == 2
-
-
 def test_two_pipeline_stages_over_ray_generate_what_one_process_does(
-    ray_engine, checkpoint
+    ray_instance, checkpoint
 ) -> None:
-    """The executor's ranks come from TP x PP, so stages are Ray actors too (beside the module's
-    TP engine, which holds two of the four CPUs)."""
+    """The executor's ranks come from TP x PP, so stages are Ray actors too (run first: one
+    distributed engine per process at a time, and the module's TP engine lives to the end)."""
     llm = LLM(checkpoint, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
     try:
         assert type(llm.engine.parts.executor.workers[0]).__name__ == "RayWorker"
         assert greedy(llm) == greedy(LLM(checkpoint, **ENGINE))
     finally:
         llm.engine.shutdown()
+
+
+def test_two_ranks_over_ray_generate_what_one_process_does(ray_engine, checkpoint) -> None:
+    executor = ray_engine.engine.parts.executor
+    assert type(executor.workers[0]).__name__ == "RayWorker"
+    assert greedy(ray_engine) == greedy(LLM(checkpoint, **ENGINE))
+    assert len(executor.weight_bytes) == 2
 
 
 def test_a_killed_ray_worker_fails_the_engine_clearly(ray_engine) -> None:
