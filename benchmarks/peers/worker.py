@@ -79,8 +79,7 @@ class _Engine:
     def float_bytes(self) -> int:
         if self.runner == "vllm":
             return 2  # always run in bfloat16 here
-        dtype = getattr(getattr(self.llm, "engine", None), "dtype", None)
-        return int(getattr(dtype, "itemsize", 4))
+        return self.llm.engine.parts.dtype.itemsize  # the engine's compute dtype
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         """(seconds, tokens generated) for `prompts` at once, the prefix cache emptied."""

@@ -5,6 +5,7 @@ results, the machine probes, the peers' command lines; llama.cpp's runs where it
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -229,3 +230,14 @@ def test_a_preset_name_as_model_is_built_once_and_used(tmp_path, monkeypatch) ->
     assert args.model == str(tmp_path / "tiny-preset-v1")
     assert (tmp_path / "tiny-preset-v1" / "config.json").is_file()
     assert vs_peers.parse_args(["--model", str(tmp_path)]).model == str(tmp_path)
+
+
+def test_the_worker_counts_float_weights_at_the_engines_dtype(tiny_checkpoint) -> None:
+    """The roofline's float bytes come from the engine's compute dtype (2 in bfloat16), not a
+    default of 4 for an attribute tokenmill's engine does not have."""
+    args = argparse.Namespace(
+        runner="tokenmill", weights=str(tiny_checkpoint("llama")), dtype="bfloat16", tokenizer=None
+    )
+    engine = peers_worker._Engine(args)
+    engine.load(max_num_seqs=2, max_model_len=64)
+    assert engine.float_bytes() == 2
