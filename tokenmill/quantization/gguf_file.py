@@ -40,6 +40,7 @@ from tokenmill.quantization.gguf_moe import (
     permutes_qk,
 )
 from tokenmill.quantization.gguf_open import open_gguf
+from tokenmill.quantization.gguf_sizes import sized_fields
 from tokenmill.quantization.mixed_parts import mixed_format_name
 
 logger = logging.getLogger(__name__)
@@ -178,15 +179,7 @@ class GGUFCheckpoint:
         if arch == gguf_hybrid.ARCHITECTURE:
             return gguf_hybrid.hf_config(sizes, meta, tied, token_ids)
         common = dict(
-            vocab_size=sizes["vocab_size"],
-            hidden_size=sizes["hidden_size"],
-            intermediate_size=sizes["intermediate_size"],
-            num_hidden_layers=sizes["num_layers"],
-            num_attention_heads=sizes["num_heads"],
-            num_key_value_heads=sizes["num_kv_heads"],
-            head_dim=sizes["head_dim"],
-            rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
-            max_position_embeddings=sizes["max_position"],
+            **sized_fields(sizes, meta),
             rope_parameters={"rope_type": "default", "rope_theta": meta("rope.freq_base", 1e4)},
             tie_word_embeddings=tied,
             **token_ids,

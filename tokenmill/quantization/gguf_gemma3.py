@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tokenmill.quantization.gguf_sizes import sized_fields
+
 ARCHITECTURE = "gemma3"
 HF_ARCHITECTURE = "Gemma3ForCausalLM"
 GEMMA2_ARCHITECTURE = "gemma2"
@@ -54,15 +56,7 @@ def hf_config(
     if meta("rope.scaling.type", "none") == "linear":
         rope = {**rope, "rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     config = Gemma3TextConfig(
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=sizes["num_heads"],
-        num_key_value_heads=sizes["num_kv_heads"],
-        head_dim=sizes["head_dim"],
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=sizes["max_position"],
+        **sized_fields(sizes, meta),
         sliding_window=int(meta("attention.sliding_window")),
         layer_types=[
             "full_attention" if (i + 1) % SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
@@ -93,15 +87,7 @@ def gemma2_hf_config(
 
     layers, head_dim = sizes["num_layers"], sizes["head_dim"]
     config = Gemma2Config(
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=sizes["num_heads"],
-        num_key_value_heads=sizes["num_kv_heads"],
-        head_dim=head_dim,
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=sizes["max_position"],
+        **sized_fields(sizes, meta),
         sliding_window=int(meta("attention.sliding_window", 4096)),
         layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)

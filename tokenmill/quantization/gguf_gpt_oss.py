@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tokenmill.quantization.gguf_blocks import dequantize
+from tokenmill.quantization.gguf_sizes import sized_fields
 from tokenmill.quantization.mxfp4 import BLOCK
 
 ARCHITECTURE = "gpt-oss"
@@ -82,15 +83,11 @@ def hf_config(
         )
     layers = sizes["num_layers"]
     config = GptOssConfig(
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=int(meta("expert_feed_forward_length")),
-        num_hidden_layers=layers,
-        num_attention_heads=sizes["num_heads"],
-        num_key_value_heads=sizes["num_kv_heads"],
-        head_dim=sizes["head_dim"],
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=sizes["max_position"],
+        **{
+            **sized_fields(sizes, meta),
+            "intermediate_size": int(meta("expert_feed_forward_length")),
+            "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        },
         sliding_window=int(meta("attention.sliding_window")),
         layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(layers)],
         rope_parameters=rope,

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.quantization.gguf_sizes import sized_fields
+
 ARCHITECTURE = "qwen35"
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
 # GGUF block tensor (with its suffix) -> the name after `model.layers.<i>.` that the model
@@ -71,15 +73,7 @@ def hf_config(
     value_heads = int(meta("ssm.time_step_rank"))
     recurrent = list(meta("attention.recurrent_layers"))
     config = Qwen3_5TextConfig(
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=sizes["num_layers"],
-        num_attention_heads=sizes["num_heads"],
-        num_key_value_heads=sizes["num_kv_heads"],
-        head_dim=sizes["head_dim"],
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=sizes["max_position"],
+        **sized_fields(sizes, meta),
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
         linear_conv_kernel_dim=int(meta("ssm.conv_kernel")),
         linear_key_head_dim=int(meta("ssm.state_size")),
