@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tokenmill.quantization.gguf_sizes import sized_fields
+
 ARCHITECTURE = "phi3"
 HF_ARCHITECTURE = "Phi3ForCausalLM"
 NAMES = {
@@ -55,14 +57,7 @@ def hf_config(
         if attention_factor:
             rope["attention_factor"] = float(attention_factor)
     config = Phi3Config(
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=sizes["num_layers"],
-        num_attention_heads=sizes["num_heads"],
-        num_key_value_heads=sizes["num_kv_heads"],
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=sizes["max_position"],
+        **sized_fields(sizes, meta),
         original_max_position_embeddings=original,
         sliding_window=int(meta("attention.sliding_window", 0)) or None,
         rope_parameters=rope,
