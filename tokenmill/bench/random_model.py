@@ -132,6 +132,27 @@ PRESETS = {
             dtype="bfloat16",
         ),
     ),
+    # Phi-4-mini's shape (3.8B: fused qkv and gate_up, 3/4 of each head rotated; its 200k
+    # vocabulary cut to the demo tokenizer's, as the 1B preset's).
+    "phi4-mini": Preset(
+        "bench-phi4-mini-shaped-v1",
+        dict(
+            architecture="Phi3ForCausalLM",
+            hidden_size=3072,
+            num_hidden_layers=32,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+            },
+            dtype="bfloat16",
+        ),
+    ),
     "qwen3-moe": Preset(
         "bench-qwen3-30b-a3b-ratio-moe-v1",
         dict(
