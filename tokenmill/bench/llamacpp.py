@@ -52,6 +52,11 @@ base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 def no_sentencepiece(self):
     raise FileNotFoundError("tokenizer.model")
 base.TextModel._create_vocab_sentencepiece = no_sentencepiece
+try:  # Phi-3's converter reads tokenizer.model unless the config names GPT-2's (Phi-4's) class
+    from conversion import phi
+    phi.Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
+except (ImportError, AttributeError):
+    pass
 runpy.run_path(source + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
