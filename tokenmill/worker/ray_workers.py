@@ -27,6 +27,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.worker.ray_cluster import connect, first_line
 from tokenmill.worker.tp_worker import serve_rank
 
 logger = logging.getLogger(__name__)
@@ -36,21 +37,6 @@ _CPUS_PER_RANK = 1.0
 _PLACEMENT_TIMEOUT_S = 120.0
 # How long an actor may take to start and say where it runs.
 _START_TIMEOUT_S = 300.0
-
-
-def connect() -> None:
-    """Join this machine's Ray cluster (RAY_ADDRESS, or one `ray start` began here), else
-    start a local one; nothing if this process has joined one already."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):  # that cluster, or Ray's error: never a local one instead
-        ray.init(logging_level=logging.WARNING)
-        return
-    try:
-        ray.init(address="auto", logging_level=logging.WARNING)
-    except ConnectionError:
-        logger.info("no running Ray cluster found: starting a local one")
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
 
 
 @ray.remote
@@ -142,11 +128,11 @@ class RayWorker:
             ray.get(self._run)
             self._ending = "stopped"
         except ray.exceptions.RayActorError as e:
-            self._ending = f"died: {_first_line(e)}"
+            self._ending = f"died: {first_line(e)}"
         except ray.exceptions.RayTaskError as e:
-            self._ending = f"failed: {_first_line(e.cause or e)}"
+            self._ending = f"failed: {first_line(e.cause or e)}"
         except Exception as e:  # the cluster itself is gone
-            self._ending = f"was lost: {_first_line(e)}"
+            self._ending = f"was lost: {first_line(e)}"
         self._exited.set()
         self._on_exit(self)  # first: the engine learns of a death at once
         with contextlib.suppress(Exception):  # Ray shut down already (interpreter exit)
@@ -178,8 +164,3 @@ class RayWorker:
         if self.is_alive():
             with contextlib.suppress(Exception):  # Ray shut down already (interpreter exit)
                 ray.kill(self._actor, no_restart=True)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
