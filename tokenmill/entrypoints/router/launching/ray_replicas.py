@@ -29,16 +29,14 @@ import sys
 import time
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenmill.entrypoints.router.launching.supervisor import _die_with_parent
-from tokenmill.worker.ray_cluster import connect, first_line
+from tokenmill.worker.ray_cluster import PLACEMENT_TIMEOUT_S, connect, first_line, reserve
 
 logger = logging.getLogger("tokenmill.router")
 
-# How long the cluster may take to find room for every replica's bundle.
-_PLACEMENT_TIMEOUT_S = 120.0
 # How long one call to an actor may take before its replica counts as unreachable this time.
 _CALL_TIMEOUT_S = 30.0
 _POLL_S = 0.2
@@ -122,16 +120,8 @@ class RayReplicas:
         connect()
         self.argv = argv
         self.cpus = cpus
-        self.group: PlacementGroup = placement_group([{"CPU": cpus}] * count, strategy="SPREAD")
-        try:
-            ray.get(self.group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.group)
-            raise OSError(
-                f"the Ray cluster found no room for {count} replicas of {cpus:g} CPUs in "
-                f"{_PLACEMENT_TIMEOUT_S:g} s (it has {ray.cluster_resources().get('CPU', 0):g} "
-                "CPUs in all; `ray status` shows what is taken)"
-            ) from None
+        what = f"{count} replicas of {cpus:g} CPUs"
+        self.group: PlacementGroup = reserve([{"CPU": cpus}] * count, "SPREAD", what)
         self.hosts = [self._new_host(index) for index in range(count)]
         self.places = ray.get([host.place.remote(None) for host in self.hosts])
         self.urls = [f"http://{_url_host(host)}:{port}" for host, port in self.places]
@@ -152,7 +142,7 @@ class RayReplicas:
             ray.kill(actor, no_restart=True)
         self.hosts[index] = actor = self._new_host(index)
         try:
-            where = ray.get(actor.place.remote(port), timeout=_PLACEMENT_TIMEOUT_S)
+            where = ray.get(actor.place.remote(port), timeout=PLACEMENT_TIMEOUT_S)
             if where[0] != host:
                 raise OSError(f"its new actor runs on {where[0]}, not {host}")
             pid = ray.get(actor.start.remote(self.argv, host, port), timeout=_CALL_TIMEOUT_S)
