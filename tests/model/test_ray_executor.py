@@ -1,9 +1,9 @@
 """`--distributed-executor-backend ray`: tensor- and pipeline-parallel ranks as Ray actors on a
-local Ray instance (one per session, 4 CPUs: Ray counts them, the ranks share the machine's)
-give the greedy tokens of one process for TP=2, PP=2 and TP=2 x PP=2; a killed actor fails
-the engine clearly, and under the server ends the requests in flight with an error and fails
-/health; what Ray cannot do is refused in one line. Skipped where Ray is not installed or
-cannot start."""
+local two-node Ray cluster (one per session, 2 + 2 CPUs: Ray counts them, the ranks share the
+machine's) give the greedy tokens of one process for TP=2, PP=2 and TP=2 x PP=2 (its four
+ranks over both nodes); a killed actor fails the engine clearly, and under the server ends the
+requests in flight with an error and fails /health; what Ray cannot do is refused in one line.
+Skipped where Ray is not installed or cannot start."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,14 +39,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="session")
 def ray_instance() -> Iterator[None]:
-    """One local Ray instance for the session (ray.init takes seconds)."""
+    """One local Ray cluster of two nodes (two raylets, 2 CPUs each) for the session, joined
+    by this process (starting one takes seconds)."""
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tokenmill[ray]')")
+    from ray.cluster_utils import Cluster
+
     try:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+        )
+        cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, logging_level="WARNING")
     except Exception as e:  # no shared memory, no ports: an environment without Ray
-        pytest.skip(f"a local Ray instance cannot start here: {e}")
+        pytest.skip(f"a local Ray cluster cannot start here: {e}")
     yield
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +97,9 @@ def test_pipeline_stages_over_ray_generate_what_one_process_does(
         workers = llm.engine.parts.executor.workers
         assert len(workers) == 2 * tp - 1
         assert {type(w).__name__ for w in workers} == {"RayWorker"}
+        # Packed: two ranks fit the engine's node; four take both (the actors' parents are
+        # the nodes' raylets).
+        assert len({parent(w.pid) for w in workers}) == tp
         assert greedy(llm) == expected
     finally:
         llm.engine.shutdown()
@@ -140,6 +152,10 @@ def test_a_killed_ray_worker_ends_requests_in_flight_and_fails_health(ray_engine
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     with pytest.raises(TensorParallelError, match=actor):  # and the engine stays failed
         ray_engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def slow_steps(engine) -> list[int]:

@@ -1,7 +1,7 @@
 """`serve --data-parallel-size 2 --data-parallel-backend ray`: two replicas held by Ray actors
-on a local Ray cluster (this module's, 4 CPUs) answer what one process generates; a killed
-replica and a killed actor are each reported and replaced, as the mp backend's replicas are.
-Skipped where Ray is not installed or cannot start."""
+on a local two-node Ray cluster (this module's), one per node, answer what one process
+generates; a killed replica and a killed actor are each reported and replaced, as the mp
+backend's replicas are. Skipped where Ray is not installed or cannot start."""
 
 from __future__ import annotations
 
@@ -27,14 +27,20 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """A local Ray cluster for the module; the command joins it through RAY_ADDRESS."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tokenmill[ray]')")
+    """A local Ray cluster of two nodes (two raylets, 2 CPUs each) for the module; the command
+    joins it through RAY_ADDRESS."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'tokenmill[ray]')")
+    from ray.cluster_utils import Cluster
+
     try:
-        context = ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+        )
+        cluster.add_node(num_cpus=2)
     except Exception as e:  # no shared memory, no ports: an environment without Ray
         pytest.skip(f"a local Ray cluster cannot start here: {e}")
-    yield context.address_info["gcs_address"]
-    ray.shutdown()
+    yield cluster.address
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +59,14 @@ def served(ray_address: str, model_dir: Path, tmp_path_factory: pytest.TempPathF
 
 
 def replica_pids(server: Server) -> list[int]:
-    """The replicas' pids, from the command's start-up line (one node: this machine)."""
+    """The replicas' pids, from the command's start-up line (both nodes are this machine)."""
     found = re.search(r"started 2 replicas as Ray actors \(pids (\d+), (\d+)", server.log)
     assert found, server.log
     return [int(found[1]), int(found[2])]
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def test_replicas_on_ray_generate_what_one_process_does(served: Server, model_dir: Path) -> None:
@@ -78,14 +88,18 @@ def test_replicas_on_ray_generate_what_one_process_does(served: Server, model_di
     # Round-robin sent two requests to each replica, at its node's address, not loopback.
     assert sorted(counts.values()) == [2.0, 2.0], counts
     assert all("127.0.0.1" not in key for key in counts), counts
-    for pid in replica_pids(served):  # each held by a Ray actor, not by the command
-        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert b"ReplicaHost" in Path(f"/proc/{parent}/cmdline").read_bytes()
+    # Each held by a Ray actor (not by the command), the two spread over the two nodes: their
+    # actors' parents are two raylets.
+    actors = [parent(pid) for pid in replica_pids(served)]
+    assert all(b"ReplicaHost" in Path(f"/proc/{a}/cmdline").read_bytes() for a in actors)
+    raylets = {parent(actor) for actor in actors}
+    assert len(raylets) == 2
+    assert all(b"raylet" in Path(f"/proc/{r}/cmdline").read_bytes() for r in raylets)
 
 
 def test_a_killed_replica_and_a_killed_actor_are_reported_and_replaced(served: Server) -> None:
     victim, _ = replica_pids(served)
-    actor = int(Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    actor = parent(victim)
     os.kill(victim, signal.SIGKILL)
     wait_for_two_healthy(served, f"(pid {victim}) exited with status -9; restarting it in", 1)
     os.kill(actor, signal.SIGKILL)  # its replica gets the parent-death signal
