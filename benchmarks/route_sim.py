@@ -48,6 +48,9 @@ from tokenmill.entrypoints.router.balancing.policies import (
 # 2 cores loaded by parallel work (so slow in absolute terms; the simulation's results scale
 # with them: what matters is their ratios): `route_sim.py --fit-model DIR`.
 DEFAULT_COEFFICIENTS = (0.441, 0.0593, 0.0513, 0.0000587)
+# Seconds from a cache change to the router reading its KV event: a step (the engine
+# publishes a step's events after it) plus delivery, at the coefficients' speed.
+DEFAULT_EVENT_DELAY = 0.5
 
 
 @dataclass(frozen=True)
@@ -79,23 +82,29 @@ class Replica:
     free_at: float = 0.0
     finishes: deque[float] = field(default_factory=deque)
     work: float = 0.0
+    # What its KV event stream says, in order: (time, stored?, tenant), BlockStored of a
+    # tenant's system prompt when it is cached, BlockRemoved when it is evicted.
+    events: deque[tuple[float, bool, int]] = field(default_factory=deque)
 
     def in_flight(self, now: float) -> int:
         while self.finishes and self.finishes[0] <= now:
             self.finishes.popleft()
         return len(self.finishes)
 
-    def lookup_and_insert(self, tenant: int, tokens: int) -> int:
-        """Cached tokens of this tenant's system prompt; then it is cached (LRU)."""
+    def lookup_and_insert(self, tenant: int, tokens: int, now: float = 0.0) -> int:
+        """Cached tokens of this tenant's system prompt; then it is cached (LRU), each change
+        published as an event at `now`."""
         hit = self.cache.get(tenant, 0)
         if tenant in self.cache:
             self.cache.move_to_end(tenant)
         else:
             self.cache[tenant] = tokens
             self.cached_tokens += tokens
+            self.events.append((now, True, tenant))
             while self.cached_tokens > self.capacity and len(self.cache) > 1:
-                _, evicted = self.cache.popitem(last=False)
+                gone, evicted = self.cache.popitem(last=False)
                 self.cached_tokens -= evicted
+                self.events.append((now, False, gone))
         return hit
 
 
@@ -133,18 +142,30 @@ def service_seconds(coefficients: tuple[float, ...], request: Request, cached: i
 
 class EventsDriven:
     """A router fed the replicas' KV cache events (`--kv-events-config`, as llm-d's precise
-    prefix scorer is): it knows which replica holds a tenant's system prompt right now, so
-    it sends the request to the least-loaded holder (spilling past the same balance
-    thresholds as `prefix-aware`); when none holds it, `prefix-aware` decides (its
-    rendezvous owner, so a tenant's first copies land where its next requests look)."""
+    prefix scorer is): its index of which replica holds which tenant's system prompt is built
+    from their event streams alone, each event read `delay` seconds after the change it
+    reports (published after the step, then delivered), never from the caches themselves. It
+    sends a request to the least-loaded holder (spilling past the same balance thresholds as
+    `prefix-aware`); when none holds it, `prefix-aware` decides (its rendezvous owner, so a
+    tenant's first copies land where its next requests look)."""
 
-    def __init__(self, replicas: list[Replica], abs_threshold: float) -> None:
-        self.replicas = {r.name: r for r in replicas}
+    def __init__(self, replicas: list[Replica], abs_threshold: float, delay: float) -> None:
+        self.replicas = replicas
+        self.delay = delay
+        self.held: dict[str, set[int]] = {r.name: set() for r in replicas}
         self.balance = make_policy("prefix-aware", balance_abs_threshold=abs_threshold)
+
+    def read_events(self, now: float) -> None:
+        """Apply every event delivered by `now` (each replica's stream is in time order)."""
+        for replica in self.replicas:
+            held = self.held[replica.name]
+            while replica.events and replica.events[0][0] + self.delay <= now:
+                _, stored, tenant = replica.events.popleft()
+                (held.add if stored else held.discard)(tenant)
 
     def choose_replica(self, loads: list[ReplicaLoad], tenant: int, key: bytes) -> str:
         lightest = min(loads, key=lambda r: r.load)
-        holders = [load for load in loads if tenant in self.replicas[load.name].cache]
+        holders = [load for load in loads if tenant in self.held[load.name]]
         if not holders:
             return self.balance.choose(loads, key).replica
         best = min(holders, key=lambda r: r.load)
@@ -158,9 +179,12 @@ def simulate(
     capacity: int,
     coefficients: tuple[float, ...],
     abs_threshold: float = DEFAULT_BALANCE_ABS_THRESHOLD,
+    event_delay: float = DEFAULT_EVENT_DELAY,
 ) -> dict[str, float]:
     replicas = [Replica(f"replica-{i}", capacity) for i in range(num_replicas)]
-    events = EventsDriven(replicas, abs_threshold) if policy_name == "kv-events" else None
+    events = None
+    if policy_name == "kv-events":
+        events = EventsDriven(replicas, abs_threshold, event_delay)
     policy = None if events else make_policy(policy_name, balance_abs_threshold=abs_threshold)
     by_name = {r.name: r for r in replicas}
     ttfts, imbalance, busiest, means = [], [], [], []
@@ -175,11 +199,12 @@ def simulate(
         means.append(statistics.fmean(counts))
         key = f"tenant-{request.tenant}".encode()
         if events is not None:
+            events.read_events(now)
             replica = by_name[events.choose_replica(loads, request.tenant, key)]
         else:
             assert policy is not None
             replica = by_name[policy.choose(loads, key).replica]
-        cached = replica.lookup_and_insert(request.tenant, request.system)
+        cached = replica.lookup_and_insert(request.tenant, request.system, now)
         start = max(now, replica.free_at)
         prompt = request.system + request.user
         prefill = prefill_seconds(coefficients, prompt - cached, cached)
@@ -263,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coefficients", type=float, nargs=4, default=DEFAULT_COEFFICIENTS)
     parser.add_argument("--fit-model", default=None, help="fit the coefficients on this model")
     parser.add_argument("--abs-thresholds", type=float, nargs="+", default=[8, 2, 0])
+    parser.add_argument(
+        "--event-delay",
+        type=float,
+        default=DEFAULT_EVENT_DELAY,
+        help="kv-events: seconds from a cache change to the router reading its event",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -287,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             policy if policy in ("round-robin", "least-loaded") else f"{policy} (abs {threshold:g})"
         )
         results[name] = simulate(
-            policy, requests, args.replicas, args.kv_capacity, coefficients, threshold
-        )
+            policy, requests, args.replicas, args.kv_capacity, coefficients, threshold,
+            args.event_delay,
+        )  # fmt: skip
     print("| policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | imbalance p50 | imbalance p99 "
           "| work max/mean | busiest in flight p99 | mean in flight |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")

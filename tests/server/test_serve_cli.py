@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 
@@ -46,3 +47,17 @@ def test_a_port_in_use_is_reported_before_the_model_loads(
 def test_data_parallel_size_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--data-parallel-size", "0"]) == 2
     assert "--data-parallel-size must be >= 1" in capsys.readouterr().err
+
+
+def test_data_parallel_backend_ray_without_ray_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    for name in ("ray_replicas", "ray_workers", "ray_cluster"):
+        monkeypatch.delitem(sys.modules, f"tokenmill.entrypoints.router.launching.{name}", False)
+        monkeypatch.delitem(sys.modules, f"tokenmill.worker.{name}", False)
+    argv = ["serve", "--port", "0", "--data-parallel-size", "2", "--data-parallel-backend", "ray"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "--data-parallel-backend ray needs Ray" in error
+    assert "pip install 'tokenmill[ray]'" in error

@@ -23,34 +23,18 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.worker.ray_cluster import connect, first_line, reserve
 from tokenmill.worker.tp_worker import serve_rank
 
 logger = logging.getLogger(__name__)
 
 _CPUS_PER_RANK = 1.0
-# How long the cluster may take to find room for every bundle before the start fails.
-_PLACEMENT_TIMEOUT_S = 120.0
 # How long an actor may take to start and say where it runs.
 _START_TIMEOUT_S = 300.0
-
-
-def connect() -> None:
-    """Join this machine's Ray cluster (RAY_ADDRESS, or one `ray start` began here), else
-    start a local one; nothing if this process has joined one already."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):  # that cluster, or Ray's error: never a local one instead
-        ray.init(logging_level=logging.WARNING)
-        return
-    try:
-        ray.init(address="auto", logging_level=logging.WARNING)
-    except ConnectionError:
-        logger.info("no running Ray cluster found: starting a local one")
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
 
 
 @ray.remote
@@ -80,22 +64,8 @@ class RayLauncher:
         self.host: str | None = ray.util.get_node_ip_address()
         bundles: list[dict[str, float]] = [{"CPU": _CPUS_PER_RANK} for _ in range(world_size)]
         bundles[0][f"node:{self.host}"] = 0.001  # rank 0 is the engine: its bundle is here
-        self.group: PlacementGroup = placement_group(bundles, strategy="PACK")
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if cpus < world_size * _CPUS_PER_RANK:  # an autoscaler may still add nodes
-            logger.warning(
-                "the Ray cluster has %g CPUs for %d ranks of %g CPU: waiting up to %g s for more",
-                cpus, world_size, _CPUS_PER_RANK, _PLACEMENT_TIMEOUT_S,
-            )  # fmt: skip
-        try:
-            ray.get(self.group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.group)
-            raise ConfigError(
-                f"the Ray cluster found no room for {world_size} ranks of {_CPUS_PER_RANK:g} CPU "
-                f"in {_PLACEMENT_TIMEOUT_S:g} s (it has {ray.cluster_resources().get('CPU', 0):g} "
-                "CPUs in all; `ray status` shows what is taken)"
-            ) from None
+        what = f"{world_size} ranks of {_CPUS_PER_RANK:g} CPU"
+        self.group: PlacementGroup = reserve(bundles, "PACK", what)
         self._running = world_size - 1
         self._lock = threading.Lock()
 
@@ -142,11 +112,11 @@ class RayWorker:
             ray.get(self._run)
             self._ending = "stopped"
         except ray.exceptions.RayActorError as e:
-            self._ending = f"died: {_first_line(e)}"
+            self._ending = f"died: {first_line(e)}"
         except ray.exceptions.RayTaskError as e:
-            self._ending = f"failed: {_first_line(e.cause or e)}"
+            self._ending = f"failed: {first_line(e.cause or e)}"
         except Exception as e:  # the cluster itself is gone
-            self._ending = f"was lost: {_first_line(e)}"
+            self._ending = f"was lost: {first_line(e)}"
         self._exited.set()
         self._on_exit(self)  # first: the engine learns of a death at once
         with contextlib.suppress(Exception):  # Ray shut down already (interpreter exit)
@@ -178,8 +148,3 @@ class RayWorker:
         if self.is_alive():
             with contextlib.suppress(Exception):  # Ray shut down already (interpreter exit)
                 ray.kill(self._actor, no_restart=True)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(error).__name__

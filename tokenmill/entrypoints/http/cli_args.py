@@ -173,6 +173,14 @@ def _add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="engine replicas (processes, each on a private port) behind one router on --port",
     )
     parallel.add_argument(
+        "--data-parallel-backend",
+        default="mp",
+        choices=["mp", "ray"],
+        help="where the replicas run: mp, processes of this machine on loopback ports; ray, "
+        "each held by a Ray actor on the node a placement group gives it, served at that "
+        "node's address (vLLM's flag; docs/scale_out.md)",
+    )
+    parallel.add_argument(
         "--routing-policy",
         default="prefix-aware",
         choices=POLICIES,

@@ -24,7 +24,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -49,14 +51,38 @@ class ReplicaLaunch:
     nice: int = 0
 
 
+class Replica(Protocol):
+    """What the supervisor asks of a replica: a `subprocess.Popen`'s few methods (the mp
+    backend's replicas are Popen objects; `ray_replicas.RayReplica` answers them through a Ray
+    actor). `wait` raises `subprocess.TimeoutExpired` when `timeout` passes."""
+
+    pid: int | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class ReplicaSupervisor:
     def __init__(
-        self, argv: list[str], ports: list[int], launches: list[ReplicaLaunch] | None = None
+        self,
+        argv: list[str],
+        ports: list[int],
+        launches: list[ReplicaLaunch] | None = None,
+        starter: Callable[[int], Replica] | None = None,
     ) -> None:
+        """`starter(index)` starts replica `index` (default: a process of this machine on
+        `ports[index]`, `argv` with its `launches[index]`)."""
         self.argv = argv
         self.ports = ports
         self.launches = launches or [ReplicaLaunch()] * len(ports)
-        self.children = [self._start(index) for index in range(len(ports))]
+        self._starter = starter
+        self.children: list[Replica] = [self._start(index) for index in range(len(ports))]
         self._started = [time.monotonic()] * len(ports)
         self._backoff = [FIRST_BACKOFF_SECONDS] * len(ports)
         self._restart_at: list[float | None] = [None] * len(ports)
@@ -112,8 +138,8 @@ class ReplicaSupervisor:
             self._restart_at[index] = now + delay
             self._backoff[index] = min(2 * delay, MAX_BACKOFF_SECONDS)
             logger.warning(
-                "replica on port %d (pid %d) exited with status %s; restarting it in %.0f s",
-                port, child.pid, child.returncode, delay,
+                "replica on port %d (pid %s) %s; restarting it in %.0f s",
+                port, child.pid, describe_exit(child), delay,
             )  # fmt: skip
         elif now >= restart_at:
             with self._lock:
@@ -121,10 +147,18 @@ class ReplicaSupervisor:
                     return
                 self.children[index] = replacement = self._start(index)
             self._started[index], self._restart_at[index] = now, None
-            logger.warning("restarted the replica on port %d (pid %d)", port, replacement.pid)
+            if replacement.poll() is None:  # else the next check reports why, and retries
+                logger.warning("restarted the replica on port %d (pid %s)", port, replacement.pid)
 
-    def _start(self, index: int) -> subprocess.Popen[bytes]:
+    def _start(self, index: int) -> Replica:
+        if self._starter is not None:
+            return self._starter(index)
         return _start_replica(self.argv, self.ports[index], self.launches[index])
+
+
+def describe_exit(child: Replica) -> str:
+    """How a replica ended: its exit status, or what its host says (a Ray actor lost)."""
+    return getattr(child, "ending", "") or f"exited with status {child.returncode}"
 
 
 def _start_replica(argv: list[str], port: int, launch: ReplicaLaunch) -> subprocess.Popen[bytes]:
