@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tokenmill.kernels.int_linear import INT8_ACTIVATIONS_LEVEL
+from tokenmill.kernels.int_linear import activation_level
 from tokenmill.kernels.native import native_kernels, using_isa
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_testing.transformers_reference import greedy_reference
@@ -81,10 +81,9 @@ def activation_path(path: str) -> Iterator[float]:
             raise Unavailable("no native kernels here")
         yield TOLERANCE["torch"]
         return
-    best = module.detect_isa()
-    if path == "int8" and best < INT8_ACTIVATIONS_LEVEL:
-        raise Unavailable("this CPU has no AVX512_BF16 / VNNI")
-    level = best if path == "int8" else min(best, INT8_ACTIVATIONS_LEVEL - 1)
+    level = activation_level(module.detect_isa(), quantized=path == "int8")
+    if level is None:
+        raise Unavailable("this CPU has no AVX2 or VNNI int8 kernels")
     with using_isa(level):
         yield TOLERANCE[path]
 
