@@ -201,8 +201,9 @@ TM_AVX2 void quantize_row_avx2(const float* x, int64_t kp, int8_t* q, float* sca
     // Packing interleaves 128-bit lanes; the permute puts the 32 codes back in order.
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
                                               _mm256_packs_epi32(qi[2], qi[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kActBlock),
-                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+                        _mm256_permutevar8x32_epi32(packed, order));
   }
 }
 
@@ -280,19 +281,9 @@ TM_AVX2 inline __m128i iq4_table_sse() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX2 (float activations): a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
+// AVX2: a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
 
-// 32 bytes of 0xFF / 0x00: byte i set where bit i of `mask` is.
-TM_AVX2 inline __m256i expand_bits_avx2(uint32_t mask) {
-  const __m256i shuffle =
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                       3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(mask)), shuffle);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-}
-
-// Half a chunk of 4-, 5- or 6-bit codes (8 rows x 8 columns) as unsigned bytes: `lo` byte j
+// Half a chunk of 2- to 6-bit codes (8 rows x 8 columns) as unsigned bytes: `lo` byte j
 // of row r's lane is column j, `hi`'s column 4 + j.
 template <int BITS>
 TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int64_t chunk,
@@ -312,76 +303,27 @@ TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int6
     lo = _mm256_and_si256(raw, low_nibbles);
     hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
   }
-  if constexpr (BITS == kIq4NlBits) {
-    const __m256i table = _mm256_broadcastsi128_si256(iq4_table_sse());
-    lo = _mm256_shuffle_epi8(table, lo);
-    hi = _mm256_shuffle_epi8(table, hi);
-  }
   if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
+    // Byte i of the half's lo takes bit i % 8 of mask byte 4 x half + i / 8; hi's, 8 bytes on.
+    const __m256i pick = _mm256_add_epi8(
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                         3, 3, 3, 3, 3, 3, 3, 3),
+        _mm256_set1_epi8(static_cast<char>(4 * half_index)));
+    const __m256i pick_hi = _mm256_add_epi8(pick, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
     for (int h = 0; h < BITS - base_bits(BITS); ++h) {
-      uint32_t masks[2];
-      std::memcpy(&masks[0], high + 16 * h + 4 * half_index, 4);
-      std::memcpy(&masks[1], high + 16 * h + 8 + 4 * half_index, 4);
+      const __m256i masks = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 16 * h)));
       const __m256i add = _mm256_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
-      lo = _mm256_add_epi8(lo, _mm256_and_si256(expand_bits_avx2(masks[0]), add));
-      hi = _mm256_add_epi8(hi, _mm256_and_si256(expand_bits_avx2(masks[1]), add));
+      const __m256i lo_set =
+          _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, pick), bit), bit);
+      const __m256i hi_set =
+          _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, pick_hi), bit), bit);
+      lo = _mm256_add_epi8(lo, _mm256_and_si256(lo_set, add));
+      hi = _mm256_add_epi8(hi, _mm256_and_si256(hi_set, add));
     }
   }
-}
-
-template <int BITS, int R>
-TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
-                             int half_index, float* out) {
-  const uint8_t* block = p.codes + nb * p.block_bytes();
-  const __m256i low_byte = _mm256_set1_epi32(0xFF);
-  __m256 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < p.groups; ++g) {
-    __m256 dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
-    const int64_t col_end = (g + 1) * p.group;
-    for (int64_t col = g * p.group; col < col_end; col += lane_cols(BITS)) {
-      if constexpr (BITS == 8) {
-        // One 32-byte load: 8 rows x 4 columns.
-        __m256i raw = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(block + (col / 4) * 64 + 32 * half_index));
-        raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));  // signed codes
-        for (int j = 0; j < 4; ++j) {
-          __m256i v = j == 3 ? raw : _mm256_slli_epi32(raw, 24 - 8 * j);
-          __m256 w = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
-          for (int r = 0; r < R; ++r)
-            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + col + j),
-                                     dot[r]);
-        }
-      } else {
-        __m256i lo, hi;
-        split_half_avx2<BITS>(p, block, col / 8, half_index, lo, hi);
-        for (int j = 0; j < 8; ++j) {
-          const __m256i bytes = j < 4 ? lo : hi;
-          __m256 w = _mm256_cvtepi32_ps(
-              _mm256_and_si256(_mm256_srli_epi32(bytes, 8 * (j % 4)), low_byte));
-          for (int r = 0; r < R; ++r)
-            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + col + j),
-                                     dot[r]);
-        }
-      }
-    }
-    const int64_t at = (nb * p.groups + g) * kBlockRows + 8 * half_index;
-    __m256 scale = scales8(p, nb, g, 8 * half_index);
-    __m256 offset = p.offsets ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                    reinterpret_cast<const __m128i*>(p.offsets + at)))
-                              : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m256 sum = _mm256_set1_ps(a.group_sum[(m0 + r) * p.groups + g]);
-      // Narrow codes were widened unsigned (code + center): take center x the sum back off.
-      if constexpr (BITS != 8)
-        dot[r] = _mm256_fnmadd_ps(_mm256_set1_ps(center_of(BITS)), sum, dot[r]);
-      total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
-      if (p.offsets) total[r] = _mm256_fmadd_ps(offset, sum, total[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kBlockRows + 8 * half_index, total[r]);
 }
 
 // Tokens m0 .. m0 + R of a prepared int8 input, as the int8 kernels read them.
@@ -845,9 +787,6 @@ void run_tile(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, flo
     else block_vnni<BITS, R, 32>(p, a, nb, m0, out);
   } else if (isa >= kAvx512) {
     block_avx512<BITS, R>(p, a, nb, m0, out);
-  } else if (isa == kAvx2) {
-    half_block_avx2<BITS, R>(p, a, nb, m0, 0, out);
-    half_block_avx2<BITS, R>(p, a, nb, m0, 1, out);
   } else {
     block_portable(p, a, nb, m0, R, out);
   }
