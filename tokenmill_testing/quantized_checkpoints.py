@@ -88,6 +88,18 @@ def activation_path(path: str) -> Iterator[float]:
         yield TOLERANCE[path]
 
 
+def float_path_is_only_portable() -> bool:
+    """Whether this CPU's float-activation kernels are only the portable scalar ones (an AVX2
+    machine without AVX-512: its SIMD path quantizes the activations), while the int8 path
+    runs SIMD: a test parametrized over both paths then skips the float one (~5x slower, and
+    run on machines with AVX-512)."""
+    module = native_kernels()
+    if module is None:
+        return False
+    best = module.detect_isa()
+    return activation_level(best, quantized=False) == 0 and best > 0
+
+
 class Unavailable(RuntimeError):
     """A kernel path this machine cannot run (tests skip)."""
 
