@@ -354,6 +354,9 @@ struct Int8Rows {
 
 // Codes the AVX2 int8 path reads as signed (center 0 there).
 constexpr bool signed_on_avx2(int bits) { return bits == 8 || bits == kIq4NlBits; }
+// Chunks of unsigned codes whose int16 pair sums add without saturating: a chunk's two
+// vpmaddubsw (lo, hi) reach 4 x the largest code x 127 per int16 (4-bit: 4 chunks, 6-bit: 1).
+constexpr int chunks_per_madd(int bits) { return 32767 / (4 * ((1 << bits) - 1) * 127); }
 
 TM_AVX2 inline __m256i broadcast4(const int8_t* x) {
   int32_t v;
@@ -410,15 +413,25 @@ TM_AVX2 inline void segment_int8_avx2(const Problem& p, const uint8_t* block, in
                                      dot_signed_avx2(hi_abs, hi, broadcast4(x + 4))));
       }
     } else {
-      __m256i lo, hi;
-      split_half_avx2<BITS>(p, block, col / 8 + c, half, lo, hi);
+      // Unsigned codes: int16 pair sums of kPerMadd chunks at a time, then one vpmaddwd.
+      constexpr int kPerMadd = std::min(chunks_per_madd(BITS), SEG / lane_cols(BITS));
+      if (c % kPerMadd) continue;
+      __m256i pairs[R];
+#pragma GCC unroll 4
+      for (int k = 0; k < kPerMadd; ++k) {
+        __m256i lo, hi;
+        split_half_avx2<BITS>(p, block, col / 8 + c + k, half, lo, hi);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq[r] + col + 8 * c;
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x)),
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xq[r] + col + 8 * (c + k);
+          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x)),
                                                _mm256_maddubs_epi16(hi, broadcast4(x + 4)));
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+          pairs[r] = k == 0 ? sum : _mm256_add_epi16(pairs[r], sum);
+        }
       }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
     }
   }
 }
