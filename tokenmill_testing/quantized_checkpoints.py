@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tokenmill.kernels.int_linear import INT8_ACTIVATIONS_LEVEL
+from tokenmill.kernels.int_linear import activation_level
 from tokenmill.kernels.native import native_kernels, using_isa
 from tokenmill.sampling_params import SamplingParams
 from tokenmill_testing.transformers_reference import greedy_reference
@@ -81,12 +81,23 @@ def activation_path(path: str) -> Iterator[float]:
             raise Unavailable("no native kernels here")
         yield TOLERANCE["torch"]
         return
-    best = module.detect_isa()
-    if path == "int8" and best < INT8_ACTIVATIONS_LEVEL:
-        raise Unavailable("this CPU has no AVX512_BF16 / VNNI")
-    level = best if path == "int8" else min(best, INT8_ACTIVATIONS_LEVEL - 1)
+    level = activation_level(module.detect_isa(), quantized=path == "int8")
+    if level is None:
+        raise Unavailable("this CPU has no AVX2 or VNNI int8 kernels")
     with using_isa(level):
         yield TOLERANCE[path]
+
+
+def float_path_is_only_portable() -> bool:
+    """Whether this CPU's float-activation kernels are only the portable scalar ones (an AVX2
+    machine without AVX-512: its SIMD path quantizes the activations), while the int8 path
+    runs SIMD: a test parametrized over both paths then skips the float one (~5x slower, and
+    run on machines with AVX-512)."""
+    module = native_kernels()
+    if module is None:
+        return False
+    best = module.detect_isa()
+    return activation_level(best, quantized=False) == 0 and best > 0
 
 
 class Unavailable(RuntimeError):

@@ -14,7 +14,8 @@ from tokenmill.config import ConfigError
 from tokenmill.kernels import native
 from tokenmill.kernels.int_linear import (
     AMX_LEVEL,
-    INT8_ACTIVATIONS_LEVEL,
+    FLOAT_ACTIVATIONS_LEVELS,
+    activation_level,
     amx_min_rows,
     code_range,
     dense_bf16_reference,
@@ -137,13 +138,13 @@ def test_many_rows_on_the_dot_product_kernel() -> None:
     codes, scales, offsets = random_weight(200, 320, 4, 32, seed=3)
     weight = pack(codes, scales, offsets, 4, 32)
     x = torch.randn(300, 320, generator=torch.Generator().manual_seed(4))
-    level = min(BEST, INT8_ACTIVATIONS_LEVEL)
-    with native.using_isa(level):
+    level = activation_level(BEST, quantized=True)
+    with native.using_isa(BEST if level is None else level):
         reference = kernel_reference(x, weight, None)
         got = quant_linear(x, weight, None)
     error = (got - reference).abs()
     exact = 1e-5 * reference.abs().max().item()
-    if level < INT8_ACTIVATIONS_LEVEL:
+    if level is None:
         assert error.max().item() <= exact
         return
     # int8 activations: the kernel and the reference round x / scale in different float
@@ -179,18 +180,23 @@ def test_many_rows_where_amx_runs_go_to_its_tiles(bits: int) -> None:
 
 @needs_native
 def test_int8_activations_round_as_their_reference_says() -> None:
-    """The VNNI path multiplies activations rounded per block of 32 (the reference's rounding,
-    not float ones): it is much closer to that reference than to the float product."""
-    if BEST < INT8_ACTIVATIONS_LEVEL:
-        pytest.skip("this CPU has no AVX512_BF16 / VNNI")
+    """The int8 paths (AVX2's vpmaddubsw, VNNI's vpdpbusd) multiply activations rounded per
+    block of 32 (the reference's rounding, not float ones): at each such level this CPU runs,
+    the product is much closer to that reference than to the float product."""
+    levels = [level for level in LEVELS if level not in FLOAT_ACTIVATIONS_LEVELS]
+    if not levels:
+        pytest.skip("this CPU has no AVX2 or VNNI int8 kernels")
     codes, scales, _ = random_weight(64, 256, 8, None, seed=5)
     weight = pack(codes, scales, None, 8)
     x = torch.randn(4, 256)
     assert not torch.equal(quantize_activations_reference(x), x)
     float_product = quant_linear_reference(x, weight, None, quantized=False)
     int8_product = quant_linear_reference(x, weight, None, quantized=True)
-    got = quant_linear(x, weight, None)
-    assert (got - int8_product).abs().max() * 100 < (float_product - int8_product).abs().max()
+    for level in levels:
+        with native.using_isa(level):
+            got = quant_linear(x, weight, None)
+        gap = (float_product - int8_product).abs().max()
+        assert (got - int8_product).abs().max() * 100 < gap, ISA_LEVELS[level]
 
 
 @needs_native

@@ -40,10 +40,11 @@ from tokenmill.kernels.native import ISA_LEVELS, native_kernels
 
 BLOCK_ROWS = 16
 ACTIVATION_BLOCK = 32
-# The first ISA level (tokenmill/kernels/native.py's ISA_LEVELS) whose kernels quantize the
-# activations: avx512_bf16, which includes VNNI; and the level whose AMX tiles take products
-# of many rows (csrc/int_linear.h).
-INT8_ACTIVATIONS_LEVEL = ISA_LEVELS.index("avx512_bf16")
+# The ISA levels (tokenmill/kernels/native.py's ISA_LEVELS) whose kernels multiply float
+# activations: portable and avx512 (no VNNI). The others quantize them to int8: avx2
+# (vpmaddubsw, as llama.cpp's AVX2 dot products) and avx512_bf16 and up (VNNI). And the level
+# whose AMX tiles take products of many rows (csrc/int_linear.h).
+FLOAT_ACTIVATIONS_LEVELS = (ISA_LEVELS.index("portable"), ISA_LEVELS.index("avx512"))
 AMX_LEVEL = ISA_LEVELS.index("amx")
 # Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).
 CODE_BITS = (8, 6, 5, 4, 3, 2)
@@ -339,11 +340,20 @@ def quantize_activations_reference(x: torch.Tensor) -> torch.Tensor:
 
 def activations_quantized(rows: int = 1) -> bool:
     """Whether the kernels quantize the activations of a product of `rows` rows to int8: at
-    the ISA level in use, VNNI's (AVX512_BF16 and up), below the AMX path's rows."""
+    the ISA level in use, AVX2's or VNNI's (AVX512_BF16 and up), below the AMX path's rows."""
     module = native_kernels()
-    if module is None or module.get_isa() < INT8_ACTIVATIONS_LEVEL:
+    if module is None or module.get_isa() in FLOAT_ACTIVATIONS_LEVELS:
         return False
     return not on_amx_tiles(rows)
+
+
+def activation_level(best: int, quantized: bool) -> int | None:
+    """The highest ISA level up to `best` whose kernels multiply int8 (`quantized`) or float
+    activations; None where there is none."""
+    levels = [
+        level for level in range(best + 1) if (level not in FLOAT_ACTIVATIONS_LEVELS) == quantized
+    ]
+    return levels[-1] if levels else None
 
 
 def on_amx_tiles(rows: int) -> bool:

@@ -167,6 +167,46 @@ TM_AVX512BF16 void quantize_row_avx512(const float* x, int64_t kp, int8_t* q, fl
   }
 }
 
+TM_AVX2 inline int32_t sum_epi32_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// quantize_row_portable with AVX2 (cvtps rounds to nearest even, as nearbyint does).
+TM_AVX2 void quantize_row_avx2(const float* x, int64_t kp, int8_t* q, float* scale,
+                               int32_t* sum16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i min = _mm256_set1_epi32(-127), max = _mm256_set1_epi32(127);
+  for (int64_t b = 0; b < kp / kActBlock; ++b) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + b * kActBlock + 8 * j);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    scale[b] = amax / 127.0f;
+    const __m256 factor = _mm256_set1_ps(inverse);
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j)
+      qi[j] = _mm256_min_epi32(
+          max, _mm256_max_epi32(min, _mm256_cvtps_epi32(_mm256_mul_ps(v[j], factor))));
+    sum16[b * 2] = sum_epi32_avx2(_mm256_add_epi32(qi[0], qi[1]));
+    sum16[b * 2 + 1] = sum_epi32_avx2(_mm256_add_epi32(qi[2], qi[3]));
+    // Packing interleaves 128-bit lanes; the permute puts the 32 codes back in order.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                              _mm256_packs_epi32(qi[2], qi[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kActBlock),
+                        _mm256_permutevar8x32_epi32(packed, order));
+  }
+}
+
 // Sum of each group's activations: from the int8 codes where the product is integer (so the
 // offsets meet the same activations the codes do), else from the floats.
 void group_sums(const QuantInput& a, int64_t row, float* out) {
@@ -241,19 +281,9 @@ TM_AVX2 inline __m128i iq4_table_sse() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX2 (float activations): a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
+// AVX2: a block as two halves of 8 rows (bytes 0-31 / 32-63 of each 64).
 
-// 32 bytes of 0xFF / 0x00: byte i set where bit i of `mask` is.
-TM_AVX2 inline __m256i expand_bits_avx2(uint32_t mask) {
-  const __m256i shuffle =
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                       3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(mask)), shuffle);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-}
-
-// Half a chunk of 4-, 5- or 6-bit codes (8 rows x 8 columns) as unsigned bytes: `lo` byte j
+// Half a chunk of 2- to 6-bit codes (8 rows x 8 columns) as unsigned bytes: `lo` byte j
 // of row r's lane is column j, `hi`'s column 4 + j.
 template <int BITS>
 TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int64_t chunk,
@@ -273,76 +303,231 @@ TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int6
     lo = _mm256_and_si256(raw, low_nibbles);
     hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
   }
-  if constexpr (BITS == kIq4NlBits) {
-    const __m256i table = _mm256_broadcastsi128_si256(iq4_table_sse());
-    lo = _mm256_shuffle_epi8(table, lo);
-    hi = _mm256_shuffle_epi8(table, hi);
-  }
   if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
+    // Byte i of the half's lo takes bit i % 8 of mask byte 4 x half + i / 8; hi's, 8 bytes on.
+    const __m256i pick = _mm256_add_epi8(
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                         3, 3, 3, 3, 3, 3, 3, 3),
+        _mm256_set1_epi8(static_cast<char>(4 * half_index)));
+    const __m256i pick_hi = _mm256_add_epi8(pick, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
     for (int h = 0; h < BITS - base_bits(BITS); ++h) {
-      uint32_t masks[2];
-      std::memcpy(&masks[0], high + 16 * h + 4 * half_index, 4);
-      std::memcpy(&masks[1], high + 16 * h + 8 + 4 * half_index, 4);
+      const __m256i masks = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 16 * h)));
       const __m256i add = _mm256_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
-      lo = _mm256_add_epi8(lo, _mm256_and_si256(expand_bits_avx2(masks[0]), add));
-      hi = _mm256_add_epi8(hi, _mm256_and_si256(expand_bits_avx2(masks[1]), add));
+      const __m256i lo_set =
+          _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, pick), bit), bit);
+      const __m256i hi_set =
+          _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, pick_hi), bit), bit);
+      lo = _mm256_add_epi8(lo, _mm256_and_si256(lo_set, add));
+      hi = _mm256_add_epi8(hi, _mm256_and_si256(hi_set, add));
     }
   }
 }
 
-template <int BITS, int R>
-TM_AVX2 void half_block_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
-                             int half_index, float* out) {
-  const uint8_t* block = p.codes + nb * p.block_bytes();
-  const __m256i low_byte = _mm256_set1_epi32(0xFF);
-  __m256 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < p.groups; ++g) {
-    __m256 dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
-    const int64_t col_end = (g + 1) * p.group;
-    for (int64_t col = g * p.group; col < col_end; col += lane_cols(BITS)) {
-      if constexpr (BITS == 8) {
-        // One 32-byte load: 8 rows x 4 columns.
-        __m256i raw = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(block + (col / 4) * 64 + 32 * half_index));
-        raw = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));  // signed codes
-        for (int j = 0; j < 4; ++j) {
-          __m256i v = j == 3 ? raw : _mm256_slli_epi32(raw, 24 - 8 * j);
-          __m256 w = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
-          for (int r = 0; r < R; ++r)
-            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + col + j),
-                                     dot[r]);
-        }
-      } else {
-        __m256i lo, hi;
-        split_half_avx2<BITS>(p, block, col / 8, half_index, lo, hi);
-        for (int j = 0; j < 8; ++j) {
-          const __m256i bytes = j < 4 ? lo : hi;
-          __m256 w = _mm256_cvtepi32_ps(
-              _mm256_and_si256(_mm256_srli_epi32(bytes, 8 * (j % 4)), low_byte));
-          for (int r = 0; r < R; ++r)
-            dot[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(a.xf + (m0 + r) * p.kp + col + j),
-                                     dot[r]);
-        }
-      }
-    }
-    const int64_t at = (nb * p.groups + g) * kBlockRows + 8 * half_index;
-    __m256 scale = scales8(p, nb, g, 8 * half_index);
-    __m256 offset = p.offsets ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                    reinterpret_cast<const __m128i*>(p.offsets + at)))
-                              : _mm256_setzero_ps();
+// Tokens m0 .. m0 + R of a prepared int8 input, as the int8 kernels read them.
+template <int R>
+struct Int8Rows {
+  const int8_t* q[R];
+  const float* scale[R];
+  const int32_t* qsum[R];
+  const float* group_sum[R];
+  Int8Rows(const Problem& p, const QuantInput& a, int64_t m0) {
     for (int r = 0; r < R; ++r) {
-      __m256 sum = _mm256_set1_ps(a.group_sum[(m0 + r) * p.groups + g]);
-      // Narrow codes were widened unsigned (code + center): take center x the sum back off.
-      if constexpr (BITS != 8)
-        dot[r] = _mm256_fnmadd_ps(_mm256_set1_ps(center_of(BITS)), sum, dot[r]);
-      total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
-      if (p.offsets) total[r] = _mm256_fmadd_ps(offset, sum, total[r]);
+      q[r] = a.q + (m0 + r) * p.kp;
+      scale[r] = a.qscale + (m0 + r) * (p.kp / kActBlock);
+      qsum[r] = a.qsum + (m0 + r) * (p.kp / 16);
+      group_sum[r] = a.group_sum + (m0 + r) * p.groups;
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kBlockRows + 8 * half_index, total[r]);
+};
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 int8 activations (no VNNI): vpmaddubsw (unsigned codes x signed activation codes, pairs
+// summed into int16) then vpmaddwd by ones (int32 per row lane, 4 columns each), as llama.cpp's
+// AVX2 dot products do. Half a block (8 rows) at a time, like the float path. 8-bit and IQ4
+// codes are taken signed (unsigned 255 x 127 pairs would saturate int16): |w| times x with w's
+// sign (vpsignb), as llama.cpp's q8_0. Narrower codes stay unsigned (plus center): a segment's
+// int32 sum starts at -center x its activation codes' sum (qsum), which takes that off exactly.
+// |a pair| <= 2 x 63 x 127 for 6-bit codes, so a chunk's two halves add in int16 (<= 32004).
+
+// Codes the AVX2 int8 path reads as signed (center 0 there).
+constexpr bool signed_on_avx2(int bits) { return bits == 8 || bits == kIq4NlBits; }
+// Chunks of unsigned codes whose int16 pair sums add without saturating: a chunk's two
+// vpmaddubsw (lo, hi) reach 4 x the largest code x 127 per int16 (4-bit: 4 chunks, 6-bit: 1).
+constexpr int chunks_per_madd(int bits) { return 32767 / (4 * ((1 << bits) - 1) * 127); }
+
+TM_AVX2 inline __m256i broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Signed codes `w` (|w| in `w_abs`) times 4 activation codes `x` per row lane, into int32.
+TM_AVX2 inline __m256i dot_signed_avx2(__m256i w_abs, __m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)),
+                           _mm256_set1_epi16(1));
+}
+
+// One segment (SEG columns from `col`) of half a block against R tokens: acc[r], the int32
+// dot products of the codes less center x the segment's activation codes.
+template <int BITS, int R, int SEG>
+TM_AVX2 inline void segment_int8_avx2(const Problem& p, const uint8_t* block, int half,
+                                      const Int8Rows<R>& x, int64_t col, __m256i* acc) {
+  constexpr int32_t center = signed_on_avx2(BITS) ? 0 : center_of(BITS);
+  const int8_t* const* xq = x.q;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    int32_t codes_sum = x.qsum[r][col / 16];
+    if constexpr (SEG == 32) codes_sum += x.qsum[r][col / 16 + 1];
+    acc[r] = _mm256_set1_epi32(-center * codes_sum);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < SEG / lane_cols(BITS); ++c) {
+    if constexpr (BITS == 8) {
+      const __m256i w = _mm256_xor_si256(
+          _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(block + (col / 4 + c) * 64 + 32 * half)),
+          _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i w_abs = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_add_epi32(acc[r],
+                                  dot_signed_avx2(w_abs, w, broadcast4(xq[r] + col + 4 * c)));
+    } else if constexpr (BITS == kIq4NlBits) {
+      const __m256i raw = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(block + (col / 8 + c) * 64 + 32 * half));
+      const __m256i table = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlValues)));
+      const __m256i nibble = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, nibble));
+      const __m256i hi =
+          _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
+      const __m256i lo_abs = _mm256_abs_epi8(lo), hi_abs = _mm256_abs_epi8(hi);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq[r] + col + 8 * c;
+        acc[r] = _mm256_add_epi32(
+            acc[r], _mm256_add_epi32(dot_signed_avx2(lo_abs, lo, broadcast4(x)),
+                                     dot_signed_avx2(hi_abs, hi, broadcast4(x + 4))));
+      }
+    } else {
+      // Unsigned codes: int16 pair sums of kPerMadd chunks at a time, then one vpmaddwd.
+      constexpr int kPerMadd = std::min(chunks_per_madd(BITS), SEG / lane_cols(BITS));
+      if (c % kPerMadd) continue;
+      __m256i pairs[R];
+#pragma GCC unroll 4
+      for (int k = 0; k < kPerMadd; ++k) {
+        __m256i lo, hi;
+        split_half_avx2<BITS>(p, block, col / 8 + c + k, half, lo, hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xq[r] + col + 8 * (c + k);
+          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x)),
+                                               _mm256_maddubs_epi16(hi, broadcast4(x + 4)));
+          pairs[r] = k == 0 ? sum : _mm256_add_epi16(pairs[r], sum);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+    }
+  }
+}
+
+// Half a block (rows 8 x half ...) against R tokens. FACTORED (K-quant scales, SEG = the group
+// of 16 or 32): each group's int32 sum times its int8 sub-scale (vpmulld), summed over an
+// activation block, one conversion times the activation scale and the super-block's scale.
+// Else per group: per segment to float times the activation scale, times the group's scale.
+template <int BITS, int R, int SEG, bool FACTORED>
+TM_AVX2 void half_block_int8_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
+                                  int half, float* out) {
+  const uint8_t* block = p.codes + nb * p.block_bytes();
+  const Int8Rows<R> x(p, a, m0);
+  const float* const* x_scale = x.scale;
+  const float* const* x_group_sum = x.group_sum;
+  __m256 total[R];
+  __m256i scaled[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm256_setzero_ps();
+    scaled[r] = _mm256_setzero_si256();
+  }
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t at = p.scale_at(nb, g) + 8 * half;
+    if constexpr (FACTORED) {
+      const int64_t col = g * SEG;
+      __m256i acc[R];
+      segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
+      const __m256i sub = _mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + at)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        scaled[r] = _mm256_add_epi32(scaled[r], _mm256_mullo_epi32(acc[r], sub));
+      if ((col + SEG) % kActBlock == 0) {
+        const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(p.super_scales + p.super_at(nb, g) + 8 * half)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 factor = _mm256_mul_ps(super, _mm256_set1_ps(x_scale[r][col / kActBlock]));
+          total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), factor, total[r]);
+          scaled[r] = _mm256_setzero_si256();
+        }
+      }
+    } else {
+      __m256 dot[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
+      for (int64_t col = g * p.group; col < (g + 1) * p.group; col += SEG) {
+        __m256i acc[R];
+        segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                                   _mm256_set1_ps(x_scale[r][col / kActBlock]), dot[r]);
+      }
+      const __m256 scale = scales8(p, nb, g, 8 * half);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
+    }
+    if (p.offsets) {
+      const __m256 offset =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.offsets + at)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_group_sum[r][g]), total[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kBlockRows + 8 * half, total[r]);
+}
+
+// Tokens per pass of the AVX2 int8 kernel: its 3 x R accumulators stay in 16 ymm registers.
+constexpr int kAvx2Tile = 4;
+
+template <int BITS, int R>
+void half_int8_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, int half,
+                    float* out) {
+  if constexpr (BITS != 8) {
+    if (p.sub_scales && p.group == 16)
+      return half_block_int8_avx2<BITS, R, 16, true>(p, a, nb, m0, half, out);
+    if (p.sub_scales && p.group == 32)
+      return half_block_int8_avx2<BITS, R, 32, true>(p, a, nb, m0, half, out);
+  }
+  if (p.group == 16) half_block_int8_avx2<BITS, R, 16, false>(p, a, nb, m0, half, out);
+  else half_block_int8_avx2<BITS, R, 32, false>(p, a, nb, m0, half, out);
+}
+
+template <int BITS, int R>
+void tile_int8_avx2(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, float* out) {
+  if constexpr (R > kAvx2Tile) {
+    tile_int8_avx2<BITS, kAvx2Tile>(p, a, nb, m0, out);
+    tile_int8_avx2<BITS, R - kAvx2Tile>(p, a, nb, m0 + kAvx2Tile, out + kAvx2Tile * kBlockRows);
+  } else {
+    half_int8_avx2<BITS, R>(p, a, nb, m0, 0, out);
+    half_int8_avx2<BITS, R>(p, a, nb, m0, 1, out);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -537,18 +722,11 @@ TM_AVX512BF16 void block_vnni_factored(const Problem& p, const QuantInput& a, in
   constexpr int32_t center = center_of(BITS);
   constexpr int kGroupsPerAct = kActBlock / GROUP;
   const uint8_t* block = p.codes + nb * p.block_bytes();
-  const int64_t scale_stride = p.kp / kActBlock, sum_stride = p.kp / 16;
-  const int8_t* xq[R];
-  const float* x_scale[R];
-  const int32_t* x_qsum[R];
-  const float* x_group_sum[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (m0 + r) * p.kp;
-    x_scale[r] = a.qscale + (m0 + r) * scale_stride;
-    x_qsum[r] = a.qsum + (m0 + r) * sum_stride;
-    x_group_sum[r] = a.group_sum + (m0 + r) * p.groups;
-  }
+  const Int8Rows<R> x(p, a, m0);
+  const int8_t* const* xq = x.q;
+  const float* const* x_scale = x.scale;
+  const int32_t* const* x_qsum = x.qsum;
+  const float* const* x_group_sum = x.group_sum;
   __m512 total[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -611,7 +789,9 @@ TM_AVX512BF16 void block_vnni_factored(const Problem& p, const QuantInput& a, in
 template <int BITS, int R>
 void run_tile(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, float* out,
               int isa) {
-  if (a.path == QuantPath::kInt8) {
+  if (a.path == QuantPath::kInt8 && isa < kAvx512Bf16) {
+    tile_int8_avx2<BITS, R>(p, a, nb, m0, out);
+  } else if (a.path == QuantPath::kInt8) {
     if constexpr (BITS != 8) {
       if (p.sub_scales && p.group == 16) return block_vnni_factored<BITS, R, 16>(p, a, nb, m0, out);
       if (p.sub_scales && p.group == 32) return block_vnni_factored<BITS, R, 32>(p, a, nb, m0, out);
@@ -620,9 +800,6 @@ void run_tile(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0, flo
     else block_vnni<BITS, R, 32>(p, a, nb, m0, out);
   } else if (isa >= kAvx512) {
     block_avx512<BITS, R>(p, a, nb, m0, out);
-  } else if (isa == kAvx2) {
-    half_block_avx2<BITS, R>(p, a, nb, m0, 0, out);
-    half_block_avx2<BITS, R>(p, a, nb, m0, 1, out);
   } else {
     block_portable(p, a, nb, m0, R, out);
   }
@@ -758,7 +935,8 @@ std::array<size_t, 6> input_bytes(QuantPath path, int64_t rows, int64_t kp, int6
 
 QuantPath quant_path(int64_t rows, int isa) {
   if (isa >= kAmx && rows >= kQuantAmxMinRows) return QuantPath::kAmx;
-  return isa >= kAvx512Bf16 ? QuantPath::kInt8 : QuantPath::kFloat;
+  // AVX2 too (vpmaddubsw): its float path widened every code to float, ~4x the instructions.
+  return isa >= kAvx512Bf16 || isa == kAvx2 ? QuantPath::kInt8 : QuantPath::kFloat;
 }
 
 void QuantScratch::reserve(const PackedWeight& w, int64_t rows, int isa) {
@@ -821,6 +999,7 @@ void prepare_quant_rows(const PackedWeight& w, const void* x, bool x_bf16, int64
       float* scale = in.qscale + m * (in.kp / kActBlock);
       int32_t* sum16 = in.qsum + m * (in.kp / 16);
       if (isa >= kAvx512Bf16) quantize_row_avx512(row, in.kp, q, scale, sum16);
+      else if (isa == kAvx2) quantize_row_avx2(row, in.kp, q, scale, sum16);
       else quantize_row_portable(row, in.kp, q, scale, sum16);
     }
     group_sums(in, m, in.group_sum + m * in.groups);

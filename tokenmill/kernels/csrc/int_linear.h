@@ -4,9 +4,10 @@
 //
 // A product first prepares its input rows (a phase of its own: each row once, not once per
 // chunk of output blocks), then runs over blocks of 16 output rows. Which kernel runs (`path`):
-// - float activations (ISA levels 0-2): codes widened to float, times float rows;
-// - int8 activations (levels 3-4, VNNI): rows quantized per token and block of 32 columns (a
-//   float scale each: W8A8 dynamic, as llama.cpp's q8_0 activations), integer dot products;
+// - float activations (ISA levels 0 and 2): codes widened to float, times float rows;
+// - int8 activations (levels 1 and 3-4: AVX2's vpmaddubsw, VNNI's vpdpbusd): rows quantized per
+//   token and block of 32 columns (a float scale each: W8A8 dynamic, as llama.cpp's q8_0
+//   activations), integer dot products;
 // - AMX (level 4, `kQuantAmxMinRows` rows or more): each chunk of blocks dequantized into the
 //   dense bf16 packed layout in a per-thread scratch (L2-sized), multiplied by packed_gemm's
 //   AMX tiles with bf16 rows; the weight is never dequantized whole.
