@@ -43,6 +43,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+# Steps at k = 0 a bucket needs before its verdict "speculation loses" turns larger ones off.
+OFF_EVIDENCE_STEPS = 3
+
 
 @dataclass
 class _StepFit:
@@ -125,11 +128,14 @@ class SpeculationPolicy:
         return self._explore(bucket, best)
 
     def off_above(self) -> int | None:
-        """The smallest bucket that has measured k = 0 and some k >= 1 and found k = 0 the
-        fastest, or None: buckets above it do not speculate."""
+        """The smallest bucket that has measured k = 0 (in `OFF_EVIDENCE_STEPS` steps or
+        more: a tail of a few steps at a small batch is noise) and some k >= 1 and found k = 0
+        the fastest, or None: buckets above it do not speculate."""
         for bucket in sorted({b for b, _ in self.fits}):
+            if self.fits.get((bucket, 0), _StepFit()).weight < OFF_EVIDENCE_STEPS:
+                continue
             rates = self.throughput(bucket)
-            if 0 in rates and len(rates) > 1 and max(rates, key=rates.__getitem__) == 0:
+            if len(rates) > 1 and max(rates, key=rates.__getitem__) == 0:
                 return bucket
         return None
 
