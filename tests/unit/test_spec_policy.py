@@ -216,14 +216,17 @@ def _run(policy: SpeculationPolicy, batches: list[int], step, seed: int = 0) -> 
 
 
 def test_a_batch_that_measured_speculation_losing_turns_it_off_for_larger_ones() -> None:
-    """Once batch 1 found every k slower than k = 0, batches of 16 and 64 never draft (not
-    even to explore), while batch 1 itself keeps exploring now and then."""
+    """Once batch 1 found every k slower than k = 0, batches of 16 and 64 draft in one step
+    of `max_explore_every` only (k = 1), while batch 1 itself keeps exploring as before."""
     policy = SpeculationPolicy(4)
     _run(policy, [1] * 200, _losing_step)
     assert policy.off_above() == 1
-    chosen = {policy.choose(n) for n in (16, 64) for _ in range(300)}
-    assert chosen == {0}
-    assert {b for b, k in policy.fits if k > 0} == {1}
+    for n in (16, 64):
+        chosen = []
+        for _ in range(384):
+            chosen.append(policy.choose(n))
+            policy.observe(n, chosen[-1], *_losing_step(n, chosen[-1], random.Random(0)))
+        assert set(chosen) == {0, 1} and chosen.count(1) == 3, (n, chosen.count(1))
     assert {policy.choose(1) for _ in range(300)} > {0}  # still exploring at batch 1
 
 
@@ -249,3 +252,14 @@ def test_adaptive_stays_at_the_speed_of_off_where_drafting_loses() -> None:
         off = _run(SpeculationPolicy(0, adaptive=False), batches, _losing_step, concurrency)
         adaptive = _run(SpeculationPolicy(4), batches, _losing_step, concurrency)
         assert adaptive >= 0.97 * off, (concurrency, adaptive / off)
+
+
+def test_a_larger_batchs_own_gain_lifts_the_switch() -> None:
+    """Batch 1 loses, but batch 16 measured k = 1 at twice k = 0's rate: it speculates."""
+    policy = SpeculationPolicy(4)
+    _run(policy, [1] * 200, _losing_step)
+    for _ in range(4):
+        policy.observe(16, 0, 16, 0.002)
+        policy.observe(16, 1, 32, 0.002)
+    assert policy.off_above() == 1
+    assert [policy.choose(16) for _ in range(8)].count(1) >= 7

@@ -27,13 +27,15 @@ decodes, whose intercept at 0 prefill tokens is the decode cost of k. Its throug
 decode tokens per step over that cost. Because verification is lossless and seeded sampling
 is keyed on output positions, the k it picks never changes what is generated, only how fast.
 
-Speculation's gain only shrinks as the batch grows (the pass turns compute-bound), so once a
-bucket has measured every k it tried slower than k = 0 (the best is 0), every larger bucket
-runs k = 0 without trying drafts at all: exploring there (a catch-up on every request for a
-draft model, a losing step for any method) could only lose, and on short replies the
-exploration alone cost more than it found (issue 48: adaptive EAGLE at 0.78x of off at batch
-16). The losing bucket keeps exploring (backing off) and frees the larger ones if drafting
-starts to pay there (`off_above`).
+Speculation's gain mostly shrinks as the batch grows (the pass turns compute-bound), so once
+a bucket has measured every k it tried slower than k = 0 (the best is 0), a larger bucket
+runs k = 0 and tries k = 1 only once in `max_explore_every` steps, unless it has measured a
+gain of its own: exploring there (a catch-up on every request for a draft model, a losing step
+for any method) mostly loses, and on short replies the exploration alone cost more than it
+found (issue 48: adaptive EAGLE at 0.78x of off at batch 16). Not strictly: where per-call
+overhead dominates (a tiny model on a CPU) a batch amortises the drafts, so a larger bucket
+keeps its rare tries. The losing bucket keeps exploring (backing off) and frees the larger
+ones if drafting starts to pay there (`off_above`).
 
 It lives in core, beside the scheduler that asks it for k, and knows nothing of proposers.
 """
@@ -113,8 +115,10 @@ class SpeculationPolicy:
         bucket = self.bucket(num_decodes)
         self.steps[bucket] += 1
         off_above = self.off_above()
-        if off_above is not None and bucket > off_above:
-            return 0  # a smaller batch measured speculation losing: a larger one loses more
+        if off_above is not None and bucket > off_above and not self._wins(bucket):
+            # A smaller batch measured speculation losing: here it is tried once in
+            # `max_explore_every` steps only (a gain of its own lifts the switch).
+            return 1 if self.steps[bucket] % self.max_explore_every == 0 else 0
         untried = [k for k in range(self.max_k, -1, -1) if (bucket, k) not in self.fits]
         if untried and {b for b, _ in self.fits} <= {bucket}:
             return untried[0]  # the first bucket: try every k
@@ -138,6 +142,11 @@ class SpeculationPolicy:
             if len(rates) > 1 and max(rates, key=rates.__getitem__) == 0:
                 return bucket
         return None
+
+    def _wins(self, bucket: int) -> bool:
+        """Whether `bucket` itself measured some k >= 1 faster than k = 0."""
+        rates = self.throughput(bucket)
+        return 0 in rates and max(rates, key=rates.__getitem__) > 0
 
     def _starting_k(self, bucket: int) -> int:
         """The best k of the nearest other bucket measured (batch sizes next to each other
