@@ -59,6 +59,23 @@ def test_packed_linear_matches_f_linear(
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_other_rows(isa: int, dtype: torch.dtype) -> None:
+    """Below AMX (which tiles 16 rows its own way), every row count gives each row the bits it
+    gets alone: a speculative verification of k + 1 rows must score its first token exactly
+    as a one-token decode step would (greedy equality). 5 and 9 rows: the five-row pass."""
+    if isa >= native.ISA_LEVELS.index("amx"):
+        pytest.skip("AMX's tiles round rows in groups")
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 70, generator=generator).to(dtype)
+    packed = pack_linear_weight(weight)
+    x = torch.randn(9, 70, generator=generator).to(dtype)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, 200, None) for i in range(9)])
+    for rows in (2, 4, 5, 6, 9):
+        assert torch.equal(packed_linear(x[:rows], packed, 200, None), alone[:rows]), rows
+
+
+@needs_native
 def test_packed_linear_takes_any_leading_shape() -> None:
     weight = torch.randn(48, 40)
     x = torch.randn(2, 3, 40)

@@ -190,3 +190,76 @@ def test_proposing_that_yields_no_drafts_is_billed_to_the_k_asked_for() -> None:
         scheduler.observer.ran(0.01 + output.propose_seconds, output)
     assert [k for k, _ in policy.observed[1:]] == [0, 2, 0]
     assert [round(s, 3) for _, s in policy.observed[1:]] == [0.01, 0.51, 0.01]
+
+
+def _losing_step(num_decodes: int, k: int, rng: random.Random) -> tuple[int, float]:
+    """A machine where drafting never pays (issue 48's CPU at batch 1 and up): a step costs
+    1 ms + 0.1 ms per token verified; drafting 0.5 ms (a catch-up) and each draft step
+    0.3 ms + 0.02 ms per request more (drafts of a batch run together); 70 % of drafts
+    accepted. Every k >= 1 runs at 0.9x of off or less, at every batch size."""
+    tokens, _ = simulated_step(num_decodes, k, rng)
+    drafting = 0.0005 * (k > 0) + k * (0.0003 + 0.00002 * num_decodes)
+    seconds = 0.001 + 0.0001 * num_decodes * (k + 1) + drafting
+    return tokens, seconds * rng.uniform(0.9, 1.1)
+
+
+def _run(policy: SpeculationPolicy, batches: list[int], step, seed: int = 0) -> float:
+    rng = random.Random(seed)
+    total_tokens, total_seconds = 0, 0.0
+    for num_decodes in batches:
+        k = policy.choose(num_decodes)
+        tokens, seconds = step(num_decodes, k, rng)
+        policy.observe(num_decodes, k, tokens, seconds)
+        total_tokens += tokens
+        total_seconds += seconds
+    return total_tokens / total_seconds
+
+
+def test_a_batch_that_measured_speculation_losing_turns_it_off_for_larger_ones() -> None:
+    """Once batch 1 found every k slower than k = 0, batches of 16 and 64 draft in one step
+    of `max_explore_every` only (k = 1), while batch 1 itself keeps exploring as before."""
+    policy = SpeculationPolicy(4)
+    _run(policy, [1] * 200, _losing_step)
+    assert policy.off_above() == 1
+    for n in (16, 64):
+        chosen = []
+        for _ in range(384):
+            chosen.append(policy.choose(n))
+            policy.observe(n, chosen[-1], *_losing_step(n, chosen[-1], random.Random(0)))
+        assert set(chosen) == {0, 1} and chosen.count(1) == 3, (n, chosen.count(1))
+    assert {policy.choose(1) for _ in range(300)} > {0}  # still exploring at batch 1
+
+
+def test_larger_batches_are_freed_when_drafting_starts_to_pay() -> None:
+    """The off switch follows the smallest losing batch: when batch 1's drafts start to win
+    (easier text), batch 16 measures for itself again."""
+    policy = SpeculationPolicy(4)
+    _run(policy, [1] * 200, _losing_step)
+    assert policy.choose(16) == 0
+    _run(policy, [1] * 600, simulated_step)  # drafts now nearly free: k >= 1 wins at batch 1
+    assert policy.off_above() is None
+    assert policy.choose(1) > 0
+    _run(policy, [16] * 20, simulated_step)
+    assert any(b == SpeculationPolicy.bucket(16) and k > 0 for b, k in policy.fits)
+
+
+def test_adaptive_stays_at_the_speed_of_off_where_drafting_loses() -> None:
+    """Runs like the benchmark's at concurrency 16 and 64: the batch shrinks as requests
+    finish (so each run crosses every batch-size bucket), five runs on one policy. Where no
+    k pays, adaptive speculation must run within 3 % of no speculation over all the runs."""
+    for concurrency in (16, 64):
+        batches = [max(concurrency - step // 3, 1) for step in range(3 * concurrency)] * 5
+        off = _run(SpeculationPolicy(0, adaptive=False), batches, _losing_step, concurrency)
+        adaptive = _run(SpeculationPolicy(4), batches, _losing_step, concurrency)
+        assert adaptive >= 0.97 * off, (concurrency, adaptive / off)
+
+
+def test_a_larger_batchs_own_gain_lifts_the_switch() -> None:
+    """Batch 1 loses, but batch 16 measured k = 1 at twice k = 0's rate: it speculates."""
+    policy = SpeculationPolicy(4)
+    _run(policy, [1] * 200, _losing_step)
+    for _ in range(4):
+        policy.observe(16, 0, 16, 0.002)
+        policy.observe(16, 1, 32, 0.002)
+    assert policy.off_above() == 1
+    assert [policy.choose(16) for _ in range(8)].count(1) >= 7

@@ -23,7 +23,7 @@ from tokenmill.lora.model_manager import LoRAModelManager
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer, RequestTrackingProposer
-from tokenmill.spec_decode.verification import verify
+from tokenmill.spec_decode.verification import accept, verify
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step, to_device
 from tokenmill.step.runner_output import ModelRunnerOutput
 from tokenmill.step.runner_request_state import CachedRequestState
@@ -389,10 +389,10 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """One token per request, or, for requests with drafts, the verified drafts plus one:
         row j of such a request is sampled as if drafts[:j] were already output."""
-        if not any(drafts) and all(
+        if all(
             takes_argmax(s.sampling_params, len(s.token_ids) - s.num_prompt_tokens) for s in states
-        ):
-            token_ids = [[token_id] for token_id in greedy_tokens(logits)]
+        ):  # (a row after j drafts has more output: it takes the argmax too)
+            token_ids = accept(greedy_tokens(logits), drafts)[0]
             for state, ids in zip(states, token_ids):
                 state.append(ids)
             return ModelRunnerOutput(

@@ -27,6 +27,16 @@ decodes, whose intercept at 0 prefill tokens is the decode cost of k. Its throug
 decode tokens per step over that cost. Because verification is lossless and seeded sampling
 is keyed on output positions, the k it picks never changes what is generated, only how fast.
 
+Speculation's gain mostly shrinks as the batch grows (the pass turns compute-bound), so once
+a bucket has measured every k it tried slower than k = 0 (the best is 0), a larger bucket
+runs k = 0 and tries k = 1 only once in `max_explore_every` steps, unless it has measured a
+gain of its own: exploring there (a catch-up on every request for a draft model, a losing step
+for any method) mostly loses, and on short replies the exploration alone cost more than it
+found (issue 48: adaptive EAGLE at 0.78x of off at batch 16). Not strictly: where per-call
+overhead dominates (a tiny model on a CPU) a batch amortises the drafts, so a larger bucket
+keeps its rare tries. The losing bucket keeps exploring (backing off) and frees the larger
+ones if drafting starts to pay there (`off_above`).
+
 It lives in core, beside the scheduler that asks it for k, and knows nothing of proposers.
 """
 
@@ -34,6 +44,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+
+# Steps at k = 0 a bucket needs before its verdict "speculation loses" turns larger ones off.
+OFF_EVIDENCE_STEPS = 3
 
 
 @dataclass
@@ -87,6 +100,8 @@ class SpeculationPolicy:
         self.explore_interval: dict[int, int] = {}
         self.best_at_exploration: dict[int, int] = {}
         self.explore_direction: dict[int, int] = {}
+        # Per bucket: its throughput by k, until its next observation (choose runs every step).
+        self._rates: dict[int, dict[int, float]] = {}
 
     @staticmethod
     def bucket(num_decodes: int) -> int:
@@ -99,6 +114,11 @@ class SpeculationPolicy:
             return self.max_k
         bucket = self.bucket(num_decodes)
         self.steps[bucket] += 1
+        off_above = self.off_above()
+        if off_above is not None and bucket > off_above and not self._wins(bucket):
+            # A smaller batch measured speculation losing: here it is tried once in
+            # `max_explore_every` steps only (a gain of its own lifts the switch).
+            return 1 if self.steps[bucket] % self.max_explore_every == 0 else 0
         untried = [k for k in range(self.max_k, -1, -1) if (bucket, k) not in self.fits]
         if untried and {b for b, _ in self.fits} <= {bucket}:
             return untried[0]  # the first bucket: try every k
@@ -110,6 +130,23 @@ class SpeculationPolicy:
         if self.steps[bucket] < self.next_explore.get(bucket, self.explore_every):
             return best
         return self._explore(bucket, best)
+
+    def off_above(self) -> int | None:
+        """The smallest bucket that has measured k = 0 (in `OFF_EVIDENCE_STEPS` steps or
+        more: a tail of a few steps at a small batch is noise) and some k >= 1 and found k = 0
+        the fastest, or None: buckets above it do not speculate."""
+        for bucket in sorted({b for b, _ in self.fits}):
+            if self.fits.get((bucket, 0), _StepFit()).weight < OFF_EVIDENCE_STEPS:
+                continue
+            rates = self.throughput(bucket)
+            if len(rates) > 1 and max(rates, key=rates.__getitem__) == 0:
+                return bucket
+        return None
+
+    def _wins(self, bucket: int) -> bool:
+        """Whether `bucket` itself measured some k >= 1 faster than k = 0."""
+        rates = self.throughput(bucket)
+        return 0 in rates and max(rates, key=rates.__getitem__) > 0
 
     def _starting_k(self, bucket: int) -> int:
         """The best k of the nearest other bucket measured (batch sizes next to each other
@@ -158,6 +195,7 @@ class SpeculationPolicy:
         if not self.adaptive or num_decodes == 0 or seconds <= 0:
             return
         key = (self.bucket(num_decodes), min(k, self.max_k))
+        self._rates.pop(key[0], None)
         self.fits.setdefault(key, _StepFit()).add(
             num_prefill_tokens, seconds, num_generated, self.decay
         )
@@ -165,6 +203,11 @@ class SpeculationPolicy:
     def throughput(self, bucket: int) -> dict[int, float]:
         """Decode tokens per second of decode cost, per k measured in `bucket` (ks never
         tried there are absent)."""
+        if bucket not in self._rates:
+            self._rates[bucket] = self._measure(bucket)
+        return self._rates[bucket]
+
+    def _measure(self, bucket: int) -> dict[int, float]:
         fits = {k: f for (b, k), f in self.fits.items() if b == bucket}
         sums = [f.covariance() for f in fits.values()]
         variance = sum(v for _, v in sums)
