@@ -87,7 +87,7 @@ def gguf_file(model: Path, llamacpp: Path, kind: str) -> Path:
     if kind in CONVERTED:
         out = gguf_cache() / f"{model.name}-{CONVERTED[kind]}.gguf"
         command = [sys.executable, "-c", _CONVERT, str(llamacpp), str(model)]
-        command += ["--outtype", CONVERTED[kind], "--outfile"]
+        command += ["--outtype", CONVERTED[kind], *_converter_flags(model), "--outfile"]
     elif kind in QUANTIZED:
         out = gguf_cache() / f"{model.name}-{kind}.gguf"
         source = gguf_file(model, llamacpp, _source_kind(model))
@@ -106,6 +106,13 @@ def gguf_file(model: Path, llamacpp: Path, kind: str) -> Path:
             raise RuntimeError(f"{Path(command[0]).name} failed:\n{result.stderr[-4000:]}")
         partial.rename(out)
     return out
+
+
+def _converter_flags(model: Path) -> list[str]:
+    """Qwen3.5 checkpoints without MTP layers (the random ones): the converter asserts on
+    them unless told `--no-mtp`."""
+    config = json.loads((model / "config.json").read_text())
+    return ["--no-mtp"] if "Qwen3_5ForCausalLM" in config.get("architectures", []) else []
 
 
 def _source_kind(model: Path) -> str:

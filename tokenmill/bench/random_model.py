@@ -12,6 +12,10 @@ download, the same files every time. Presets:
 - `1b`: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocabulary 49152,
   tied), saved in bfloat16 (2.5 GB); its widths are multiples of 256, so `llama-quantize`
   writes real K-quant blocks.
+- `qwen35-0.8b`: Qwen3.5-0.8B's text shape (hidden 1024, 24 layers, three gated DeltaNet layers
+  of 16 / 16 heads of 128 to one gated full-attention layer of 8 / 2 heads of 256, MLP 3584,
+  its 248320-token vocabulary, tied, a quarter of each head rotated), saved in bfloat16; a
+  `Qwen3_5ForCausalLM` checkpoint (llama.cpp converts it as `qwen35` with `--no-mtp`).
 - `gemma3-1b`: Gemma-3-1B's shape (hidden 1152, 26 layers, 4 / 1 heads of 256, MLP 6912, every
   sixth layer global, the others within 512 tokens, tied), its 262144-token vocabulary cut to
   the demo tokenizer's 2048 (llama.cpp's Gemma 3 converter keeps only the tokenizer's rows, so
@@ -149,6 +153,35 @@ PRESETS = {
                 "rope_type": "default",
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.75,
+            },
+            dtype="bfloat16",
+        ),
+    ),
+    "qwen35-0.8b": Preset(
+        "bench-qwen35-0.8b-shaped-v1",
+        dict(
+            architecture="Qwen3_5ForCausalLM",
+            config_class="Qwen3_5TextConfig",
+            hidden_size=1024,
+            num_hidden_layers=24,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)
+            ],
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            intermediate_size=3584,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            vocab_size=248320,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
             },
             dtype="bfloat16",
         ),

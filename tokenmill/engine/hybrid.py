@@ -91,9 +91,16 @@ def blocks_after_states(
     config: EngineConfig, size: KVCacheSize, kv_spec: KVCacheSpec, state_bytes: int
 ) -> KVCacheSize:
     """The KV blocks left once `state_bytes` (every slot's states) leave the budget; an
-    explicit num_kv_blocks is kept as given."""
+    explicit num_kv_blocks is kept as given, and so is a CPU default sized by what the
+    sequences use (the states beside it: `fit_state_slots` kept them within half the
+    memory limits)."""
     if config.num_kv_blocks is not None:
         return size
+    if size.by_use:
+        return replace(
+            size, reason=f"{size.reason}; {state_bytes / 2**20:.1f} MiB of linear-attention "
+            "state beside it"
+        )  # fmt: skip
     taken = -(-state_bytes // kv_spec.bytes_per_block)
     if size.num_blocks - taken < 1:
         raise ConfigError(

@@ -56,6 +56,18 @@ class LinearStateStep:
     verifying: dict[int, tuple[str, int, int, list[int]]] = field(default_factory=dict)
 
 
+# torch runs an op over more elements than this on its OpenMP threads (at::internal's grain).
+_TORCH_GRAIN = 32768
+
+
+def serial_zero_(tensor: torch.Tensor) -> None:
+    """Zero a contiguous tensor in pieces torch runs on the calling thread: a 1 MiB state
+    zeroed by torch's parallel fill took ~16 ms inside the engine on a loaded 2-core machine
+    (waking OpenMP threads beside the native kernels' pool), 18 layers a sequence admitted."""
+    for piece in tensor.view(-1).split(_TORCH_GRAIN):
+        piece.zero_()
+
+
 class LinearStateCache:
     """The slots' tensors, per linear layer, and which sequence holds which slot."""
 
@@ -104,8 +116,8 @@ class LinearStateCache:
             source = self.snapshots.slot_to_read(block_ids[num_computed // self.block_size - 1])
         for layer, (conv, recurrent) in enumerate(zip(self.conv, self.recurrent, strict=True)):
             if source is None:
-                conv[slot].zero_()
-                recurrent[slot].zero_()
+                serial_zero_(conv[slot])
+                serial_zero_(recurrent[slot])
             else:
                 assert self.snapshots is not None
                 conv[slot].copy_(self.snapshots.conv[layer][source])

@@ -116,8 +116,11 @@ class GatedDeltaNet(nn.Module):
         out = hidden.new_empty((hidden.shape[0], self.num_v_heads, self.v_dim), dtype=torch.float32)
         rows = step.num_decodes
         if rows:
-            window = torch.cat([conv_states[step.decode_slots], mixed[:rows, :, None]], dim=-1)
-            conv_states[step.decode_slots] = window[..., 1:]
+            # index_select / index_copy_, not `conv_states[slots]`: advanced indexing of the
+            # pool took ~10 ms a layer on a loaded 2-core machine (its parallel kernel).
+            slots = step.decode_slots
+            window = torch.cat([conv_states.index_select(0, slots), mixed[:rows, :, None]], -1)
+            conv_states.index_copy_(0, slots, window[..., 1:].contiguous())
             qkv = F.silu((window.float() * weight.float()).sum(-1)).to(mixed.dtype)
             q, k, v = self._split_heads(qkv)
             out[:rows] = decode_delta_rule_(
@@ -211,5 +214,11 @@ class GatedDeltaNet(nn.Module):
         `[conv_dim, kernel - 1]` (updated in place to its last kernel - 1 inputs)."""
         padded = torch.cat([conv_state, x.transpose(0, 1)], dim=-1)  # [conv_dim, K - 1 + T]
         conv_state.copy_(padded[:, padded.shape[1] - conv_state.shape[1] :])
-        out = F.conv1d(padded[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])
-        return F.silu(out[0]).transpose(0, 1).to(x.dtype)
+        # The taps summed in float32 (F.conv1d in bfloat16 went to oneDNN's slow path: ~60 ms
+        # a layer for a few tokens on an AVX2 machine).
+        padded, taps = padded.float(), weight.float()
+        tokens, kernel = x.shape[0], weight.shape[1]
+        out = padded[:, :tokens] * taps[:, :1]
+        for tap in range(1, kernel):
+            out.addcmul_(padded[:, tap : tap + tokens], taps[:, tap : tap + 1])
+        return F.silu(out).transpose(0, 1).to(x.dtype)

@@ -203,8 +203,6 @@ class GGUFCheckpoint:
         """tokenmill's layer name -> the format its method takes (`_format_of`), for the
         decoder's linears, the LM head (`output.weight`, or the embedding's when tied) and the
         embedding (`embed_tokens`); types with no int8/int4 form are dequantized (logged)."""
-        if self.architecture == gguf_hybrid.ARCHITECTURE:  # dequantized: floats throughout
-            return {}
         formats, dequantized = {}, []
         embedding = self._tensor("token_embd.weight").tensor_type
         output = self.tensors.get("output.weight")
@@ -212,9 +210,7 @@ class GGUFCheckpoint:
         formats["lm_head"] = _format_of({embedding if output is None else output.tensor_type})
         num_experts = self.expert_count
         for layer in range(self._num_blocks()):
-            phi3 = self.architecture == gguf_phi3.ARCHITECTURE
-            dense = gguf_phi3.LINEAR_PARTS if phi3 else _LINEAR_PARTS
-            linears = {f"layers.{layer}.{linear}": parts for linear, parts in dense.items()}
+            linears = {f"layers.{layer}.{name}": p for name, p in self._layer_parts(layer).items()}
             if num_experts and f"blk.{layer}.ffn_gate.weight" not in self.tensors:
                 linears = {k: v for k, v in linears.items() if ".mlp." not in k}
                 if self.architecture != gguf_gpt_oss.ARCHITECTURE:  # its experts: no Linears
@@ -223,6 +219,8 @@ class GGUFCheckpoint:
                 part_types = [self._tensor(f"blk.{layer}.{p}.weight").tensor_type for p in parts]
                 types = set(part_types)
                 formats[linear] = fmt = _fused_format(part_types)
+                if fmt != "float" and not self._columns_regroup(linear, types):
+                    formats[linear] = fmt = "float"
                 if fmt == "float" and not types <= set(_FLOAT_TYPES):
                     names = "/".join(parts)
                     dequantized.append(f"blk.{layer}.{names} ({'+'.join(t.name for t in types)})")
@@ -233,6 +231,24 @@ class GGUFCheckpoint:
             )
         return formats
 
+    def _layer_parts(self, layer: int) -> Mapping[str, tuple[str, ...]]:
+        """Block `layer`'s linears (tokenmill's names after `layers.<i>.`) and their tensors."""
+        if self.architecture == gguf_phi3.ARCHITECTURE:
+            return gguf_phi3.LINEAR_PARTS
+        if self.architecture != gguf_hybrid.ARCHITECTURE:
+            return _LINEAR_PARTS
+        return {  # a linear-attention layer's, or a full-attention one's
+            linear: parts
+            for linear, parts in gguf_hybrid.LINEAR_PARTS.items()
+            if f"blk.{layer}.{parts[0]}.weight" in self.tensors
+        }
+
+    def _columns_regroup(self, linear: str, types: set[GGMLQuantizationType]) -> bool:
+        """A Qwen3.5 `ssm_out` whose value heads split quantization groups is dequantized."""
+        if not linear.endswith(".linear_attn.out_proj"):
+            return True
+        return gguf_hybrid.columns_regroup_whole(self._meta, min(GROUP_SIZE[t] for t in types))
+
     def iter_tensors(
         self, formats: dict[str, str], num_heads: int, num_kv_heads: int
     ) -> Iterator[tuple[str, Callable[[Any], object]]]:
@@ -240,7 +256,7 @@ class GGUFCheckpoint:
         which must be None (GGUF files load on one rank)."""
         permuted = permutes_qk(self.architecture)
         if self.architecture == gguf_hybrid.ARCHITECTURE:
-            yield from self._hybrid_tensors()
+            yield from self._hybrid_tensors(formats)
             return
         gemma = self.architecture in gguf_gemma3.ARCHITECTURES
         gpt_oss = self.architecture == gguf_gpt_oss.ARCHITECTURE
@@ -270,13 +286,17 @@ class GGUFCheckpoint:
                 quantized = formats.get(_layer_of(expert_name), "float") != "float"
                 yield expert_name, _reader(tensor, quantized, 0, expert=expert)
 
-    def _hybrid_tensors(self) -> Iterator[tuple[str, Callable[[Any], object]]]:
-        """A Qwen3.5 file's tensors as floats, as the checkpoint holds them (gguf_hybrid)."""
+    def _hybrid_tensors(
+        self, formats: dict[str, str]
+    ) -> Iterator[tuple[str, Callable[[Any], object]]]:
+        """A Qwen3.5 file's tensors as the checkpoint holds them (gguf_hybrid): quantized
+        linears as their groups, the rest as floats."""
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
             if hf_name is None:
                 raise ConfigError(f"unexpected tensor {name!r} in {self.path}")
-            read = _reader(tensor, False, 0, gguf_hybrid.norm_shift(hf_name))
+            quantized = formats.get(_layer_of(hf_name), "float") != "float"
+            read = _reader(tensor, quantized, 0, gguf_hybrid.norm_shift(hf_name))
             yield hf_name, _restored(read, hf_name, self._meta)
 
     def _float_list(self, name: str) -> list[float] | None:
@@ -390,4 +410,10 @@ def _as_row(read: Callable[[Any], object]) -> Callable[[Any], object]:
 def _restored(
     read: Callable[[Any], object], hf_name: str, meta: Callable[..., Any]
 ) -> Callable[[Any], object]:
-    return lambda part: gguf_hybrid.restore(hf_name, torch.as_tensor(read(part)), meta)
+    def restored(part: Any) -> object:
+        weight = read(part)
+        if isinstance(weight, torch.Tensor):
+            return gguf_hybrid.restore(hf_name, weight, meta)
+        return gguf_hybrid.restore_quantized(hf_name, weight, meta)  # a linear's groups
+
+    return restored

@@ -10,12 +10,15 @@ safetensors):
   and the conv, `attn_gate`'s rows, `ssm_alpha` / `ssm_beta` / `ssm_a` / `ssm_dt`'s heads and
   `ssm_out`'s columns.
 
-Every tensor loads as floats (a quantized file is dequantized). Qwen3-Next (`qwen3next`) and
-Qwen3.5-MoE files are not read yet.
+A quantized linear keeps its blocks (the int8 / int4 groups llama GGUF files load into,
+`LINEAR_PARTS`): the regrouping of value heads moves whole rows (exact), and `ssm_out`'s
+columns move in whole groups where a value head spans whole groups (else that one linear is
+dequantized). Qwen3-Next (`qwen3next`) and Qwen3.5-MoE files are not read yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,6 +54,21 @@ NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)$")
+# tokenmill's linears (after `layers.<i>.`) and the GGUF tensors each is made of; a layer has
+# the linear-attention ones or the full-attention ones.
+LINEAR_PARTS = {
+    "linear_attn.in_proj_qkv": ("attn_qkv",),
+    "linear_attn.in_proj_z": ("attn_gate",),
+    "linear_attn.in_proj_a": ("ssm_alpha",),
+    "linear_attn.in_proj_b": ("ssm_beta",),
+    "linear_attn.out_proj": ("ssm_out",),
+    "self_attn.q_gate_proj": ("attn_q",),
+    "self_attn.key_proj": ("attn_k",),
+    "self_attn.value_proj": ("attn_v",),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
 
 
 def hf_name(name: str) -> str | None:
@@ -119,6 +137,45 @@ def restore(hf_name: str, weight: torch.Tensor, meta: Callable[..., Any]) -> tor
     if hf_name.endswith(".out_proj.weight"):
         return grouped(weight, 1, v_dim)
     return weight
+
+
+def columns_regroup_whole(meta: Callable[..., Any], group_size: int) -> bool:
+    """Whether `ssm_out`'s columns regroup in whole quantization groups: no regrouping (as
+    many value heads as key heads), or each value head a whole number of groups."""
+    k_heads, v_heads = int(meta("ssm.group_count")), int(meta("ssm.time_step_rank"))
+    v_dim = int(meta("ssm.inner_size")) // v_heads
+    return k_heads == v_heads or v_dim % group_size == 0
+
+
+def restore_quantized(hf_name: str, weight: Any, meta: Callable[..., Any]) -> Any:
+    """`restore` for a quantized linear's groups (`Int8GroupWeight` / `Int4GroupWeight`):
+    the same row order (exact), `out_proj`'s columns moved a group at a time (the caller
+    checked `columns_regroup_whole`)."""
+    if ".linear_attn." not in hf_name or meta("ssm.group_count") == meta("ssm.time_step_rank"):
+        return weight
+    rows, cols = weight.shape
+    if hf_name.endswith(".out_proj.weight"):
+        return _permute_column_groups(weight, restore(hf_name, torch.arange(cols)[None], meta)[0])
+    return weight.permute_rows(restore(hf_name, torch.arange(rows)[:, None], meta)[:, 0])
+
+
+def _permute_column_groups(weight: Any, order: torch.Tensor) -> Any:
+    """Columns in `order` (whole groups of `weight.group_size`, each kept in sequence)."""
+    size = weight.group_size
+    group_order = order[::size] // size
+    expected = (group_order[:, None] * size + torch.arange(size)).flatten()
+    if not torch.equal(expected, order):
+        raise ValueError("a column order that splits quantization groups")
+    moved = {}
+    for field in dataclasses.fields(weight):
+        tensor = getattr(weight, field.name)
+        if tensor is None:
+            moved[field.name] = None
+        elif tensor.shape[1] == order.shape[0]:
+            moved[field.name] = tensor[:, order].contiguous()
+        else:
+            moved[field.name] = tensor[:, group_order].contiguous()
+    return type(weight)(**moved)
 
 
 def _grouped(k_heads: int, per_k: int) -> Callable[[torch.Tensor, int, int], torch.Tensor]:

@@ -28,6 +28,9 @@ AVAILABLE_MEMORY_SHARE = 0.5
 class KVCacheSize:
     num_blocks: int
     reason: str  # how the size was chosen, for the startup line
+    # The CPU default sized by what max_num_seqs sequences of max_model_len use, not by a
+    # memory limit: a hybrid model's state slots are held beside it, not taken out of it.
+    by_use: bool = False
 
 
 def available_memory_bytes() -> int | None:
@@ -87,7 +90,7 @@ def _cpu_default(
         f"CPU default: {chosen}, the smallest of {'; '.join(limits)}; resident only as "
         "blocks are used; --kv-cache-memory sets it"
     )
-    return KVCacheSize(limits[chosen], reason)
+    return KVCacheSize(limits[chosen], reason, by_use=limits[chosen] == need)
 
 
 def kv_cache_size(
