@@ -41,6 +41,12 @@ inline void vstore(float* p, VF v) { *p = v; }
 inline VF vset1(float x) { return x; }
 inline VF vfma(VF a, VF b, VF c) { return a * b + c; }
 inline VF vmul(VF a, VF b) { return a * b; }
+inline VF vadd(VF a, VF b) { return a + b; }
+inline VF vsub(VF a, VF b) { return a - b; }
+inline VF vmax(VF a, VF b) { return std::max(a, b); }
+inline VF vexp(VF x) { return exp_approx(x); }
+inline float reduce_max(VF v) { return v; }
+inline float reduce_add(VF v) { return v; }
 #include "encoder_attention_body.h"
 }  // namespace portable
 
@@ -57,6 +63,39 @@ inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF vset1(float x) { return _mm256_set1_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
+// exp_approx on 8 lanes (its scalar loops did not vectorize here: 8x the softmax's time).
+inline VF vexp(VF x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const VF n = _mm256_round_ps(_mm256_mul_ps(x, vset1(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VF r = _mm256_fnmadd_ps(n, vset1(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
+  VF p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vadd(vfma(_mm256_mul_ps(p, r), r, r), vset1(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));  // n in [-126, 127]: one scale
+}
+inline float reduce_max(VF v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return *std::max_element(lanes, lanes + 8);
+}
+inline float reduce_add(VF v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float total = 0.0f;
+  for (float lane : lanes) total += lane;
+  return total;
+}
 #include "encoder_attention_body.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -74,6 +113,28 @@ inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF vset1(float x) { return _mm512_set1_ps(x); }
 inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+inline VF vexp(VF x) {  // as AVX2's
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const VF n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VF r = _mm512_fnmadd_ps(n, vset1(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
+  VF p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vadd(vfma(_mm512_mul_ps(p, r), r, r), vset1(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
+inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
 #include "encoder_attention_body.h"
 }  // namespace avx512
 #pragma GCC pop_options

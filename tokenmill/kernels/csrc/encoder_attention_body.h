@@ -2,7 +2,8 @@
 // instruction set inside its own namespace and `#pragma GCC target` region. The includer
 // defines the vector type `VF`, its lanes `W`, the register tiles (`kScoreRows` x
 // `kScoreVecs` for Q.K^T, `kOutRows` x `kOutVecs` for P.V) and the wrappers `vzero`, `vload`,
-// `vstore`, `vset1`, `vfma`, `vmul`. One task: one sequence's queries [q_begin, q_end) of one
+// `vstore`, `vset1`, `vfma`, `vmul`, `vadd`,
+// `vsub`, `vmax`, `vexp` (exp_approx's polynomial), `reduce_max`, `reduce_add`. One task: one sequence's queries [q_begin, q_end) of one
 // head; its keys are transposed and its values widened once, then blocks of queries go
 // through two register-tiled products around an exact softmax (a whole row of scores fits:
 // an encoder's sequence is at most a few thousand tokens).
@@ -63,6 +64,23 @@ inline void out_rows(const float* p, int64_t ldp, int64_t len, const float* v, i
   for (; c < d; c += W) out_tile<MR, 1>(p, ldp, len, v + c, d, inverse, o + c);
 }
 
+// The row's first `len` scores become their softmax's numerators exp(s - max) in place; returns
+// 1 / their sum. Columns [len, cols) are set to -inf first, so whole vectors run (their
+// exp is ~1e-38: the sum is off by at most 1e-37 relative).
+inline float softmax_row(float* row, int64_t len, int64_t cols) {
+  for (int64_t t = len; t < cols; ++t) row[t] = -INFINITY;
+  VF top = vset1(-INFINITY);
+  for (int64_t t = 0; t < cols; t += W) top = vmax(top, vload(row + t));
+  const VF shift = vset1(reduce_max(top));
+  VF total = vzero();
+  for (int64_t t = 0; t < cols; t += W) {
+    const VF e = vexp(vsub(vload(row + t), shift));
+    vstore(row + t, e);
+    total = vadd(total, e);
+  }
+  return 1.0f / reduce_add(total);
+}
+
 template <typename C>
 void attend_sequence(const EncoderAttentionArgs& a, const EncoderAttentionTask& task,
                      float* scratch) {
@@ -98,19 +116,7 @@ void attend_sequence(const EncoderAttentionArgs& a, const EncoderAttentionTask& 
     for (; r + kScoreRows <= rows; r += kScoreRows)
       score_rows<kScoreRows>(qf + r * d, d, kt, cols, scores + r * cols);
     for (; r < rows; ++r) score_rows<1>(qf + r * d, d, kt, cols, scores + r * cols);
-    for (r = 0; r < rows; ++r) {
-      float* row = scores + r * cols;
-      float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-      for (int64_t t = 0; t < len; ++t) top = std::max(top, row[t]);
-      float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < len; ++t) {
-        row[t] = exp_approx(row[t] - top);
-        total += row[t];
-      }
-      inverse[r] = 1.0f / total;
-    }
+    for (r = 0; r < rows; ++r) inverse[r] = softmax_row(scores + r * cols, len, cols);
     for (r = 0; r + kOutRows <= rows; r += kOutRows)
       out_rows<kOutRows>(scores + r * cols, cols, len, values, d, inverse + r, out + r * d);
     for (; r < rows; ++r)
