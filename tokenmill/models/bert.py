@@ -3,7 +3,8 @@ cross-encoders.
 
 The encoder attends bidirectionally within each sequence and keeps no KV cache. A step's
 tokens stay flat (`[num_tokens, hidden]`) through every linear, so no product is spent on
-padding; attention alone takes the sequences apart, in buckets of similar length.
+padding; attention alone takes the sequences apart: on the CPU one native call over the
+packed sequences (kernels/encoder_attention.py), elsewhere buckets of similar length.
 Parameter names follow the Hugging Face checkpoints, so loading is a name-for-name copy.
 """
 
@@ -16,6 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.encoder_attention import (
+    cu_seqlens_of,
+    encoder_attention_applies,
+    native_encoder_attention,
+)
 from tokenmill.layers.linear import OneDNNLinearMethod
 
 # Architectures this module builds: name -> (checkpoint prefix, classification head kind).
@@ -115,6 +121,23 @@ class _Bucket:
     slots: torch.Tensor | None = None  # [end - start]
 
 
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a step's sequences attend: packed, in one native call over `cu_seqlens` (CPU,
+    float32 / bfloat16), or else in padded `buckets` through SDPA."""
+
+    cu_seqlens: torch.Tensor | None = None
+    buckets: tuple[_Bucket, ...] = ()
+
+
+def attention_layout(
+    lengths: list[int], device: torch.device, dtype: torch.dtype
+) -> AttentionLayout:
+    if encoder_attention_applies(device, dtype):
+        return AttentionLayout(cu_seqlens=cu_seqlens_of(lengths))
+    return AttentionLayout(buckets=tuple(attention_buckets(lengths, device)))
+
+
 def attention_buckets(lengths: list[int], device: torch.device) -> list[_Bucket]:
     """A step's sequences (sorted by length: the runner sorts them) in buckets of similar
     length. Attention is the only part that needs sequences apart; each bucket attends as one
@@ -194,7 +217,7 @@ class _Attention(nn.Module):
         self.qkv = fused.requires_grad_(False)
         self.self = nn.Module()  # the three parts' weights are the fused one's now
 
-    def forward(self, hidden: torch.Tensor, buckets: list[_Bucket]) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
         """`hidden`: flat `[num_tokens, width]`."""
         num_tokens, width = hidden.shape
         if self.qkv is not None:
@@ -204,7 +227,10 @@ class _Attention(nn.Module):
             qkv = torch.cat([p(hidden) for p in parts], dim=1)
         qkv = qkv.view(num_tokens, 3, self.num_heads, -1)
         context = torch.empty_like(qkv[:, 0])
-        for b in buckets:
+        if layout.cu_seqlens is not None:
+            scale = qkv.shape[-1] ** -0.5
+            native_encoder_attention(*qkv.unbind(1), layout.cu_seqlens, scale, context)
+        for b in layout.buckets:
             rows = qkv[b.start : b.end]
             if b.gather is None:
                 part = rows.view(b.count, b.longest, *rows.shape[1:])
@@ -243,8 +269,8 @@ class _Layer(nn.Module):
         self.intermediate = _Intermediate(shape)
         self.output = _Output(shape.intermediate_size, shape)
 
-    def forward(self, hidden: torch.Tensor, buckets: list[_Bucket]) -> torch.Tensor:
-        hidden = self.attention(hidden, buckets)
+    def forward(self, hidden: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        hidden = self.attention(hidden, layout)
         return self.output(self.intermediate(hidden), hidden)
 
 
@@ -305,10 +331,10 @@ class BertEncoder(nn.Module):
     ) -> torch.Tensor:
         """Flat `[num_tokens]` ids of sequences of `lengths` (each one's tokens consecutive,
         `positions` from 0 in each) -> their last hidden states, flat `[num_tokens, hidden]`."""
-        buckets = attention_buckets(lengths.tolist(), input_ids.device)
         hidden = self.embeddings(input_ids, token_type_ids, positions)
+        layout = attention_layout(lengths.tolist(), hidden.device, hidden.dtype)
         for layer in self.encoder.layer:
-            hidden = layer(hidden, buckets)
+            hidden = layer(hidden, layout)
         return hidden
 
     def fuse_qkv(self) -> None:

@@ -1,6 +1,8 @@
 """One forward over a step's pooling requests, and their outputs: embeddings or scores.
 
-An encoder runs padded to the step's longest sequence with bidirectional attention; a decoder
+An encoder keeps the step's tokens flat (no padding) through every product and attends
+bidirectionally within each sequence (models/bert.py: one native call over the packed
+sequences on the CPU, padded buckets of similar length elsewhere); a decoder
 runs over flat tokens through its paged attention backend (the native CPU kernels and the
 fused stack where they apply) with a scratch KV cache that lives only for the forward: its
 blocks are reused by the next step, nothing is kept per request."""

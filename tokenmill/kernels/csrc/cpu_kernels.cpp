@@ -24,6 +24,9 @@ at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
 at::Tensor gated_delta_prefill(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& decay,
                                const at::Tensor& beta, at::Tensor& state);  // gated_delta.cpp
+void encoder_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& cu_seqlens, double scale,
+                       at::Tensor& out);  // encoder_attention.cpp
 
 namespace {
 
@@ -94,6 +97,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one token of the gated delta rule per row, its state updated in its slot", no_gil);
   m.def("gated_delta_prefill", &gated_delta_prefill,
         "one sequence's tokens of the gated delta rule, its state updated in place", no_gil);
+  m.def("encoder_attention", &encoder_attention,
+        "bidirectional attention over packed variable-length sequences (cu_seqlens)", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
                           const std::vector<std::vector<std::vector<PackedLinear>>>&,
