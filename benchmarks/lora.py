@@ -13,6 +13,9 @@ also the mixed requests through the layer modules (the fused stack set aside: th
 adapter steps took before the stack applied them). Output tokens/s, median over rounds, and
 CPU time per output token (the work, which others' load on a shared machine disturbs less).
 Adapter load time: reading and checking each adapter into a fresh store (median).
+With --split, where each case's time went: the fused stack's forward (the decoder layers, the
+adapters' products inside it) per full decode step (median) and in all, against the wall time
+(the rest: embedding, logits, sampling, scheduling, the adapters' slot mapping).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.bench.random_model import PRESETS
@@ -38,6 +42,22 @@ def make_adapters(model: Path, count: int, rank: int, root: Path) -> list[LoRARe
         )
         for i in range(count)
     ]
+
+
+class StackTimer:
+    """The native stack with each `forward`'s rows and seconds recorded."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, []
+
+    def forward(self, hidden: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = self.inner.forward(hidden, *args)
+        self.calls.append((hidden.shape[0], time.perf_counter() - start))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def run(
@@ -74,6 +94,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--with-modules", action="store_true")
+    parser.add_argument("--split", action="store_true", help="time the stack's forward per case")
     args = parser.parse_args()
     model = args.model or PRESETS["smollm"].model_dir()
     settings = {"dtype": args.dtype, "max_model_len": 512, "max_num_seqs": args.requests}
@@ -107,13 +128,28 @@ def main() -> None:
             run(llm, prompts[:8], loras[:8], 4, stack)
         results: dict[str, list[float]] = {name: [] for name in cases}
         cpu: dict[str, list[float]] = {name: [] for name in cases}
+        splits: dict[str, list[tuple[float, float, float]]] = {name: [] for name in cases}
         for _ in range(args.rounds):
             for name in rng.sample(list(cases), len(cases)):
                 llm, loras, stack = cases[name]
                 llm.reset_prefix_cache()
-                speed, cpu_per_token = run(llm, prompts, loras, args.tokens, stack)
+                fused = llm.engine.runner.model.decoder_stack
+                timer = StackTimer(fused.native) if args.split and stack else None
+                if timer is not None:
+                    fused.native = timer
+                start = time.perf_counter()
+                try:
+                    speed, cpu_per_token = run(llm, prompts, loras, args.tokens, stack)
+                finally:
+                    if timer is not None:
+                        fused.native = timer.inner
+                wall = time.perf_counter() - start
                 results[name].append(round(speed, 1))
                 cpu[name].append(cpu_per_token)
+                if timer is not None:
+                    decode = [s for rows, s in timer.calls if rows == args.requests]
+                    forward = sum(s for _, s in timer.calls)
+                    splits[name].append((statistics.median(decode or [0.0]), forward, wall))
     print(
         f"{model.name}, {args.dtype}, {args.requests} requests x {args.prompt_tokens} prompt + "
         f"{args.tokens} output tokens, rank {args.rank}, {args.rounds} rounds"
@@ -126,6 +162,13 @@ def main() -> None:
             f"  {name:28s} {median:8.1f} output tok/s  ({median / baseline:.2f}x)  {values}; "
             f"CPU {cpu_ms * 1e3:.2f} ms/token ({cpu_baseline / cpu_ms:.2f}x)"
         )
+    for name, values in splits.items():
+        if values:
+            step, forward, wall = (statistics.median(v) for v in zip(*values))
+            print(
+                f"  {name:28s} stack forward: decode step {step * 1e3:.1f} ms, "
+                f"{forward:.2f} s of {wall:.2f} s wall ({forward / wall:.0%})"
+            )
     loads = store.load_seconds
     print(
         f"  adapter load (read + check): median {statistics.median(loads) * 1e3:.1f} ms "

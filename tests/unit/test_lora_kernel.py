@@ -1,7 +1,8 @@
-"""The native segmented LoRA shrink/expand against the torch reference (lora/punica.py), at
+"""The native grouped LoRA shrink/expand against the torch reference (lora/punica.py), at
 every ISA level this CPU runs (the AVX2 and portable paths through `set_isa`, as
-TOKENMILL_CPU_ISA does), and a `LoRALinear` over int8 and int4 bases: the base product plus
-the float adapter's."""
+TOKENMILL_CPU_ISA does), in float32 and bfloat16 weights (the rows grouped by adapter and cut
+into tiles: interleaved adapters, runs longer than a tile, odd widths and lengths), and a
+`LoRALinear` over int8 and int4 bases: the base product plus the float adapter's."""
 
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ def random_stack(slots: int, width: int, in_features: int, out_features: int, se
     return a, bt
 
 
+INTERLEAVED = [(row, row + 1, (row * 3) % 8) for row in range(64)]  # decode: 8 rows a slot
+
+
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "width", "in_features", "out_features", "segments"),
     [
@@ -46,16 +51,26 @@ def random_stack(slots: int, width: int, in_features: int, out_features: int, se
         (7, 48, 576, 960, [(0, 2, 0), (3, 7, 2)]),  # row 2 runs the base
         (37, 24, 100, 1030, [(0, 5, 1), (5, 6, 0), (6, 37, 1)]),  # odd sizes: the tails
         (4, 16, 33, 17, []),
+        (64, 48, 160, 272, INTERLEAVED),  # the grouping: each slot's rows apart
+        (53, 5, 47, 45, [(0, 20, 3), (21, 53, 3)]),  # one slot over several tiles, odd width
     ],
 )
 def test_kernel_matches_reference(
-    isa: int, rows: int, width: int, in_features: int, out_features: int, segments
+    isa: int,
+    dtype: torch.dtype,
+    rows: int,
+    width: int,
+    in_features: int,
+    out_features: int,
+    segments,
 ) -> None:
-    a, bt = random_stack(3, width, in_features, out_features, seed=rows)
+    a, bt = random_stack(8, width, in_features, out_features, seed=rows)
+    a[1, width // 2 :] = 0  # a rank below the width: those widths shrink to zeros
     x = torch.randn(rows, in_features)
+    a, bt, x = a.to(dtype), bt.to(dtype), x.to(dtype)
     base = torch.randn(rows, out_features)
     expected = base.clone()
-    add_lora_reference_(expected, x, a, bt, segments)
+    add_lora_reference_(expected, x.float(), a.float(), bt.float(), segments)
     got = base.clone()
     native_lora_shrink_expand(got, x, a, bt, torch.tensor(segments, dtype=torch.int64).view(-1, 3))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)

@@ -427,37 +427,42 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
       }
     });
   };
-  // Multi-LoRA: the step's adapter rows; each linear's shrink runs beside its products (in
-  // their phase: both only read the input), its expand in a phase of its own after them.
+  // Multi-LoRA: the step's adapter rows, grouped by adapter; each linear's shrink tasks run
+  // beside its products (in their phase: both only read the input), its expand tasks in a phase
+  // of their own after them.
   LoRARows lora_rows;
   if (lora_segments.has_value() && lora_segments->defined() && !lora_.empty())
     lora_rows = lora_rows_of(*lora_segments, tokens, lora_slots_);
   const int64_t lora_n = lora_rows.size();
   std::vector<float> lora_shrunk(lora_n * lora_width_);
+  struct LoRAShrink {
+    int64_t tasks = 0;
+    std::function<void(int64_t)> run;
+  };
   auto lora_shrink = [&](const LoRAStack* w, const void* input, int64_t ld_in) {
-    std::function<void(int64_t)> shrink;
-    if (w != nullptr && !w->empty() && lora_n > 0)
-      shrink = [=, &lora_rows, &lora_shrunk](int64_t i) {
-        lora_shrink_row(*w, lora_rows, input, ld_in, lora_shrunk.data(), i, isa);
+    LoRAShrink shrink;
+    if (w != nullptr && !w->empty() && lora_n > 0) {
+      shrink.tasks = lora_rows.shrink_tasks(*w);
+      shrink.run = [=, &lora_rows, &lora_shrunk](int64_t task) {
+        lora_shrink_task(*w, lora_rows, input, ld_in, lora_shrunk.data(), task, isa);
       };
+    }
     return shrink;
   };
   auto lora_expand_phase = [&](const LoRAStack* w, float* output, int64_t ld_out) {
     if (w == nullptr || w->empty() || lora_n == 0) return;
-    const int64_t blocks = (w->out + kLoRAOutBlock - 1) / kLoRAOutBlock;
-    job.add_phase(lora_n * blocks, [=, &lora_rows, &lora_shrunk](int64_t chunk, int) {
-      const int64_t i = chunk / blocks, c0 = (chunk % blocks) * kLoRAOutBlock;
-      lora_expand_row(*w, lora_rows, lora_shrunk.data(), output, ld_out, i, c0,
-                      std::min(w->out, c0 + kLoRAOutBlock), isa);
+    job.add_phase(lora_rows.expand_tasks(*w), [=, &lora_rows, &lora_shrunk](int64_t task, int) {
+      lora_expand_task(*w, lora_rows, lora_shrunk.data(), output, ld_out, task, isa);
     });
   };
-  // `extra`: work for `extra_chunks` more chunks of the products' phase (a LoRA shrink).
+  // `extra`: more chunks of the products' phase (a LoRA shrink's tasks).
+  const LoRAShrink no_extra;
   auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
-                        int64_t ld_out, const float* bias, bool prepare,
-                        const std::function<void(int64_t)>& extra) {
+                        int64_t ld_out, const float* bias, bool prepare, const LoRAShrink& extra) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
     const int64_t products = (w.blocks() + per - 1) / per;
-    const int64_t extra_chunks = extra ? lora_n : 0;
+    const int64_t extra_chunks = extra.tasks;
+    const std::function<void(int64_t)> extra_run = extra.run;
     const GemmOut o{output, ld_out, false, bias, w.n};  // n: no column past the real ones
     if (w.quantized()) {  // its input rows prepared (quantized or widened) once, then products
       const QuantInput in = b.quant.view(w, tokens, isa);
@@ -468,13 +473,13 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
           prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
         });
       job.add_phase(products + extra_chunks, [=, &w](int64_t chunk, int) {
-        if (chunk >= products) return extra(chunk - products);
+        if (chunk >= products) return extra_run(chunk - products);
         quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
       });
       return;
     }
     job.add_phase(products + extra_chunks, [=, &w](int64_t chunk, int) {
-      if (chunk >= products) return extra(chunk - products);
+      if (chunk >= products) return extra_run(chunk - products);
       packed_gemm(w, input, ld_in, tokens, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per),
                   isa);
     });
@@ -483,7 +488,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   auto gemm_parts = [&](const std::vector<PackedWeight>& parts, const void* input, int64_t ld_in,
                         float* output, int64_t ld_out, const float* bias,
                         const LoRAStack* lora = nullptr) {
-    const std::function<void(int64_t)> shrink = lora_shrink(lora, input, ld_in);
+    const LoRAShrink shrink = lora_shrink(lora, input, ld_in);
     // A part after a quantized one reuses its prepared input where it reads the same: the
     // input rows and their group sums depend on k, k_pad and the group only.
     int64_t column = 0;
@@ -493,7 +498,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                               w.k_pad == prepared->k_pad && w.group == prepared->group;
       const bool last = &w == &parts.back();
       gemm_phase(w, input, ld_in, output + column, ld_out, bias ? bias + column : nullptr,
-                 !same_input, last ? shrink : nullptr);
+                 !same_input, last ? shrink : no_extra);
       if (!same_input) prepared = w.quantized() ? &w : nullptr;
       column += w.n;
     }

@@ -1,10 +1,12 @@
-// Multi-LoRA's segmented shrink/expand (lora.h). The shrink: each adapter row's `width` dot
-// products with its slot's A rows, into a scratch [rows, width]; the expand: each row's output
-// columns, in blocks, += scratch row x its slot's B^T, read in order (B is stored transposed so
-// that the inner loop is an FMA over contiguous outputs). Widths are small (adapter parts x
-// --max-lora-rank, 8-48), so the shrink is a few dot products of the hidden size per row and
-// the expand a few axpys of the output size. float32 or bf16 weights (bf16: vdpbf16ps dot
-// products on AVX-512 BF16, widened to float32 below it); the sums are float32.
+// Multi-LoRA's grouped shrink/expand (lora.h). A step's adapter rows are grouped by slot and cut
+// into tiles of at most kLoRARowTile rows; each task reads its slot's A (the shrink: a block of
+// widths) or B^T (the expand: a block of output columns) once for all of its tile's rows, in
+// register tiles of up to four rows, as a small GEMM. Widths are small (adapter parts x
+// --max-lora-rank, 8-48): the shrink is dot products of the input's length, summed
+// horizontally at the end; the expand FMAs over contiguous outputs (B stored transposed).
+// float32 or bf16 weights (and the input in the weights' dtype), one template for both: a bf16
+// pair loads as two float vectors (the dot product's order is free, so the shrink splits
+// even/odd elements of both operands alike; the expand widens in order). The sums are float32.
 #include "lora.h"
 
 #include <algorithm>
@@ -16,244 +18,314 @@ namespace {
 
 using u16 = uint16_t;
 
-float dot_portable(const float* a, const float* b, int64_t n) {
+inline float to_float(float v) { return v; }
+inline float to_float(u16 v) { return bf16_bits_to_float(v); }
+
+template <typename T>
+float dot_tail(const T* x, const T* a, int64_t k0, int64_t n) {
   float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t k = k0; k < n; ++k) sum += to_float(x[k]) * to_float(a[k]);
   return sum;
 }
 
-float dot_bf16_portable(const u16* a, const u16* b, int64_t n) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += bf16_bits_to_float(a[i]) * bf16_bits_to_float(b[i]);
-  return sum;
+// The tile kernels. Shrink: out[r * ld_out + w] = x[r] . a[w * in] for r < rows, w < nw.
+// Expand: y[r][0:n] += sum over k < nw of t[r * ld_t + ws[k]] * b[ws[k] * ld_b + 0:n].
+template <typename T>
+using ShrinkTile = void (*)(const T* const* x, int64_t rows, const T* a, int64_t nw, int64_t in,
+                            float* out, int64_t ld_out);
+template <typename T>
+using ExpandTile = void (*)(float* const* y, int64_t rows, const float* t, int64_t ld_t,
+                            const T* b, int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n);
+
+template <typename T>
+void shrink_tile_portable(const T* const* x, int64_t rows, const T* a, int64_t nw, int64_t in,
+                          float* out, int64_t ld_out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t w = 0; w < nw; ++w) out[r * ld_out + w] = dot_tail(x[r], a + w * in, 0, in);
 }
 
-void axpy_portable(float* y, const float* x, float alpha, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+template <typename T>
+void expand_tile_portable(float* const* y, int64_t rows, const float* t, int64_t ld_t,
+                          const T* b, int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < nw; ++k) {
+      const float scale = t[r * ld_t + ws[k]];
+      const T* row = b + ws[k] * ld_b;
+      for (int64_t j = 0; j < n; ++j) y[r][j] += scale * to_float(row[j]);
+    }
 }
 
-void axpy_bf16_portable(float* y, const u16* x, float alpha, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * bf16_bits_to_float(x[i]);
+// Four rows by two widths at a time (`Micro<T, R, W>::run`, R in 1..4, W in 1..2): each A
+// vector is loaded once for the four rows, each x vector once for the two widths.
+template <template <typename, int, int> class Micro, typename T>
+void shrink_tiles(const T* const* x, int64_t rows, const T* a, int64_t nw, int64_t in,
+                  float* out, int64_t ld_out) {
+  using Fn = void (*)(const T* const*, const T*, int64_t, float*, int64_t);
+  static constexpr Fn table[4][2] = {
+      {Micro<T, 1, 1>::run, Micro<T, 1, 2>::run}, {Micro<T, 2, 1>::run, Micro<T, 2, 2>::run},
+      {Micro<T, 3, 1>::run, Micro<T, 3, 2>::run}, {Micro<T, 4, 1>::run, Micro<T, 4, 2>::run}};
+  for (int64_t r = 0; r < rows; r += 4) {
+    const int64_t nr = std::min<int64_t>(4, rows - r);
+    for (int64_t w = 0; w < nw; w += 2)
+      table[nr - 1][std::min<int64_t>(2, nw - w) - 1](x + r, a + w * in, in, out + r * ld_out + w,
+                                                      ld_out);
+  }
 }
 
-TM_AVX2 float hsum_avx2(__m256 acc) {
+// ---------------------------------------------------------------------------------------------
+// AVX2: 16 elements a step as two 8-lane halves.
+
+TM_AVX2 inline void load16_avx2(const float* p, __m256& v0, __m256& v1) {
+  v0 = _mm256_loadu_ps(p);
+  v1 = _mm256_loadu_ps(p + 8);
+}
+TM_AVX2 inline void load16_avx2(const u16* p, __m256& v0, __m256& v1) {  // even, odd elements
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  v0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  v1 = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF0000)));
+}
+TM_AVX2 inline __m256 load8_avx2(const float* p) { return _mm256_loadu_ps(p); }
+TM_AVX2 inline __m256 load8_avx2(const u16* p) {  // in order
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+TM_AVX2 inline float hsum_avx2(__m256 acc) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
   half = _mm_add_ss(half, _mm_movehdup_ps(half));
   return _mm_cvtss_f32(half);
 }
 
-TM_AVX2 __m256 widen8_avx2(const u16* p) {  // 8 bf16 -> float32
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
-TM_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+template <typename T, int R, int W>
+struct ShrinkAvx2 {
+  TM_AVX2 static void run(const T* const* x, const T* a, int64_t in, float* out, int64_t ld_out) {
+    __m256 acc[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= in; k += 16) {
+      __m256 a0[W], a1[W];
+      for (int w = 0; w < W; ++w) load16_avx2(a + w * in + k, a0[w], a1[w]);
+      for (int r = 0; r < R; ++r) {
+        __m256 x0, x1;
+        load16_avx2(x[r] + k, x0, x1);
+        for (int w = 0; w < W; ++w)
+          acc[r][w] = _mm256_fmadd_ps(x1, a1[w], _mm256_fmadd_ps(x0, a0[w], acc[r][w]));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w)
+        out[r * ld_out + w] = hsum_avx2(acc[r][w]) + dot_tail(x[r], a + w * in, k, in);
   }
-  for (; i + 8 <= n; i += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  float sum = hsum_avx2(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+};
+
+template <typename T>
+void shrink_tile_avx2(const T* const* x, int64_t rows, const T* a, int64_t nw, int64_t in,
+                      float* out, int64_t ld_out) {
+  shrink_tiles<ShrinkAvx2, T>(x, rows, a, nw, in, out, ld_out);
 }
 
-TM_AVX2 float dot_bf16_avx2(const u16* a, const u16* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(widen8_avx2(a + i), widen8_avx2(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(widen8_avx2(a + i + 8), widen8_avx2(b + i + 8), acc1);
+// Up to four rows by 16 outputs in registers while every width adds to them: each B vector is
+// loaded (and widened) once for the four rows.
+template <typename T, int R>
+TM_AVX2 void expand_rows_avx2(float* const* y, const float* t, int64_t ld_t, const T* b,
+                              int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm256_loadu_ps(y[r] + j);
+      acc[r][1] = _mm256_loadu_ps(y[r] + j + 8);
+    }
+    for (int64_t k = 0; k < nw; ++k) {
+      const T* row = b + ws[k] * ld_b + j;
+      const __m256 b0 = load8_avx2(row), b1 = load8_avx2(row + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_set1_ps(t[r * ld_t + ws[k]]);
+        acc[r][0] = _mm256_fmadd_ps(scale, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(scale, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y[r] + j, acc[r][0]);
+      _mm256_storeu_ps(y[r] + j + 8, acc[r][1]);
+    }
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(widen8_avx2(a + i), widen8_avx2(b + i), acc0);
-  float sum = hsum_avx2(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) sum += bf16_bits_to_float(a[i]) * bf16_bits_to_float(b[i]);
-  return sum;
+  float* tail[R];
+  for (int r = 0; r < R; ++r) tail[r] = y[r] + j;
+  if (j < n) expand_tile_portable<T>(tail, R, t, ld_t, b + j, ld_b, ws, nw, n - j);
 }
 
-TM_AVX2 void axpy_avx2(float* y, const float* x, float alpha, int64_t n) {
-  const __m256 scale = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
+template <typename T>
+void expand_tile_avx2(float* const* y, int64_t rows, const float* t, int64_t ld_t, const T* b,
+                      int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n) {
+  using Fn = void (*)(float* const*, const float*, int64_t, const T*, int64_t, const int64_t*,
+                      int64_t, int64_t);
+  static constexpr Fn by_rows[4] = {expand_rows_avx2<T, 1>, expand_rows_avx2<T, 2>,
+                                    expand_rows_avx2<T, 3>, expand_rows_avx2<T, 4>};
+  for (int64_t r = 0; r < rows; r += 4)
+    by_rows[std::min<int64_t>(4, rows - r) - 1](y + r, t + r * ld_t, ld_t, b, ld_b, ws, nw, n);
 }
 
-TM_AVX2 void axpy_bf16_avx2(float* y, const u16* x, float alpha, int64_t n) {
-  const __m256 scale = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, widen8_avx2(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * bf16_bits_to_float(x[i]);
-}
+// ---------------------------------------------------------------------------------------------
+// AVX-512: 32 elements a step as two 16-lane halves (the tails masked in the expand).
 
-TM_AVX512 __m512 widen16_avx512(const u16* p, __mmask16 mask = 0xFFFF) {  // 16 bf16 -> float32
+TM_AVX512 inline void load32_avx512(const float* p, __m512& v0, __m512& v1) {
+  v0 = _mm512_loadu_ps(p);
+  v1 = _mm512_loadu_ps(p + 16);
+}
+TM_AVX512 inline void load32_avx512(const u16* p, __m512& v0, __m512& v1) {  // even, odd
+  const __m512i words = _mm512_loadu_si512(p);
+  v0 = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  v1 = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF0000)));
+}
+TM_AVX512 inline __m512 load16_avx512(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+TM_AVX512 inline __m512 load16_avx512(const u16* p, __mmask16 mask) {  // in order
   const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-TM_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i + 16 <= n; i += 16)
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-  if (i < n) {  // the tail, masked
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i),
-                           acc1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-TM_AVX512 float dot_bf16_avx512(const u16* a, const u16* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(widen16_avx512(a + i), widen16_avx512(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(widen16_avx512(a + i + 16), widen16_avx512(b + i + 16), acc1);
-  }
-  for (; i + 16 <= n; i += 16)
-    acc0 = _mm512_fmadd_ps(widen16_avx512(a + i), widen16_avx512(b + i), acc0);
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc1 = _mm512_fmadd_ps(widen16_avx512(a + i, mask), widen16_avx512(b + i, mask), acc1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-TM_AVX512BF16 float dot_bf16_avx512bf16(const u16* a, const u16* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + i),
-                            (__m512bh)_mm512_loadu_si512(b + i));
-    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(a + i + 32),
-                            (__m512bh)_mm512_loadu_si512(b + i + 32));
-  }
-  for (; i < n; i += 32) {  // 32 at a time, the tail masked (zeros add nothing)
-    const int64_t left = std::min<int64_t>(32, n - i);
-    const __mmask32 mask = left == 32 ? ~0u : static_cast<__mmask32>((1u << left) - 1);
-    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(mask, a + i),
-                            (__m512bh)_mm512_maskz_loadu_epi16(mask, b + i));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-TM_AVX512 void axpy_avx512(float* y, const float* x, float alpha, int64_t n) {
-  const __m512 scale = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 xs = _mm512_maskz_loadu_ps(mask, x + i);
-    const __m512 sum = _mm512_fmadd_ps(scale, xs, _mm512_maskz_loadu_ps(mask, y + i));
-    _mm512_mask_storeu_ps(y + i, mask, sum);
-  }
-}
-
-TM_AVX512 void axpy_bf16_avx512(float* y, const u16* x, float alpha, int64_t n) {
-  const __m512 scale = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(scale, widen16_avx512(x + i), _mm512_loadu_ps(y + i)));
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 sum =
-        _mm512_fmadd_ps(scale, widen16_avx512(x + i, mask), _mm512_maskz_loadu_ps(mask, y + i));
-    _mm512_mask_storeu_ps(y + i, mask, sum);
-  }
-}
-
-TM_AVX512 __m512 load16_avx512(const float* p, __mmask16 mask) {
-  return _mm512_maskz_loadu_ps(mask, p);
-}
-TM_AVX512 __m512 load16_avx512(const u16* p, __mmask16 mask) { return widen16_avx512(p, mask); }
-
-// y[0:n] += sum over k of t[k] * b[w[k] * ld + 0:n]: 64 outputs at a time held in registers
-// while every w adds to them (y read and written once, one load per FMA).
-template <typename T>
-TM_AVX512 void expand_avx512(float* y, const T* b, int64_t ld, const float* t, const int64_t* w,
-                             int64_t nw, int64_t n) {
-  int64_t j = 0;
-  for (; j + 64 <= n; j += 64) {
-    __m512 acc[4];
-    for (int q = 0; q < 4; ++q) acc[q] = _mm512_loadu_ps(y + j + 16 * q);
-    for (int64_t k = 0; k < nw; ++k) {
-      const __m512 scale = _mm512_set1_ps(t[k]);
-      const T* row = b + w[k] * ld + j;
-      for (int q = 0; q < 4; ++q)
-        acc[q] = _mm512_fmadd_ps(scale, load16_avx512(row + 16 * q, 0xFFFF), acc[q]);
+template <typename T, int R, int W>
+struct ShrinkAvx512 {
+  TM_AVX512 static void run(const T* const* x, const T* a, int64_t in, float* out, int64_t ld_out) {
+    __m512 acc[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= in; k += 32) {
+      __m512 a0[W], a1[W];
+      for (int w = 0; w < W; ++w) load32_avx512(a + w * in + k, a0[w], a1[w]);
+      for (int r = 0; r < R; ++r) {
+        __m512 x0, x1;
+        load32_avx512(x[r] + k, x0, x1);
+        for (int w = 0; w < W; ++w)
+          acc[r][w] = _mm512_fmadd_ps(x1, a1[w], _mm512_fmadd_ps(x0, a0[w], acc[r][w]));
+      }
     }
-    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(y + j + 16 * q, acc[q]);
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w)
+        out[r * ld_out + w] = _mm512_reduce_add_ps(acc[r][w]) + dot_tail(x[r], a + w * in, k, in);
   }
-  for (; j < n; j += 16) {
-    const int64_t left = std::min<int64_t>(16, n - j);
-    const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
-    __m512 acc = _mm512_maskz_loadu_ps(mask, y + j);
-    for (int64_t k = 0; k < nw; ++k)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(t[k]), load16_avx512(b + w[k] * ld + j, mask), acc);
-    _mm512_mask_storeu_ps(y + j, mask, acc);
+};
+
+template <typename T>
+void shrink_tile_avx512(const T* const* x, int64_t rows, const T* a, int64_t nw, int64_t in,
+                        float* out, int64_t ld_out) {
+  shrink_tiles<ShrinkAvx512, T>(x, rows, a, nw, in, out, ld_out);
+}
+
+template <typename T, int R>
+TM_AVX512 void expand_rows_avx512(float* const* y, const float* t, int64_t ld_t, const T* b,
+                                  int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const int64_t left = std::min<int64_t>(32, n - j);
+    const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m1 = left >= 32   ? 0xFFFF
+                         : left <= 16 ? 0
+                                      : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_maskz_loadu_ps(m0, y[r] + j);
+      acc[r][1] = _mm512_maskz_loadu_ps(m1, y[r] + j + 16);
+    }
+    for (int64_t k = 0; k < nw; ++k) {
+      const T* row = b + ws[k] * ld_b + j;
+      const __m512 b0 = load16_avx512(row, m0), b1 = load16_avx512(row + 16, m1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_set1_ps(t[r * ld_t + ws[k]]);
+        acc[r][0] = _mm512_fmadd_ps(scale, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(scale, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(y[r] + j, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(y[r] + j + 16, m1, acc[r][1]);
+    }
   }
 }
+
+template <typename T>
+void expand_tile_avx512(float* const* y, int64_t rows, const float* t, int64_t ld_t, const T* b,
+                        int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n) {
+  using Fn = void (*)(float* const*, const float*, int64_t, const T*, int64_t, const int64_t*,
+                      int64_t, int64_t);
+  static constexpr Fn by_rows[4] = {expand_rows_avx512<T, 1>, expand_rows_avx512<T, 2>,
+                                    expand_rows_avx512<T, 3>, expand_rows_avx512<T, 4>};
+  for (int64_t r = 0; r < rows; r += 4)
+    by_rows[std::min<int64_t>(4, rows - r) - 1](y + r, t + r * ld_t, ld_t, b, ld_b, ws, nw, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tasks: a tile of one slot's rows, and a block of widths (shrink) or outputs (expand).
 
 template <typename T>
 struct Kernels {
-  float (*dot)(const T*, const T*, int64_t);
-  void (*axpy)(float*, const T*, float, int64_t);
-  // As expand_avx512; null: an axpy per w.
-  void (*expand)(float*, const T*, int64_t, const float*, const int64_t*, int64_t, int64_t);
+  ShrinkTile<T> shrink;
+  ExpandTile<T> expand;
 };
 
-Kernels<float> float_kernels(int isa) {
-  if (isa >= kAvx512) return {dot_avx512, axpy_avx512, expand_avx512<float>};
-  if (isa >= kAvx2) return {dot_avx2, axpy_avx2, nullptr};
-  return {dot_portable, axpy_portable, nullptr};
+template <typename T>
+Kernels<T> kernels_for(int isa) {
+  if (isa >= kAvx512) return {shrink_tile_avx512<T>, expand_tile_avx512<T>};
+  if (isa >= kAvx2) return {shrink_tile_avx2<T>, expand_tile_avx2<T>};
+  return {shrink_tile_portable<T>, expand_tile_portable<T>};
 }
 
-Kernels<u16> bf16_kernels(int isa) {
-  if (isa >= kAvx512Bf16) return {dot_bf16_avx512bf16, axpy_bf16_avx512, expand_avx512<u16>};
-  if (isa >= kAvx512) return {dot_bf16_avx512, axpy_bf16_avx512, expand_avx512<u16>};
-  if (isa >= kAvx2) return {dot_bf16_avx2, axpy_bf16_avx2, nullptr};
-  return {dot_bf16_portable, axpy_bf16_portable, nullptr};
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+template <typename T>
+void shrink_task(const LoRAStack& s, const LoRARows& rows, const void* x, int64_t ld_x,
+                 float* shrunk, int64_t task, int isa) {
+  const int64_t blocks = blocks_of(s.width, kLoRAWidthBlock);
+  const LoRATile& tile = rows.tiles[task / blocks];
+  const int64_t w0 = (task % blocks) * kLoRAWidthBlock;
+  const int64_t w1 = std::min(s.width, w0 + kLoRAWidthBlock);
+  const T* xs[kLoRARowTile];
+  for (int64_t i = tile.first; i < tile.end; ++i)
+    xs[i - tile.first] = static_cast<const T*>(x) + rows.row[i] * ld_x;
+  const T* a = static_cast<const T*>(s.a) + (tile.slot * s.width + w0) * s.in;
+  kernels_for<T>(isa).shrink(xs, tile.end - tile.first, a, w1 - w0, s.in,
+                             shrunk + tile.first * s.width + w0, s.width);
 }
 
 template <typename T>
-void shrink_row(const Kernels<T>& k, const LoRAStack& s, const LoRARows& rows, const void* x,
-                int64_t ld_x, float* shrunk, int64_t i) {
-  const T* a = static_cast<const T*>(s.a) + rows.slot[i] * s.width * s.in;
-  const T* xr = static_cast<const T*>(x) + rows.row[i] * ld_x;
-  for (int64_t w = 0; w < s.width; ++w) shrunk[i * s.width + w] = k.dot(a + w * s.in, xr, s.in);
-}
-
-template <typename T>
-void expand_row(const Kernels<T>& k, const LoRAStack& s, const LoRARows& rows,
-                const float* shrunk, float* y, int64_t ld_y, int64_t i, int64_t c0, int64_t c1) {
-  const T* bt = static_cast<const T*>(s.bt) + rows.slot[i] * s.width * s.out + c0;
-  float* yr = y + rows.row[i] * ld_y + c0;
-  const float* t = shrunk + i * s.width;
-  constexpr int64_t kMaxWidth = 256;
-  if (k.expand != nullptr && s.width <= kMaxWidth) {
-    float values[kMaxWidth];
-    int64_t ws[kMaxWidth], nw = 0;
-    for (int64_t w = 0; w < s.width; ++w)
-      if (t[w] != 0.0f) values[nw] = t[w], ws[nw++] = w;  // ranks below the width: zeros
-    k.expand(yr, bt, s.out, values, ws, nw, c1 - c0);
-    return;
-  }
+void expand_task(const LoRAStack& s, const LoRARows& rows, const float* shrunk, float* y,
+                 int64_t ld_y, int64_t task, int isa) {
+  const int64_t blocks = blocks_of(s.out, kLoRAOutBlock);
+  const LoRATile& tile = rows.tiles[task / blocks];
+  const int64_t c0 = (task % blocks) * kLoRAOutBlock;
+  const int64_t c1 = std::min(s.out, c0 + kLoRAOutBlock);
+  const int64_t n = tile.end - tile.first;
+  float* ys[kLoRARowTile];
+  for (int64_t i = tile.first; i < tile.end; ++i) ys[i - tile.first] = y + rows.row[i] * ld_y + c0;
+  const float* t = shrunk + tile.first * s.width;
+  // The widths any of the tile's rows uses (ranks below the width shrink to zeros).
+  thread_local std::vector<int64_t> ws;
+  ws.clear();
   for (int64_t w = 0; w < s.width; ++w)
-    if (t[w] != 0.0f) k.axpy(yr, bt + w * s.out, t[w], c1 - c0);
+    for (int64_t r = 0; r < n; ++r)
+      if (t[r * s.width + w] != 0.0f) {
+        ws.push_back(w);
+        break;
+      }
+  if (ws.empty()) return;
+  const T* bt = static_cast<const T*>(s.bt) + tile.slot * s.width * s.out + c0;
+  kernels_for<T>(isa).expand(ys, n, t, s.width, bt, s.out, ws.data(),
+                             static_cast<int64_t>(ws.size()), c1 - c0);
 }
 
 }  // namespace
+
+int64_t LoRARows::shrink_tasks(const LoRAStack& w) const {
+  return static_cast<int64_t>(tiles.size()) * blocks_of(w.width, kLoRAWidthBlock);
+}
+
+int64_t LoRARows::expand_tasks(const LoRAStack& w) const {
+  return static_cast<int64_t>(tiles.size()) * blocks_of(w.out, kLoRAOutBlock);
+}
 
 LoRAStack lora_stack_of(const at::Tensor& a, const at::Tensor& bt) {
   const auto type = a.scalar_type();
@@ -271,38 +343,45 @@ LoRARows lora_rows_of(const at::Tensor& segments, int64_t rows, int64_t slots) {
                   segments.is_contiguous(),
               "lora: segments [n, 3] int64 expected");
   const int64_t* seg = segments.data_ptr<int64_t>();
-  LoRARows out;
+  std::vector<std::vector<int64_t>> by_slot(slots);
   int64_t previous_end = 0;
   for (int64_t s = 0; s < segments.size(0); ++s) {
     const int64_t first = seg[3 * s], end = seg[3 * s + 1], slot = seg[3 * s + 2];
     TORCH_CHECK(previous_end <= first && first <= end && end <= rows && 0 <= slot && slot < slots,
                 "lora: segment out of range");
-    for (int64_t r = first; r < end; ++r) {
-      out.row.push_back(r);
-      out.slot.push_back(slot);
-    }
+    for (int64_t r = first; r < end; ++r) by_slot[slot].push_back(r);
     previous_end = end;
+  }
+  LoRARows out;
+  for (int64_t slot = 0; slot < slots; ++slot) {  // even tiles of at most kLoRARowTile rows
+    const auto& members = by_slot[slot];
+    const int64_t n = static_cast<int64_t>(members.size());
+    if (n == 0) continue;
+    const int64_t per = blocks_of(n, blocks_of(n, kLoRARowTile));
+    const int64_t first = out.size();
+    out.row.insert(out.row.end(), members.begin(), members.end());
+    for (int64_t i = 0; i < n; i += per)
+      out.tiles.push_back({first + i, first + std::min(n, i + per), slot});
   }
   return out;
 }
 
-void lora_shrink_row(const LoRAStack& w, const LoRARows& rows, const void* x, int64_t ld_x,
-                     float* shrunk, int64_t i, int isa) {
-  if (w.bf16) shrink_row(bf16_kernels(isa), w, rows, x, ld_x, shrunk, i);
-  else shrink_row(float_kernels(isa), w, rows, x, ld_x, shrunk, i);
+void lora_shrink_task(const LoRAStack& w, const LoRARows& rows, const void* x, int64_t ld_x,
+                      float* shrunk, int64_t task, int isa) {
+  if (w.bf16) shrink_task<u16>(w, rows, x, ld_x, shrunk, task, isa);
+  else shrink_task<float>(w, rows, x, ld_x, shrunk, task, isa);
 }
 
-void lora_expand_row(const LoRAStack& w, const LoRARows& rows, const float* shrunk, float* y,
-                     int64_t ld_y, int64_t i, int64_t c0, int64_t c1, int isa) {
-  if (w.bf16) expand_row(bf16_kernels(isa), w, rows, shrunk, y, ld_y, i, c0, c1);
-  else expand_row(float_kernels(isa), w, rows, shrunk, y, ld_y, i, c0, c1);
+void lora_expand_task(const LoRAStack& w, const LoRARows& rows, const float* shrunk, float* y,
+                      int64_t ld_y, int64_t task, int isa) {
+  if (w.bf16) expand_task<u16>(w, rows, shrunk, y, ld_y, task, isa);
+  else expand_task<float>(w, rows, shrunk, y, ld_y, task, isa);
 }
 
 void lora_shrink_expand(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                         const at::Tensor& bt, const at::Tensor& segments) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
-                  a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat,
-              "lora_shrink_expand: float32 tensors expected");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == a.scalar_type(),
+              "lora_shrink_expand: y float32, x in the weights' dtype");
   TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && bt.is_contiguous(),
               "lora_shrink_expand: contiguous tensors expected");
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 3 && bt.dim() == 3 &&
@@ -318,15 +397,12 @@ void lora_shrink_expand(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   float* ys = y.data_ptr<float>();
   const int64_t ld_x = x.size(1);
   const int isa = current_isa();
-  const int64_t out_blocks = (out + kLoRAOutBlock - 1) / kLoRAOutBlock;
   PhasedJob job;
-  job.add_phase(n, [&](int64_t i, int) {
-    lora_shrink_row(stack, rows, xs, ld_x, shrunk.data(), i, isa);
+  job.add_phase(rows.shrink_tasks(stack), [&](int64_t task, int) {
+    lora_shrink_task(stack, rows, xs, ld_x, shrunk.data(), task, isa);
   });
-  job.add_phase(n * out_blocks, [&](int64_t chunk, int) {
-    const int64_t i = chunk / out_blocks, c0 = (chunk % out_blocks) * kLoRAOutBlock;
-    lora_expand_row(stack, rows, shrunk.data(), ys, out, i, c0, std::min(out, c0 + kLoRAOutBlock),
-                    isa);
+  job.add_phase(rows.expand_tasks(stack), [&](int64_t task, int) {
+    lora_expand_task(stack, rows, shrunk.data(), ys, out, task, isa);
   });
   const int64_t flops = n * width * (stack.in + out);
   WorkerPool::instance().run(job, flops >= (1 << 16) ? team_size() : 1);

@@ -1,7 +1,9 @@
-// Multi-LoRA's segmented shrink/expand (Punica's SGMV on the CPU): rows of a step grouped in
-// segments that share one adapter slot, each getting y += (x A^T) B after the base product.
-// The pieces (one row's shrink, one row's expand over a block of outputs) are what the fused
-// decoder stack runs inside its own phases; `lora_shrink_expand` runs them as one job.
+// Multi-LoRA's grouped shrink/expand (Punica's SGMV on the CPU): a step's adapter rows grouped
+// by adapter slot (as vLLM's kernels sort tokens by LoRA id), so that each adapter's A and B are
+// read once per tile of its rows rather than once per row; each row gets y += (x A^T) B after
+// the base product. The pieces (one tile's shrink over a block of widths, one tile's expand over
+// a block of outputs) are what the fused decoder stack runs inside its own phases;
+// `lora_shrink_expand` runs them as one job.
 #pragma once
 
 #include <vector>
@@ -10,8 +12,10 @@
 
 namespace tokenmill {
 
-// Output columns per expand chunk.
-constexpr int64_t kLoRAOutBlock = 512;
+// Output columns per expand task; adapter widths per shrink task; rows per tile.
+constexpr int64_t kLoRAOutBlock = 256;
+constexpr int64_t kLoRAWidthBlock = 16;
+constexpr int64_t kLoRARowTile = 16;
 
 // One linear's adapters, every slot stacked: a [slots, width, in], bt [slots, width, out]
 // (B transposed, the scaling folded in); both float32, or both bf16 (then so is the input).
@@ -26,25 +30,33 @@ struct LoRAStack {
 // The stack of `a` and `bt` (checked: shapes, contiguous, one dtype of float32 or bf16).
 LoRAStack lora_stack_of(const at::Tensor& a, const at::Tensor& bt);
 
-// A step's rows with an adapter, in order, each with its slot; from segments [n, 3] int64
-// (first, end, slot), checked against `rows` and `slots`.
-struct LoRARows {
-  std::vector<int64_t> row, slot;
-  int64_t size() const { return static_cast<int64_t>(row.size()); }
+// A step's rows with an adapter, grouped by slot (in step order within a slot): `row[i]` is the
+// step row of the `i`th, and `tiles` cut each slot's run into at most kLoRARowTile of them.
+struct LoRATile {
+  int64_t first, end, slot;  // [first, end) indexes `row`
 };
+struct LoRARows {
+  std::vector<int64_t> row;
+  std::vector<LoRATile> tiles;
+  int64_t size() const { return static_cast<int64_t>(row.size()); }
+  int64_t shrink_tasks(const LoRAStack& w) const;  // tiles x width blocks
+  int64_t expand_tasks(const LoRAStack& w) const;  // tiles x output blocks
+};
+// From segments [n, 3] int64 (first, end, slot), checked against `rows` and `slots`.
 LoRARows lora_rows_of(const at::Tensor& segments, int64_t rows, int64_t slots);
 
-// shrunk[i * width + w] = x[row i] . a[slot i][w] for the `i`th adapter row (x row stride
-// ld_x, in the stack's dtype).
-void lora_shrink_row(const LoRAStack& w, const LoRARows& rows, const void* x, int64_t ld_x,
-                     float* shrunk, int64_t i, int isa);
-// y[row i][c0:c1] += shrunk[i] @ bt[slot i][:, c0:c1] (y float32, row stride ld_y).
-void lora_expand_row(const LoRAStack& w, const LoRARows& rows, const float* shrunk, float* y,
-                     int64_t ld_y, int64_t i, int64_t c0, int64_t c1, int isa);
+// Shrink task `task`: shrunk[i * width + w] = x[row i] . a[slot][w] for its tile's rows and
+// block of widths (x row stride ld_x, in the stack's dtype).
+void lora_shrink_task(const LoRAStack& w, const LoRARows& rows, const void* x, int64_t ld_x,
+                      float* shrunk, int64_t task, int isa);
+// Expand task `task`: y[row i][block] += shrunk[i] @ bt[slot][:, block] for its tile's rows
+// (y float32, row stride ld_y).
+void lora_expand_task(const LoRAStack& w, const LoRARows& rows, const float* shrunk, float* y,
+                      int64_t ld_y, int64_t task, int isa);
 
 // y [rows, out] += per segment (first, end, slot): (x[first:end] @ a[slot]^T) @ bt[slot]
 // with x [rows, in], a [slots, width, in], bt [slots, width, out] (B transposed, scaling folded
-// in), segments [n, 3] int64; all float32, contiguous.
+// in), segments [n, 3] int64; y float32, x, a and bt float32 or all bf16; contiguous.
 void lora_shrink_expand(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                         const at::Tensor& bt, const at::Tensor& segments);
 
