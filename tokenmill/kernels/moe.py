@@ -42,9 +42,12 @@ def moe_kernel(
     activation: int = SILU,
     alpha: float = 1.702,
     limit: float = 7.0,
+    per_expert: bool = False,
 ) -> ExpertsKernel:
     """The kernel over per-expert native products (`PackedLinear`s), with `biases` (gate/up's
-    and down's, one per expert) and `activation`'s `alpha` and `limit` (CLAMPED_SWIGLU)."""
+    and down's, one per expert) and `activation`'s `alpha` and `limit` (CLAMPED_SWIGLU).
+    `per_expert`: each active expert's products in turn (the reference the default, one pool
+    job over every active expert's blocks, equals bit for bit)."""
     module = native_kernels()
     assert module is not None, "the MoE kernel needs the native kernels"
     gate_up_bias, down_bias = biases if biases is not None else ([], [])
@@ -58,6 +61,7 @@ def moe_kernel(
         alpha,
         limit,
     )
+    kernel.set_per_expert(per_expert)
 
     def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return kernel.forward(x.contiguous(), weights.float().contiguous(), ids.contiguous())
@@ -65,16 +69,19 @@ def moe_kernel(
     return run
 
 
-def native_moe_experts(experts: Sequence[nn.Module], x: torch.Tensor) -> ExpertsKernel | None:
+def native_moe_experts(
+    experts: Sequence[nn.Module], x: torch.Tensor, per_expert: bool = False
+) -> ExpertsKernel | None:
     """The kernel over `experts` (each with `gate_up_proj`, `down_proj` and
-    `intermediate_size`) for inputs like `x`, or None where it does not apply."""
+    `intermediate_size`) for inputs like `x`, or None where it does not apply (`per_expert`:
+    as `moe_kernel`'s)."""
     if not applies_to(x):
         return None
     gate_up = [_native_linear(expert.gate_up_proj) for expert in experts]
     down = [_native_linear(expert.down_proj) for expert in experts]
     if any(linear is None for linear in [*gate_up, *down]):
         return None
-    return moe_kernel(gate_up, down, experts[0].intermediate_size)
+    return moe_kernel(gate_up, down, experts[0].intermediate_size, per_expert=per_expert)
 
 
 def _native_linear(linear: nn.Module) -> Any | None:
