@@ -14,8 +14,9 @@ generated tokens each (greedy, ignore_eos), all submitted at once; end-to-end ou
 both with `max_num_seqs` = the largest B; llama.cpp = `llama-batched-bench -npp P -ntg G
 -npl B -t THREADS`. Below the table, the roofline: this machine's read bandwidth (torch.sum
 over 256 MiB, best of 5, taken before and after the runs) and each engine's decode rate at
-B = 1 without its prefill times the weight bytes a step reads: achieved GB/s and its share
-of the roof.
+B = 1 without its prefill times the weight bytes a step reads (machine.step_bytes: the
+active bytes, a mixture of experts' k of E routed experts, an untied embedding's one row left
+out): achieved GB/s and its share of the roof.
 
 `--quantization q8_0|q4_k_m` (issue 29): tokenmill loading one GGUF file of that type
 (`LLM(model="x.gguf")`) against llama.cpp on the same file, and `tokenmill-w8a8` against
@@ -55,7 +56,7 @@ from benchmarks.peers.machine import (
     gguf_tensor_types,
     lscpu_summary,
     read_bandwidth_gbs,
-    weight_bytes,
+    step_bytes,
 )
 from benchmarks.peers.offline import OfflineResult, Resident, offline_run, resident_after_load
 from benchmarks.peers.online import OnlineResult, concurrencies, online_run
@@ -173,7 +174,8 @@ def weight_files(engines: list[Engine]) -> list[str]:
 def roofline(engines: list[Engine], runs: dict[str, list[OfflineResult]], roof: float) -> list[str]:
     lines = [
         f"Roofline: streaming reads at {roof:.1f} GB/s (torch.sum over 256 MiB, best of 5). "
-        "Decode at B = 1, prefill excluded:",
+        "Decode at B = 1, prefill excluded; the bytes a step reads (k of E routed experts, an "
+        "untied embedding table left out):",
         "",
         "| engine | weights read a step (MB) | decode steps/s | GB/s | of the roof |",
         "|---|---|---|---|---|",
@@ -181,7 +183,7 @@ def roofline(engines: list[Engine], runs: dict[str, list[OfflineResult]], roof: 
     for engine in engines:
         decode = median_or_none([r.decode_steps_s for r in runs[engine.name] if r.decode_steps_s])
         float_bytes = runs[engine.name][0].float_bytes if runs[engine.name] else 4
-        step = weight_bytes(engine.weights, float_bytes)
+        step = step_bytes(engine.weights, float_bytes)
         achieved = None if decode is None else step * decode / 1e9
         share = "-" if achieved is None else f"{achieved / roof:.0%}"
         lines.append(f"| {engine.name} | {step / MB:.0f} | {cell(decode)} | {cell(achieved)} "

@@ -53,8 +53,8 @@ def test_offline_tokenmill_runs_each_batch_and_decodes_at_a_measured_share_of_th
     roof = row(roofline, "tokenmill")
     assert re.fullmatch(NUMBER, roof[2]) and roof[4].endswith("%")
     # weights a step: the checkpoint at the engine's float width (2 or 4 bytes), in MB
-    step = {round(peers_machine.weight_bytes(checkpoint, n) / 1e6): n for n in (2, 4)}
-    step_bytes = peers_machine.weight_bytes(checkpoint, step[int(roof[1])])
+    step = {round(peers_machine.step_bytes(checkpoint, n) / 1e6): n for n in (2, 4)}
+    step_bytes = peers_machine.step_bytes(checkpoint, step[int(roof[1])])
     assert float(roof[3]) == pytest.approx(step_bytes * float(roof[2]) / 1e9, abs=0.06)
     assert "Failures" not in text
 
@@ -101,7 +101,7 @@ def test_tables_take_medians_ratios_on_comparable_weights_and_name_failures(
 
     monkeypatch.setattr(vs_peers, "offline_run", offline_run)
     monkeypatch.setattr(vs_peers, "read_bandwidth_gbs", lambda: 4.0)
-    monkeypatch.setattr(vs_peers, "weight_bytes", lambda path, float_bytes: 200e6)
+    monkeypatch.setattr(vs_peers, "step_bytes", lambda path, float_bytes: 200e6)
     resident = vs_peers.Resident(process_bytes=150e6, weight_bytes=140e6)
     monkeypatch.setattr(vs_peers, "resident_after_load", lambda engine, args: resident)
     monkeypatch.setattr(vs_peers, "weight_files", lambda engines: ["- x.gguf: 160.0 MB"])

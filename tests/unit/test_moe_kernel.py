@@ -1,6 +1,7 @@
 """The native MoE kernel (kernels/moe.py, csrc/moe.cpp) against the torch reference
 (layers/fused_moe.py's `torch_experts`) over the same experts, at every ISA level this CPU
-runs, for float32, bfloat16 and int8 experts; routing as each family does it."""
+runs, for float32, bfloat16 and int8 experts; routing as each family does it; its one pool job
+against its per-expert path, bit for bit, in every weight format."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import native
-from tokenmill.kernels.moe import native_moe_experts
+from tokenmill.kernels.int_linear import native_quant_linear, pack
+from tokenmill.kernels.moe import CLAMPED_SWIGLU, SILU, moe_kernel, native_moe_experts
 from tokenmill.layers.fused_moe import ExpertMLP, RouterLinear, route, torch_experts
 from tokenmill.layers.linear import DenseLinearMethod, PackedLinearMethod, replace_linears
 from tokenmill.quantization.int8 import Int8LinearMethod
@@ -194,3 +196,98 @@ def test_gpt_oss_experts_in_the_kernel_match_torch(isa: int, variant: str, token
 def test_gpt_oss_mxfp4_in_float32_keeps_the_exact_expansion() -> None:
     experts = gpt_oss_experts("mxfp4", True)
     assert experts.native_kernel(torch.zeros(1, 64)) is None
+
+
+# The one pool job over every active expert's blocks (csrc/moe.cpp's default) against the
+# per-expert path (each expert's products in turn through the formats' own
+# `PackedLinear::forward`): equal bit for bit at every ISA level, for dense float32 and bf16
+# experts (and bf16 weights under float32 inputs, which take the per-expert path), int8, int4
+# with offsets and K-quant-style factored scales, and gpt-oss's biased clamped SwiGLU.
+
+
+def dense_linear(rows: int, cols: int, dtype: torch.dtype, generator: torch.Generator):
+    weight = (torch.randn(rows, cols, generator=generator) / cols**0.5).to(dtype)
+    return module.PackedLinear.dense(module.pack_linear_weight(weight), rows, cols)
+
+
+def quantized_linear(rows: int, cols: int, bits: int, generator: torch.Generator):
+    """Random codes; int4 with offsets and scales that factor as a K-quant's (int8 times a
+    float16 per 256 columns); int8 with plain float16 scales."""
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    codes = torch.randint(low, high + 1, (rows, cols), generator=generator)
+    subs = torch.randint(1, 64, (rows, cols // 32), generator=generator).float()
+    scales = subs * 2.0**-12 if bits == 4 else subs / 64 / cols**0.5
+    offsets = torch.randn(rows, cols // 32, generator=generator) / 64 if bits == 4 else None
+    weight = pack(codes, scales.half(), None if offsets is None else offsets.half(), bits, 32)
+    assert (weight.super_scales is not None) == (bits == 4)
+    return native_quant_linear(weight)
+
+
+# format -> (model dtype, hidden, width, a linear of [rows, cols])
+ONE_JOB_FORMATS = {
+    "float32": (torch.float32, 48, 40, lambda r, c, g: dense_linear(r, c, torch.float32, g)),
+    "bfloat16": (torch.bfloat16, 48, 40, lambda r, c, g: dense_linear(r, c, torch.bfloat16, g)),
+    "int8": (torch.bfloat16, 64, 96, lambda r, c, g: quantized_linear(r, c, 8, g)),
+    "int4-k-quant": (torch.float32, 256, 256, lambda r, c, g: quantized_linear(r, c, 4, g)),
+    "bf16-weights-f32-input": (
+        torch.float32,
+        48,
+        64,
+        lambda r, c, g: dense_linear(r, c, torch.bfloat16, g),
+    ),
+}
+
+
+def one_job_kernels(fmt: str, activation: int = SILU, biased: bool = False):
+    """(one-job kernel, per-expert kernel) over the same experts, and the model dtype."""
+    dtype, hidden, width, make = ONE_JOB_FORMATS[fmt]
+    generator = torch.Generator().manual_seed(7)
+    gate_up = [make(2 * width, hidden, generator) for _ in range(NUM_EXPERTS)]
+    down = [make(hidden, width, generator) for _ in range(NUM_EXPERTS)]
+    biases = None
+    if biased:
+        biases = (
+            [torch.randn(2 * width, generator=generator) for _ in range(NUM_EXPERTS)],
+            [torch.randn(hidden, generator=generator) for _ in range(NUM_EXPERTS)],
+        )
+    made = [
+        moe_kernel(gate_up, down, width, biases, activation, per_expert=per_expert)
+        for per_expert in (False, True)
+    ]
+    return made[0], made[1], dtype, hidden
+
+
+def one_job_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    weights, ids = route(torch.randn(tokens, NUM_EXPERTS, generator=generator), TOP_K, True)
+    return x, weights, ids
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", sorted(ONE_JOB_FORMATS))
+@pytest.mark.parametrize("tokens", [1, 2, 17])
+def test_one_job_equals_the_per_expert_products(isa: int, fmt: str, tokens: int) -> None:
+    one_job, per_expert, dtype, hidden = one_job_kernels(fmt)
+    x, weights, ids = one_job_inputs(tokens, hidden, dtype, seed=tokens)
+    got = one_job(x, weights, ids)
+    expected = per_expert(x, weights, ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert got.abs().max().item() > 0
+    assert torch.equal(got, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["bfloat16", "int4-k-quant"])
+def test_one_job_equals_per_expert_with_biases_and_clamped_swiglu(isa: int, fmt: str) -> None:
+    """gpt-oss's experts: a bias on each product, the clamped SwiGLU."""
+    one_job, per_expert, dtype, hidden = one_job_kernels(fmt, CLAMPED_SWIGLU, biased=True)
+    x, weights, ids = one_job_inputs(5, hidden, dtype, seed=3)
+    assert torch.equal(one_job(x, weights, ids), per_expert(x, weights, ids))
+
+
+@needs_native
+def test_no_tokens_give_no_rows() -> None:
+    one_job, _, dtype, hidden = one_job_kernels("float32")
+    x, weights, ids = one_job_inputs(0, hidden, dtype, seed=0)
+    assert one_job(x, weights, ids).shape == (0, hidden)

@@ -123,5 +123,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("down_bias") = std::vector<at::Tensor>{},
            pybind11::arg("activation") = static_cast<int64_t>(kMoESilu),
            pybind11::arg("alpha") = 1.702, pybind11::arg("limit") = 7.0)
-      .def("forward", &MoEExperts::forward, "an MoE block's routed experts", no_gil);
+      .def("forward", &MoEExperts::forward, "an MoE block's routed experts", no_gil)
+      .def("set_per_expert", &MoEExperts::set_per_expert,
+           "each expert's products in turn (the reference of the one-job path)");
 }

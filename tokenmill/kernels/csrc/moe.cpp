@@ -1,12 +1,18 @@
 // The routed experts of an MoE block (moe.h): group the (token, choice) pairs by expert with a
 // counting sort, then per active expert gather its rows, gate/up product (+ bias), the
 // activation (SiLU(gate) * up, or gpt-oss's clamped SwiGLU), down product (+ bias), and add the
-// rows back weighted. The products are the experts' own formats'
-// (PackedLinear), parallel on the worker pool; the elementwise phases below are compiled for
-// three ISA levels.
+// rows back weighted. The products are the experts' own formats' (PackedLinear's weight, run
+// through packed_gemm / quant_gemm), all active experts' blocks in one phase of one pool job
+// (llama.cpp's mul_mat_id does the same: one dispatch per phase, not one per expert); the
+// elementwise phases below are compiled for three ISA levels.
 #include "moe.h"
 
 #include <c10/util/Optional.h>
+
+#include <utility>
+
+#include "int_linear.h"
+#include "thread_pool.h"
 
 namespace tokenmill {
 
@@ -142,6 +148,56 @@ MoEExperts::MoEExperts(std::vector<PackedLinear> gate_up, std::vector<PackedLine
   }
 }
 
+namespace {
+
+// The (token, choice) pairs grouped by expert (a stable counting sort: tokens in order).
+struct Routing {
+  std::vector<int64_t> start;     // [experts + 1]: expert e's pairs are [start[e], start[e + 1])
+  std::vector<int64_t> token_of;  // [pairs]: each grouped pair's token
+  std::vector<float> scale;       // [pairs]: its routing weight
+};
+
+Routing group_by_expert(const int64_t* id, const float* weight, int64_t pairs, int64_t top_k,
+                        int64_t num_experts) {
+  Routing r;
+  r.start.assign(num_experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "MoEExperts: expert id ", id[p],
+                " out of range");
+    ++r.start[id[p] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) r.start[e + 1] += r.start[e];
+  std::vector<int64_t> next(r.start.begin(), r.start.end() - 1);
+  r.token_of.resize(pairs);
+  r.scale.resize(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t slot = next[id[p]]++;
+    r.token_of[slot] = p / top_k;
+    r.scale[slot] = weight[p];
+  }
+  return r;
+}
+
+// Chunks of `blocks_per` 16-row blocks over each active expert's product, numbered in a row:
+// `first[a]` is active expert a's first chunk (and first[active] the total).
+struct BlockChunks {
+  std::vector<int64_t> first, per;
+  void add(int64_t blocks, int64_t blocks_per) {
+    if (first.empty()) first.push_back(0);
+    per.push_back(blocks_per);
+    first.push_back(first.back() + (blocks + blocks_per - 1) / blocks_per);
+  }
+  // (active expert, its chunk) of chunk `c`.
+  std::pair<int64_t, int64_t> locate(int64_t c) const {
+    const int64_t a = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+    return {a, c - first[a]};
+  }
+};
+
+inline int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
+
+}  // namespace
+
 at::Tensor MoEExperts::forward(const at::Tensor& x, const at::Tensor& weights,
                                const at::Tensor& ids) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "MoEExperts: x must be contiguous [T, H]");
@@ -153,30 +209,27 @@ at::Tensor MoEExperts::forward(const at::Tensor& x, const at::Tensor& weights,
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat &&
                   weights.is_contiguous(),
               "MoEExperts: weights must be contiguous float32 [T, k]");
-  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
-  const int64_t num_experts = static_cast<int64_t>(gate_up_.size());
-  TORCH_CHECK(hidden == gate_up_[0].weight().k, "MoEExperts: x has ", hidden,
+  TORCH_CHECK(x.size(1) == gate_up_[0].weight().k, "MoEExperts: x has ", x.size(1),
               " columns, the experts take ", gate_up_[0].weight().k);
-  const int64_t pairs = tokens * top_k;
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const float* weight = weights.data_ptr<float>();
+  const Routing routing =
+      group_by_expert(ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.numel(),
+                      ids.size(1), static_cast<int64_t>(gate_up_.size()));
+  // A dense weight reads rows of its own dtype: other inputs take the per-product path,
+  // which converts them.
+  bool one_job = !per_expert_;
+  for (size_t e = 0; e < gate_up_.size() && one_job; ++e)
+    for (const PackedLinear* linear : {&gate_up_[e], &down_[e]})
+      if (!linear->weight().quantized() && linear->weight().is_bf16 != is_bf16) one_job = false;
+  return one_job ? forward_one_job(x, routing.start, routing.token_of, routing.scale, ids.size(1))
+                 : forward_per_expert(x, routing.start, routing.token_of, routing.scale);
+}
 
-  // Counting sort of the (token, choice) pairs by expert, stable (tokens in order).
-  std::vector<int64_t> start(num_experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "MoEExperts: expert id ", id[p],
-                " out of range");
-    ++start[id[p] + 1];
-  }
-  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> next(start.begin(), start.end() - 1), token_of(pairs);
-  std::vector<float> scale(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t slot = next[id[p]]++;
-    token_of[slot] = p / top_k;
-    scale[slot] = weight[p];
-  }
-
+at::Tensor MoEExperts::forward_per_expert(const at::Tensor& x, const std::vector<int64_t>& start,
+                                          const std::vector<int64_t>& token_of,
+                                          const std::vector<float>& scale) const {
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t num_experts = static_cast<int64_t>(gate_up_.size());
   const int isa = current_isa();
   at::Tensor out = at::zeros({tokens, hidden}, x.options().dtype(at::kFloat));
   float* out_data = out.data_ptr<float>();
@@ -192,15 +245,7 @@ at::Tensor MoEExperts::forward(const at::Tensor& x, const at::Tensor& weights,
       std::memcpy(xe_bytes + r * row_bytes, x_bytes + rows_token[r] * row_bytes, row_bytes);
     const at::Tensor gate_up = gate_up_[e].forward(xe, bias_of(gate_up_bias_, e), true);
     at::Tensor act = at::empty({rows, intermediate_}, x.options());
-    const float* gu = gate_up.data_ptr<float>();
-    if (activation_ == kMoEClampedSwiglu && is_bf16)
-      clamped_swiglu(isa, gu, intermediate_, act.data_ptr<bf16>(), rows, alpha_, limit_);
-    else if (activation_ == kMoEClampedSwiglu)
-      clamped_swiglu(isa, gu, intermediate_, act.data_ptr<float>(), rows, alpha_, limit_);
-    else if (is_bf16)
-      silu_mul(isa, gu, intermediate_, act.data_ptr<bf16>(), rows);
-    else
-      silu_mul(isa, gu, intermediate_, act.data_ptr<float>(), rows);
+    activate(isa, gate_up.data_ptr<float>(), act.data_ptr(), is_bf16, intermediate_, rows);
     const at::Tensor y = down_[e].forward(act, bias_of(down_bias_, e), /*float32_out=*/true);
     add_weighted_rows(isa, y.data_ptr<float>(), hidden, rows, rows_token,
                       scale.data() + start[e], out_data);
@@ -210,6 +255,147 @@ at::Tensor MoEExperts::forward(const at::Tensor& x, const at::Tensor& weights,
   bf16* dst = rounded.data_ptr<bf16>();
   for (int64_t i = 0; i < tokens * hidden; ++i) store_float(dst + i, out_data[i]);
   return rounded;
+}
+
+void MoEExperts::activate(int isa, const float* gate_up, void* act, bool is_bf16,
+                          int64_t ld_act, int64_t rows) const {
+  // Row by row when the rows are further apart than the activation's width.
+  const int64_t step = ld_act == intermediate_ ? rows : 1;
+  for (int64_t r0 = 0; r0 < rows; r0 += step) {
+    const float* gu = gate_up + r0 * 2 * intermediate_;
+    const int64_t n = std::min(step, rows - r0);
+    if (is_bf16) {
+      bf16* out = static_cast<bf16*>(act) + r0 * ld_act;
+      if (activation_ == kMoEClampedSwiglu) clamped_swiglu(isa, gu, intermediate_, out, n, alpha_, limit_);
+      else silu_mul(isa, gu, intermediate_, out, n);
+    } else {
+      float* out = static_cast<float*>(act) + r0 * ld_act;
+      if (activation_ == kMoEClampedSwiglu) clamped_swiglu(isa, gu, intermediate_, out, n, alpha_, limit_);
+      else silu_mul(isa, gu, intermediate_, out, n);
+    }
+  }
+}
+
+at::Tensor MoEExperts::forward_one_job(const at::Tensor& x, const std::vector<int64_t>& start,
+                                       const std::vector<int64_t>& token_of,
+                                       const std::vector<float>& scale, int64_t top_k) const {
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
+  const int64_t width = intermediate_;
+  const int isa = current_isa();
+  if (isa >= kAmx) amx_permitted();
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t n_active = static_cast<int64_t>(active.size());
+  if (n_active == 0) return at::zeros({tokens, hidden}, x.options());
+
+  // Rows of the gathered inputs and of the activations, zero-padded to a bf16 weight's k_pad.
+  const int64_t ld_x = round_up(hidden, 32), ld_act = round_up(width, 32);
+  at::Tensor xs = at::zeros({pairs, ld_x}, x.options());
+  at::Tensor act = at::zeros({pairs, ld_act}, x.options());
+  at::Tensor gate_up = at::empty({pairs, 2 * width}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({pairs, hidden}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  char* xs_bytes = static_cast<char*>(xs.data_ptr());
+  char* act_bytes = static_cast<char*>(act.data_ptr());
+  float* gu = gate_up.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  const char* x_bytes = static_cast<const char*>(x.data_ptr());
+  const int64_t elem = x.element_size();
+
+  // Each active expert's quantized products' prepared inputs, in scratch of their own (the
+  // views of one scratch would invalidate each other).
+  thread_local std::vector<QuantScratch> scratch;
+  if (scratch.size() < static_cast<size_t>(2 * n_active)) scratch.resize(2 * n_active);
+  std::vector<QuantInput> gu_in(n_active), down_in(n_active);
+  // Work per chunk as the per-product path's (a few chunks per thread and product); tiny
+  // products on the calling thread.
+  const PackedWeight& w0 = gate_up_[active[0]].weight();
+  const int threads =
+      w0.n_pad * w0.k_pad * std::max<int64_t>(pairs, 4) * 2 < (1 << 16) ? 1 : team_size();
+  BlockChunks gu_chunks, down_chunks;
+  for (int64_t a = 0; a < n_active; ++a) {
+    const int64_t e = active[a], rows = start[e + 1] - start[e];
+    const PackedWeight& wg = gate_up_[e].weight();
+    const PackedWeight& wd = down_[e].weight();
+    if (wg.quantized()) gu_in[a] = scratch[2 * a].view(wg, rows, isa);
+    if (wd.quantized()) down_in[a] = scratch[2 * a + 1].view(wd, rows, isa);
+    gu_chunks.add(wg.blocks(), gemm_chunk_blocks(wg, rows, threads));
+    down_chunks.add(wd.blocks(), gemm_chunk_blocks(wd, rows, threads));
+  }
+  // Each token's grouped pairs in expert order: the sum below adds them in the order the
+  // per-expert path does.
+  std::vector<int64_t> token_slots(pairs), filled(tokens, 0);
+  for (int64_t slot = 0; slot < pairs; ++slot) {
+    const int64_t t = token_of[slot];
+    token_slots[t * top_k + filled[t]++] = slot;
+  }
+
+  PhasedJob job;
+  // 1. Each active expert's rows gathered (and prepared for a quantized gate/up).
+  job.add_phase(n_active, [&](int64_t a, int) {
+    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+    for (int64_t r = first; r < first + rows; ++r)
+      std::memcpy(xs_bytes + r * ld_x * elem, x_bytes + token_of[r] * hidden * elem,
+                  hidden * elem);
+    const PackedWeight& w = gate_up_[e].weight();
+    if (w.quantized())
+      prepare_quant_rows(w, xs_bytes + first * ld_x * elem, is_bf16, ld_x, gu_in[a], 0, rows);
+  });
+  // 2. gate/up: every active expert's output blocks, one pool of chunks.
+  job.add_phase(gu_chunks.first.back(), [&](int64_t c, int) {
+    const auto [a, chunk] = gu_chunks.locate(c);
+    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+    const PackedWeight& w = gate_up_[e].weight();
+    const GemmOut o{gu + first * 2 * width, 2 * width, false,
+                    gate_up_bias_.empty() ? nullptr : gate_up_bias_[e].data_ptr<float>(),
+                    2 * width};
+    const int64_t b0 = chunk * gu_chunks.per[a], b1 = std::min(w.blocks(), b0 + gu_chunks.per[a]);
+    if (w.quantized()) quant_gemm(w, gu_in[a], o, b0, b1, isa);
+    else packed_gemm(w, xs_bytes + first * ld_x * elem, ld_x, rows, o, b0, b1, isa);
+  });
+  // 3. The activation (and the down product's prepared input).
+  job.add_phase(n_active, [&](int64_t a, int) {
+    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+    char* rows_act = act_bytes + first * ld_act * elem;
+    activate(isa, gu + first * 2 * width, rows_act, is_bf16, ld_act, rows);
+    const PackedWeight& w = down_[e].weight();
+    if (w.quantized()) prepare_quant_rows(w, rows_act, is_bf16, ld_act, down_in[a], 0, rows);
+  });
+  // 4. down: every active expert's output blocks.
+  job.add_phase(down_chunks.first.back(), [&](int64_t c, int) {
+    const auto [a, chunk] = down_chunks.locate(c);
+    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+    const PackedWeight& w = down_[e].weight();
+    const GemmOut o{ys + first * hidden, hidden, false,
+                    down_bias_.empty() ? nullptr : down_bias_[e].data_ptr<float>(), hidden};
+    const int64_t b0 = chunk * down_chunks.per[a],
+                  b1 = std::min(w.blocks(), b0 + down_chunks.per[a]);
+    if (w.quantized()) quant_gemm(w, down_in[a], o, b0, b1, isa);
+    else packed_gemm(w, act_bytes + first * ld_act * elem, ld_act, rows, o, b0, b1, isa);
+  });
+  // 5. Each token's weighted sum, in x's dtype.
+  const int64_t per_chunk = std::max<int64_t>(1, (tokens + 4 * threads - 1) / (4 * threads));
+  job.add_phase((tokens + per_chunk - 1) / per_chunk, [&](int64_t c, int) {
+    std::vector<float> sum(hidden);
+    const int64_t zero = 0;
+    for (int64_t t = c * per_chunk; t < std::min(tokens, (c + 1) * per_chunk); ++t) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t slot = token_slots[t * top_k + j];
+        add_weighted_rows(isa, ys + slot * hidden, hidden, 1, &zero, &scale[slot], sum.data());
+      }
+      if (is_bf16) {
+        bf16* dst = out.data_ptr<bf16>() + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) store_float(dst + i, sum[i]);
+      } else {
+        std::memcpy(out.data_ptr<float>() + t * hidden, sum.data(), hidden * sizeof(float));
+      }
+    }
+  });
+  WorkerPool::instance().run(job, threads);
+  return out;
 }
 
 }  // namespace tokenmill

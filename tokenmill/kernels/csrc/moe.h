@@ -30,14 +30,34 @@ class MoEExperts {
   // tokens grouped by expert, each active expert's two products once over its rows (a token
   // batch of one reads only its k experts' weights), the sum in float32. x [T, H] float32 or
   // bfloat16, weights [T, k] float32, ids [T, k] int64; the result in x's dtype.
+  // One pool job of five phases (gather, every active expert's gate/up blocks, activation,
+  // every active expert's down blocks, each token's sum): at a token batch of one, the k
+  // experts' products share the threads instead of taking turns (two dispatches for the block,
+  // not 2k). Dense weights of another dtype than x run `per_expert`, which converts.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
 
+  // Whether forward runs each active expert's two products in turn on the pool, through the
+  // formats' own `PackedLinear::forward` (the reference the one job equals bit for bit; tests
+  // and benchmarks compare the two).
+  void set_per_expert(bool per_expert) { per_expert_ = per_expert; }
+
  private:
+  at::Tensor forward_per_expert(const at::Tensor& x, const std::vector<int64_t>& start,
+                                const std::vector<int64_t>& token_of,
+                                const std::vector<float>& scale) const;
+  at::Tensor forward_one_job(const at::Tensor& x, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& token_of, const std::vector<float>& scale,
+                             int64_t top_k) const;
+  // act (rows `ld_act` elements apart, x's dtype) = the activation of gate/up's float32 rows.
+  void activate(int isa, const float* gate_up, void* act, bool is_bf16, int64_t ld_act,
+                int64_t rows) const;
+
   std::vector<PackedLinear> gate_up_, down_;
   std::vector<at::Tensor> gate_up_bias_, down_bias_;  // float32, or empty
   int64_t intermediate_;
   int64_t activation_;
   float alpha_, limit_;
+  bool per_expert_ = false;
 };
 
 }  // namespace tokenmill
