@@ -57,7 +57,9 @@ def test_an_moe_preset_builds_its_architecture_in_its_dtype(tmp_path: Path) -> N
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                  num_hidden_layers=2, vocab_size=4096)  # fmt: skip
     built = random_model.make_random_model("test-tiny-moe-v1", shape, tmp_path / "moe")
-    llm = LLM(model=str(built), max_model_len=128)
+    # dtype named: "auto" serves bfloat16 checkpoints in float32 where the CPU has no native
+    # bf16 products (AVX2 without AVX512_BF16); this checks the checkpoint's own dtype.
+    llm = LLM(model=str(built), max_model_len=128, dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.architecture == "Qwen3MoeForCausalLM"
     assert type(model.layers[0].mlp).__name__ == "FusedMoE"
