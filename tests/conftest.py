@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +92,37 @@ def below_best_isa(item: pytest.Item) -> bool:
     callspec = getattr(item, "callspec", None)
     if callspec is None or "isa" not in callspec.params:
         return False
-    levels = item._fixtureinfo.name2fixturedefs["isa"][-1].params  # type: ignore[attr-defined]
-    return callspec.params["isa"] < max(levels)
+    return callspec.params["isa"] < max(isa_levels())
+
+
+@functools.cache
+def isa_levels() -> tuple[int, ...]:
+    """Every kernel ISA level this CPU runs (none where the native kernels don't build)."""
+    from tokenmill.kernels import native
+
+    module = native.native_kernels()
+    return tuple(range(module.detect_isa() + 1)) if module is not None else ()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that asks for `isa` runs once per level (below the best only in the full tier)."""
+    if "isa" in metafunc.fixturenames:
+        from tokenmill.kernels.native import ISA_LEVELS
+
+        levels = isa_levels()
+        metafunc.parametrize(
+            "isa", levels, indirect=True, ids=[ISA_LEVELS[level] for level in levels]
+        )
+
+
+@pytest.fixture
+def isa(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The native kernels forced to one ISA level for the test, restored after it."""
+    from tokenmill.kernels import native
+
+    with native.using_isa(request.param) as level:
+        assert level == request.param
+        yield level
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,7 +18,6 @@ from tokenmill_testing.transformers_reference import greedy_reference
 
 module = native.native_kernels()
 pytestmark = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
-LEVELS = list(range(module.detect_isa() + 1)) if module is not None else []
 MAX_TOKENS = 10
 
 ARCHITECTURES = {
@@ -97,15 +96,6 @@ def in_two_waves(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     first = llm.generate(prompts[:1], greedy(), use_tqdm=False)[0].outputs[0].token_ids
     rest = llm.generate(prompts[1:], greedy(), use_tqdm=False)
     return [first, *(o.outputs[0].token_ids for o in rest)]
-
-
-@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    assert module is not None
-    best = module.get_isa()
-    assert module.set_isa(request.param) == request.param
-    yield request.param
-    module.set_isa(best)
 
 
 def test_stack_greedy_equals_transformers_at_every_isa_level(

@@ -25,15 +25,6 @@ MAX_TOKENS = 6
 PROMPTS = [[5, 9, 17, 33, 65, 129, 257], [300, 12, 7, 7, 90, 41, 3, 8, 11, 500, 2, 64, 64], [77]]
 
 
-@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    assert module is not None
-    best = module.get_isa()
-    assert module.set_isa(request.param) == request.param
-    yield request.param
-    module.set_isa(best)
-
-
 @pytest.fixture(scope="module")
 def base(tiny_checkpoint: Callable[..., Path]) -> Path:
     # Odd widths: the expand's masked tails and the shrink's remainders.

@@ -21,20 +21,12 @@ from tokenmill_testing.quantized_checkpoints import greedy, random_prompts
 
 module = native.native_kernels()
 pytestmark = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
-LEVELS = list(range(module.detect_isa() + 1)) if module is not None else []
 # max |logprob(stack) - logprob(op by op)|: float activations differ only by the order of
 # float32 sums outside the products (norms, attention); int8 ones sometimes round an activation
 # that such an order moved to the next code, which the random models magnify (measured up to
 # 0.11, the median 1e-6: the median is held to the float bound).
 TOLERANCE = {"float": 1e-4, "int8": 0.25}
 SCHEMES = ["int8", "int4", "int4-g128"]
-
-
-@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    with native.using_isa(request.param) as level:
-        assert level == request.param
-        yield level
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,7 @@ from tokenmill.kernels.encoder_attention import cu_seqlens_of, native_encoder_at
 
 module = native.native_kernels()
 needs_native = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
-LEVELS = list(range(module.detect_isa() + 1)) if module is not None else []
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    assert module is not None
-    best = module.get_isa()
-    assert module.set_isa(request.param) == request.param
-    yield request.param
-    module.set_isa(best)
 
 
 def reference(

@@ -20,16 +20,6 @@ from tokenmill.quantization.int8 import Int8LinearMethod
 
 module = native.native_kernels()
 needs_native = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
-LEVELS = list(range(module.detect_isa() + 1)) if module is not None else []
-
-
-@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    assert module is not None
-    best = module.get_isa()
-    assert module.set_isa(request.param) == request.param
-    yield request.param
-    module.set_isa(best)
 
 
 def random_stack(slots: int, width: int, in_features: int, out_features: int, seed: int):

@@ -19,7 +19,6 @@ from tokenmill.quantization.int8 import Int8LinearMethod
 
 module = native.native_kernels()
 needs_native = pytest.mark.skipif(module is None, reason="native kernels not buildable here")
-LEVELS = list(range(module.detect_isa() + 1)) if module is not None else []
 # Widths off the 16-row blocks; 5 experts, 2 active.
 HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 48, 40, 5, 2
 # method -> (dtype, the method, tolerance against float32 F.linear experts, against the torch
@@ -30,15 +29,6 @@ METHODS = {
     "bfloat16": (torch.bfloat16, lambda: PackedLinearMethod(torch.bfloat16), 3e-2, 3e-2),
     "int8": (torch.float32, lambda: Int8LinearMethod(), 6e-2, 1e-5),
 }
-
-
-@pytest.fixture(params=LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    assert module is not None
-    best = module.get_isa()
-    assert module.set_isa(request.param) == request.param
-    yield request.param
-    module.set_isa(best)
 
 
 def make_experts(method: str, seed: int = 0) -> tuple[nn.ModuleList, nn.ModuleList]:

@@ -99,13 +99,6 @@ def test_looking_up_rows_reads_only_their_blocks(bits: int) -> None:
     assert max(largest) <= 2 * 16 * 256 * 8  # the two rows' 16-row blocks, unpacked
 
 
-@pytest.fixture(params=LEVELS, ids=lambda level: ISA_LEVELS[level])
-def isa(request: pytest.FixtureRequest):
-    with native.using_isa(request.param) as level:
-        assert level == request.param
-        yield level
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
