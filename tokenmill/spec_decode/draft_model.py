@@ -12,13 +12,16 @@ deterministic, which is what the verifier assumes (see verification.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from tokenmill.kernels.argmax import argmax_rows
+from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
@@ -50,6 +53,11 @@ class DraftModelProposer:
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
         self.max_position = model.rotary.max_position  # the positions its RoPE tables cover
         self.sliding_window = model.shape.sliding_window
+        # The native chain (`_native_chain`): None until first asked, False where it cannot run
+        # or TOKENMILL_NATIVE_DRAFT_CHAIN=0 (A/B measurements) when the proposer is made.
+        self._native: tuple[Any, torch.Tensor, Any] | Literal[False] | None = (
+            False if os.environ.get("TOKENMILL_NATIVE_DRAFT_CHAIN") == "0" else None
+        )
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
@@ -110,6 +118,28 @@ class DraftModelProposer:
             return False
         step = metadata.step
         assert step is not None
+        native = self._native_chain()
+        if native is not None:  # the whole chain in one call
+            module, embedding, head = native
+            for i, state in enumerate(states):  # chain step 0's; the rest is native
+                layout[i] = len(state.token_ids)
+            drafted = module.draft_chain(
+                self.model.decoder_stack.native,
+                embedding,
+                head,
+                torch.tensor(tokens, dtype=torch.long),
+                torch.from_numpy(layout),
+                metadata.slot_mapping,
+                step.query_start_loc,
+                step.seq_lens,
+                step.block_tables,
+                self.kv_caches,
+                self.block_size,
+                num_tokens - 1,
+            ).T.tolist()
+            for state, chain in zip(states, drafted):
+                proposals[state.req_id].extend(chain)
+            return True
         positions = layout  # the tensors below share memory with these arrays
         slots, lens = metadata.slot_mapping.numpy(), step.seq_lens.numpy()
         position_tensor = torch.from_numpy(positions)
@@ -127,6 +157,42 @@ class DraftModelProposer:
             for state, token in zip(states, tokens):
                 proposals[state.req_id].append(token)
         return True
+
+    def _native_chain(self) -> tuple[Any, torch.Tensor, Any] | None:
+        """(the native module, the embedding table, the LM head's `PackedLinear`) where the
+        whole chain can run natively: a CPU model on the fused stack, one rank, no embedding
+        scale or logit soft-cap, an LM head one native product; else None. The embedding
+        table is materialised once (small drafts only: at most 2**26 elements)."""
+        if self._native is False:
+            return None
+        if self._native is None:
+            self._native = self._build_native_chain() or False
+        return self._native or None
+
+    def _build_native_chain(self) -> tuple[Any, torch.Tensor, Any] | None:
+        model, module = self.model, native_kernels()
+        head = model.lm_head
+        if (
+            module is None
+            or not hasattr(module, "draft_chain")
+            or self.device.type != "cpu"
+            or model.decoder_stack is None
+            or model.tp.size > 1
+            or model.kv_layer_groups is not None
+            or model.traits.embedding_scale is not None
+            or model.traits.final_logit_softcap is not None
+            or not isinstance(head, Linear)
+            or model.shape.vocab_size * model.shape.hidden_size > 2**26
+        ):
+            return None
+        linear = head.quant_method.native_linear(head)
+        if isinstance(linear, list):
+            linear = linear[0] if len(linear) == 1 else None
+        if linear is None:
+            return None
+        vocab = torch.arange(model.shape.vocab_size, device=self.device)
+        embedding = model.embed_tokens(vocab).contiguous()
+        return module, embedding, linear
 
     def _has_slot(self, state: CachedRequestState, position: int) -> bool:
         return position < len(state.block_ids) * self.block_size and position < self.max_position
