@@ -5,7 +5,8 @@ the draft's proposal, and the rest (scheduling, sampling, bookkeeping).
         [--k 4] [--max-tokens 96] [--repeats 3]
 
 `draft_model_python` among the methods: the draft model with the chain stepped from Python
-(TOKENMILL_NATIVE_DRAFT_CHAIN=0), beside `draft_model` (one native call per chain).
+(TOKENMILL_NATIVE_DRAFT_CHAIN=0), beside `draft_model` (one native call per chain);
+`draft_model@8`: a method at its own k.
 
 The demo target, one prompt at a time (fixed k, greedy), each configuration beside no
 speculation, interleaved; medians over the repeats of each run's totals. The target's forward
@@ -27,7 +28,9 @@ from tokenmill import LLM
 
 def engine(method: str, k: int) -> LLM:
     """`draft_model_python`: the draft model with its chain step by step from Python (the
-    native `draft_chain` off), for A/B in one run."""
+    native `draft_chain` off), for A/B in one run; `METHOD@K`: that method at k = K."""
+    method, _, own_k = method.partition("@")
+    k = int(own_k) if own_k else k
     python_chain = method == "draft_model_python"
     method = "draft_model" if python_chain else method
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": k}
