@@ -67,6 +67,8 @@ class DraftModelProposer:
         active = [s for s in states if self._has_slot(s, len(s.token_ids) - 1)]
         if not active:
             return {}
+        for state in active:
+            credit_fed_tokens(state)
         # New prompts, and requests back from steps without drafts, catch up within a
         # budget (catch_up.py) and draft once caught up.
         gaps = [len(s.token_ids) - s.num_draft_computed_tokens for s in active]
@@ -139,6 +141,7 @@ class DraftModelProposer:
             ).T.tolist()
             for state, chain in zip(states, drafted):
                 proposals[state.req_id].extend(chain)
+            remember_fed_tokens(states, proposals, num_tokens)
             return True
         positions = layout  # the tensors below share memory with these arrays
         slots, lens = metadata.slot_mapping.numpy(), step.seq_lens.numpy()
@@ -156,6 +159,7 @@ class DraftModelProposer:
             tokens = argmax_rows(self.model.compute_logits(hidden)).tolist()
             for state, token in zip(states, tokens):
                 proposals[state.req_id].append(token)
+        remember_fed_tokens(states, proposals, num_tokens)
         return True
 
     def _native_chain(self) -> tuple[Any, torch.Tensor, Any] | None:
@@ -274,3 +278,30 @@ class DraftModelProposer:
             self.kv_caches,
             metadata,
         )
+
+
+def remember_fed_tokens(
+    states: list[CachedRequestState], proposals: dict[str, list[int]], num_tokens: int
+) -> None:
+    """After a whole chain: each request's first chain position (its length: the catch-up
+    ended there) and the k - 1 drafts the chain fed from it, whose KV the draft wrote."""
+    for state in states:
+        state.draft_fed = (len(state.token_ids), proposals[state.req_id][: num_tokens - 1])
+
+
+def credit_fed_tokens(state: CachedRequestState) -> None:
+    """Count the chain's KV of the drafts the target accepted as computed, so the catch-up
+    runs over the bonus token (and an accepted last draft, which no chain step fed) instead
+    of every accepted token: at k = 4 a 1-2 row forward instead of up to 5. Each such
+    position holds the KV of the very token now there, at that position, over the same
+    prefix, as the catch-up would write it. The last token is never credited: the catch-up
+    runs over it for the first draft's logits."""
+    fed, state.draft_fed = state.draft_fed, None
+    if fed is None or state.num_draft_computed_tokens != fed[0]:
+        return
+    start, tokens = fed
+    limit = min(len(tokens), len(state.token_ids) - 1 - start)
+    matched = 0
+    while matched < limit and state.token_ids[start + matched] == tokens[matched]:
+        matched += 1
+    state.num_draft_computed_tokens = start + matched
