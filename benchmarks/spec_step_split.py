@@ -4,6 +4,10 @@ the draft's proposal, and the rest (scheduling, sampling, bookkeeping).
     python -m benchmarks.spec_step_split [--methods draft_model,eagle] [--tasks story,sort]
         [--k 4] [--max-tokens 96] [--repeats 3]
 
+`draft_model_python` among the methods: the draft model with the chain stepped from Python
+(TOKENMILL_NATIVE_DRAFT_CHAIN=0), beside `draft_model` (one native call per chain);
+`draft_model@8`: a method at its own k.
+
 The demo target, one prompt at a time (fixed k, greedy), each configuration beside no
 speculation, interleaved; medians over the repeats of each run's totals. The target's forward
 is the runner's own clock (`forward_seconds`: forward and logits), the proposal the step's
@@ -13,6 +17,7 @@ is the runner's own clock (`forward_seconds`: forward and logits), the proposal 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -22,10 +27,21 @@ from tokenmill import LLM
 
 
 def engine(method: str, k: int) -> LLM:
+    """`draft_model_python`: the draft model with its chain step by step from Python (the
+    native `draft_chain` off), for A/B in one run; `METHOD@K`: that method at k = K."""
+    method, _, own_k = method.partition("@")
+    k = int(own_k) if own_k else k
+    python_chain = method == "draft_model_python"
+    method = "draft_model" if python_chain else method
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": k}
     if spec is not None:
         spec["adaptive"] = False
-    return LLM(model=None, max_num_seqs=1, speculative_config=spec)
+    if python_chain:
+        os.environ["TOKENMILL_NATIVE_DRAFT_CHAIN"] = "0"
+    try:
+        return LLM(model=None, max_num_seqs=1, speculative_config=spec)
+    finally:
+        os.environ.pop("TOKENMILL_NATIVE_DRAFT_CHAIN", None)
 
 
 def timed_run(llm: LLM, prompts: list[str], max_tokens: int) -> dict[str, float]:

@@ -289,3 +289,78 @@ def test_draft_catch_up_split_over_forwards_and_steps(
     assert generate(llm, prompts, greedy()) == reference
     stats = llm.get_stats().scheduler.spec_decode
     assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_draft_chain_drafts_as_the_python_chain(target, prompts, monkeypatch, dtype):
+    """The draft chain in one native call (`draft_chain`: embedding, stack, LM head, argmax,
+    k - 1 times) proposes what the step-by-step chain proposes: the same outputs and the same
+    draft counts, and it is the path taken where it applies."""
+    from tokenmill.spec_decode import draft_model
+
+    calls = []
+    build = draft_model.DraftModelProposer._build_native_chain
+
+    def counted(self):
+        built = build(self)
+        if built is None:
+            return None
+        module, embedding, head = built
+
+        class Spy:
+            def draft_chain(self, *args):
+                calls.append(args[-1])
+                return module.draft_chain(*args)
+
+        return Spy(), embedding, head
+
+    def run() -> tuple[list[list[int]], tuple[int, int]]:
+        spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+        llm = LLM(
+            model=target,
+            dtype=dtype,
+            speculative_config={**spec, "adaptive": False},
+            max_model_len=128,
+        )
+        outputs = generate(llm, prompts, greedy())
+        stats = llm.get_stats().scheduler.spec_decode
+        assert stats is not None
+        return outputs, (stats.num_draft_tokens, stats.num_accepted_tokens)
+
+    monkeypatch.setattr(draft_model.DraftModelProposer, "_build_native_chain", counted)
+    native_run = run()
+    if not calls:
+        pytest.skip("the native chain does not apply here (no native kernels)")
+    assert set(calls) == {3}
+    monkeypatch.setattr(draft_model.DraftModelProposer, "_build_native_chain", lambda self: None)
+    assert run() == native_run
+
+
+def test_accepted_chain_drafts_need_no_draft_catch_up(target, prompts, reference, monkeypatch):
+    """The chain's KV of accepted drafts counts as computed: the target drafting for itself
+    (every draft accepted) catches up over 1-2 tokens a step instead of k + 1, with the same
+    outputs, and every draft still accepted (stale KV would show up as a rejection)."""
+    from tokenmill.spec_decode import draft_model
+
+    def run() -> tuple[int, int]:
+        rows: list[int] = []
+        forward = draft_model.DraftModelProposer._forward
+
+        def counted(self, states, input_ids, query_lens, seq_lens):
+            # Catch-ups after a verification: pieces that do not start a request's prompt.
+            rows.extend(q for q, e in zip(query_lens.tolist(), seq_lens.tolist()) if e > q)
+            return forward(self, states, input_ids, query_lens, seq_lens)
+
+        monkeypatch.setattr(draft_model.DraftModelProposer, "_forward", counted)
+        spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+        llm = make(target, {**spec, "adaptive": False})
+        assert generate(llm, prompts, greedy()) == reference
+        stats = llm.get_stats().scheduler.spec_decode
+        assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        return sum(rows), len(rows)
+
+    credited_rows, credited_steps = run()
+    monkeypatch.setattr(draft_model, "credit_fed_tokens", lambda state: None)
+    plain_rows, plain_steps = run()
+    assert credited_steps == plain_steps > 0
+    assert credited_rows <= 2 * credited_steps < plain_rows

@@ -12,13 +12,16 @@ deterministic, which is what the verifier assumes (see verification.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from tokenmill.kernels.argmax import argmax_rows
+from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.kv_cache import KVCacheSpec
+from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.catch_up import catch_up_allowances
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
@@ -50,6 +53,11 @@ class DraftModelProposer:
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
         self.max_position = model.rotary.max_position  # the positions its RoPE tables cover
         self.sliding_window = model.shape.sliding_window
+        # The native chain (`_native_chain`): None until first asked, False where it cannot run
+        # or TOKENMILL_NATIVE_DRAFT_CHAIN=0 (A/B measurements) when the proposer is made.
+        self._native: tuple[Any, torch.Tensor, Any] | Literal[False] | None = (
+            False if os.environ.get("TOKENMILL_NATIVE_DRAFT_CHAIN") == "0" else None
+        )
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
@@ -59,6 +67,8 @@ class DraftModelProposer:
         active = [s for s in states if self._has_slot(s, len(s.token_ids) - 1)]
         if not active:
             return {}
+        for state in active:
+            credit_fed_tokens(state)
         # New prompts, and requests back from steps without drafts, catch up within a
         # budget (catch_up.py) and draft once caught up.
         gaps = [len(s.token_ids) - s.num_draft_computed_tokens for s in active]
@@ -110,6 +120,29 @@ class DraftModelProposer:
             return False
         step = metadata.step
         assert step is not None
+        native = self._native_chain()
+        if native is not None:  # the whole chain in one call
+            module, embedding, head = native
+            for i, state in enumerate(states):  # chain step 0's; the rest is native
+                layout[i] = len(state.token_ids)
+            drafted = module.draft_chain(
+                self.model.decoder_stack.native,
+                embedding,
+                head,
+                torch.tensor(tokens, dtype=torch.long),
+                torch.from_numpy(layout),
+                metadata.slot_mapping,
+                step.query_start_loc,
+                step.seq_lens,
+                step.block_tables,
+                self.kv_caches,
+                self.block_size,
+                num_tokens - 1,
+            ).T.tolist()
+            for state, chain in zip(states, drafted):
+                proposals[state.req_id].extend(chain)
+            remember_fed_tokens(states, proposals, num_tokens)
+            return True
         positions = layout  # the tensors below share memory with these arrays
         slots, lens = metadata.slot_mapping.numpy(), step.seq_lens.numpy()
         position_tensor = torch.from_numpy(positions)
@@ -126,7 +159,44 @@ class DraftModelProposer:
             tokens = argmax_rows(self.model.compute_logits(hidden)).tolist()
             for state, token in zip(states, tokens):
                 proposals[state.req_id].append(token)
+        remember_fed_tokens(states, proposals, num_tokens)
         return True
+
+    def _native_chain(self) -> tuple[Any, torch.Tensor, Any] | None:
+        """(the native module, the embedding table, the LM head's `PackedLinear`) where the
+        whole chain can run natively: a CPU model on the fused stack, one rank, no embedding
+        scale or logit soft-cap, an LM head one native product; else None. The embedding
+        table is materialised once (small drafts only: at most 2**26 elements)."""
+        if self._native is False:
+            return None
+        if self._native is None:
+            self._native = self._build_native_chain() or False
+        return self._native or None
+
+    def _build_native_chain(self) -> tuple[Any, torch.Tensor, Any] | None:
+        model, module = self.model, native_kernels()
+        head = model.lm_head
+        if (
+            module is None
+            or not hasattr(module, "draft_chain")
+            or self.device.type != "cpu"
+            or model.decoder_stack is None
+            or model.tp.size > 1
+            or model.kv_layer_groups is not None
+            or model.traits.embedding_scale is not None
+            or model.traits.final_logit_softcap is not None
+            or not isinstance(head, Linear)
+            or model.shape.vocab_size * model.shape.hidden_size > 2**26
+        ):
+            return None
+        linear = head.quant_method.native_linear(head)
+        if isinstance(linear, list):
+            linear = linear[0] if len(linear) == 1 else None
+        if linear is None:
+            return None
+        vocab = torch.arange(model.shape.vocab_size, device=self.device)
+        embedding = model.embed_tokens(vocab).contiguous()
+        return module, embedding, linear
 
     def _has_slot(self, state: CachedRequestState, position: int) -> bool:
         return position < len(state.block_ids) * self.block_size and position < self.max_position
@@ -208,3 +278,30 @@ class DraftModelProposer:
             self.kv_caches,
             metadata,
         )
+
+
+def remember_fed_tokens(
+    states: list[CachedRequestState], proposals: dict[str, list[int]], num_tokens: int
+) -> None:
+    """After a whole chain: each request's first chain position (its length: the catch-up
+    ended there) and the k - 1 drafts the chain fed from it, whose KV the draft wrote."""
+    for state in states:
+        state.draft_fed = (len(state.token_ids), proposals[state.req_id][: num_tokens - 1])
+
+
+def credit_fed_tokens(state: CachedRequestState) -> None:
+    """Count the chain's KV of the drafts the target accepted as computed, so the catch-up
+    runs over the bonus token (and an accepted last draft, which no chain step fed) instead
+    of every accepted token: at k = 4 a 1-2 row forward instead of up to 5. Each such
+    position holds the KV of the very token now there, at that position, over the same
+    prefix, as the catch-up would write it. The last token is never credited: the catch-up
+    runs over it for the first draft's logits."""
+    fed, state.draft_fed = state.draft_fed, None
+    if fed is None or state.num_draft_computed_tokens != fed[0]:
+        return
+    start, tokens = fed
+    limit = min(len(tokens), len(state.token_ids) - 1 - start)
+    matched = 0
+    while matched < limit and state.token_ids[start + matched] == tokens[matched]:
+        matched += 1
+    state.num_draft_computed_tokens = start + matched

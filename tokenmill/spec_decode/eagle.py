@@ -39,6 +39,7 @@ from tokenmill.models.llama import (
 )
 from tokenmill.quantization.int8 import MAX_INT8_ROWS
 from tokenmill.spec_decode.catch_up import catch_up_allowances
+from tokenmill.spec_decode.proposer import proposal_threads
 from tokenmill.step.layout import block_table_array
 
 if TYPE_CHECKING:
@@ -131,6 +132,9 @@ class EagleProposer:
         self.kv_caches = kv_cache_spec.allocate(num_blocks, device)
         # Positions the draft knows and the target's RoPE tables (which it uses) cover.
         self.max_position = min(draft.shape.max_position, draft._target[0].rotary.max_position)
+        shape = draft._target[0].shape
+        own = sum(p.numel() for p in draft.parameters())
+        self.proposal_threads = proposal_threads(own + shape.vocab_size * shape.hidden_size)
 
     def record_hidden_states(
         self, state: CachedRequestState, first_position: int, hidden: torch.Tensor

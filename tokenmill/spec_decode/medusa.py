@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.spec_decode.proposer import proposal_threads
+
 if TYPE_CHECKING:
     from tokenmill.step.runner_request_state import CachedRequestState
 
@@ -65,6 +67,7 @@ class MedusaHeads(nn.Module):
 class MedusaProposer:
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads
+        self.proposal_threads = proposal_threads(sum(p.numel() for p in heads.parameters()))
 
     def record_hidden_states(
         self, state: CachedRequestState, first_position: int, hidden: torch.Tensor

@@ -27,6 +27,9 @@ class CachedRequestState:
     num_computed_tokens: int
     # Positions whose KV the draft model has computed (speculative decoding; see draft_model).
     num_draft_computed_tokens: int = 0
+    # The draft model's last chain: its first position and the tokens it fed from there, whose
+    # KV the draft wrote (those the target accepts need no catch-up; see draft_model).
+    draft_fed: tuple[int, list[int]] | None = None
     # The target's hidden states (first position, rows) not yet consumed by a proposer that
     # drafts from them (EAGLE, Medusa; see spec_decode/eagle.py).
     draft_hidden: list[tuple[int, torch.Tensor]] = field(default_factory=list)

@@ -22,7 +22,12 @@ from tokenmill.layers.sampler import (
 from tokenmill.lora.model_manager import LoRAModelManager
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.proposer import HiddenStateProposer, Proposer, RequestTrackingProposer
+from tokenmill.spec_decode.proposer import (
+    HiddenStateProposer,
+    Proposer,
+    RequestTrackingProposer,
+    threads_for,
+)
 from tokenmill.spec_decode.verification import accept, verify
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step, to_device
 from tokenmill.step.runner_output import ModelRunnerOutput
@@ -131,7 +136,10 @@ class ModelRunner:
             num_drafts = scheduler_output.num_spec_tokens_to_propose
             if self.proposer is not None and num_drafts > 0:
                 propose_start = time.perf_counter()
-                output.spec_token_ids = self.proposer.propose(inputs.sampling_states, num_drafts)
+                with threads_for(self.proposer):
+                    output.spec_token_ids = self.proposer.propose(
+                        inputs.sampling_states, num_drafts
+                    )
                 self._synchronize()
                 output.propose_seconds = time.perf_counter() - propose_start
         if inputs.prompt_logprob_rows:

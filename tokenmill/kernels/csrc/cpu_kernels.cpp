@@ -27,6 +27,12 @@ at::Tensor gated_delta_prefill(const at::Tensor& query, const at::Tensor& key,
 void encoder_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seqlens, double scale,
                        at::Tensor& out);  // encoder_attention.cpp
+at::Tensor draft_chain(DecoderStack& stack, const at::Tensor& embedding,
+                       const PackedLinear& lm_head, const at::Tensor& first_tokens,
+                       at::Tensor& positions, at::Tensor& slot_mapping,
+                       const at::Tensor& query_start_loc, at::Tensor& seq_lens,
+                       const at::Tensor& block_tables, const std::vector<at::Tensor>& kv_caches,
+                       int64_t block_size, int64_t steps);  // draft_chain.cpp
 
 namespace {
 
@@ -114,6 +120,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("positions"), pybind11::arg("kv_caches"), pybind11::arg("slot_mapping"),
            pybind11::arg("query_start_loc"), pybind11::arg("seq_lens"),
            pybind11::arg("block_tables"), pybind11::arg("lora_segments") = pybind11::none());
+  m.def("draft_chain", &draft_chain,
+        "a draft model's greedy chain: k - 1 steps of embedding, stack, LM head and argmax",
+        no_gil);
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double,

@@ -1,0 +1,63 @@
+// A draft model's greedy chain in one call: k - 1 decode steps of embedding, the fused decoder
+// stack, the LM head and the row argmax, each step's token the next one's input, without a
+// return to Python between them (spec_decode/draft_model.py). Per chain step that removes the
+// module calls, the step layout's updates and the `tolist` around a ~0.05 ms stack forward of
+// the demo draft, which were most of a draft token's cost.
+#include "decoder_stack.h"
+#include "linear.h"
+
+namespace tokenmill {
+
+at::Tensor argmax_rows(const at::Tensor& logits);  // argmax.cpp
+
+// `first_tokens` [B]: each sequence's first drafted token (the input of chain step 0).
+// `positions` [B] int64: chain step 0's positions; they, `slot_mapping` [B] int64 and
+// `seq_lens` [B] int32 (one query a sequence, `query_start_loc` = 0..B) are written here in
+// place, step by step; `block_tables` [B, W] must hold a slot for every position of the chain. Returns the
+// drafted tokens [steps, B] (step s: the token after step s's input).
+at::Tensor draft_chain(DecoderStack& stack, const at::Tensor& embedding,
+                       const PackedLinear& lm_head, const at::Tensor& first_tokens,
+                       at::Tensor& positions, at::Tensor& slot_mapping,
+                       const at::Tensor& query_start_loc, at::Tensor& seq_lens,
+                       const at::Tensor& block_tables, const std::vector<at::Tensor>& kv_caches,
+                       int64_t block_size, int64_t steps) {
+  const int64_t count = first_tokens.numel();
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous(), "draft_chain: embedding [V, H]");
+  TORCH_CHECK(first_tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slot_mapping.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kLong,
+              "draft_chain: int64 tokens, positions, slots, tables; int32 seq_lens");
+  TORCH_CHECK(positions.is_contiguous() && slot_mapping.is_contiguous() &&
+                  seq_lens.is_contiguous() && block_tables.is_contiguous() &&
+                  positions.numel() == count && slot_mapping.numel() == count &&
+                  seq_lens.numel() == count && block_tables.dim() == 2 &&
+                  block_tables.size(0) == count && query_start_loc.numel() == count + 1,
+              "draft_chain: one query a sequence");
+  TORCH_CHECK(block_size > 0 && steps >= 0, "draft_chain: block_size > 0, steps >= 0");
+  const int64_t width = block_tables.size(1);
+  int64_t* position = positions.data_ptr<int64_t>();
+  int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  int32_t* length = seq_lens.data_ptr<int32_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK((position[i] + steps - 1) / block_size < width,
+                "draft_chain: a sequence's block table ends within the chain");
+  at::Tensor out = at::empty({steps, count}, first_tokens.options());
+  int64_t* drafted = out.data_ptr<int64_t>();
+  at::Tensor ids = first_tokens.contiguous();
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t p = s > 0 ? ++position[i] : position[i];
+      length[i] = static_cast<int32_t>(p + 1);
+      slot[i] = table[i * width + p / block_size] * block_size + p % block_size;
+    }
+    const at::Tensor hidden = embedding.index_select(0, ids);
+    const at::Tensor states = stack.forward(hidden, positions, kv_caches, slot_mapping,
+                                            query_start_loc, seq_lens, block_tables);
+    ids = argmax_rows(lm_head.forward(states, c10::nullopt, true));
+    std::copy_n(ids.data_ptr<int64_t>(), count, drafted + s * count);
+  }
+  return out;
+}
+
+}  // namespace tokenmill
