@@ -47,7 +47,7 @@ def factored_weight(bits: int | str, group: int, offsets: bool, seed: int):
 
 
 @pytest.mark.parametrize("level", LEVELS, ids=lambda level: native.ISA_LEVELS[level])
-@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("rows", [1, 2, 9])
 @pytest.mark.parametrize(
     ("bits", "group", "offsets"),
     [

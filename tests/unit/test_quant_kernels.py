@@ -101,7 +101,7 @@ def test_looking_up_rows_reads_only_their_blocks(bits: int) -> None:
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 40])
 @pytest.mark.parametrize("bits", [8, 6, 5, 4])
 @pytest.mark.parametrize(("out_features", "in_features", "group"), SHAPES)
 def test_quant_linear_matches_its_reference(
