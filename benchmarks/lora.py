@@ -42,14 +42,17 @@ from tokenmill.lora.adapter_store import LoRAAdapterStore
 
 
 def make_adapters(model: Path, count: int, rank: int, root: Path) -> list[LoRARequest]:
+    """Random adapters under `root`, reusing those already there (each writes by loading the
+    base in float32 through transformers: seconds a piece for the 1B shape)."""
     from tokenmill_testing.lora_adapters import save_random_adapter
 
-    return [
-        LoRARequest(
-            f"a{i}", i + 1, str(save_random_adapter(model, root / f"a{i}", rank=rank, seed=i))
-        )
-        for i in range(count)
-    ]
+    requests = []
+    for i in range(count):
+        path = root / f"a{i}"
+        if not (path / "adapter_config.json").is_file():
+            save_random_adapter(model, path, rank=rank, seed=i)
+        requests.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    return requests
 
 
 class StackTimer:
@@ -96,6 +99,15 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--preset", default="smollm", choices=sorted(PRESETS))
     parser.add_argument("--no-base-engine", action="store_true")
+    parser.add_argument(
+        "--adapter-dir",
+        type=Path,
+        default=None,
+        help="keep the random adapters here and reuse them (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--prepare", action="store_true", help="only write the adapters (--adapter-dir), then exit"
+    )
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
@@ -109,7 +121,9 @@ def main() -> None:
     model = args.model or PRESETS[args.preset].model_dir()
     settings = {"dtype": args.dtype, "max_model_len": 512, "max_num_seqs": args.requests}
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(model, args.adapters, args.rank, Path(tmp))
+        adapters = make_adapters(model, args.adapters, args.rank, args.adapter_dir or Path(tmp))
+        if args.prepare:
+            return
         lora_llm = LLM(
             model=str(model),
             enable_lora=True,
