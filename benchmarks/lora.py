@@ -1,17 +1,25 @@
 """Multi-LoRA throughput: 8 adapters mixed across concurrent requests vs the base model alone,
 and the time to load an adapter.
 
-    python -m benchmarks.lora [--model PATH] [--adapters 8] [--requests 64] [--tokens 32]
-                              [--rounds 3] [--rank 16] [--dtype float32] [--with-modules]
+    python -m benchmarks.lora [--preset smollm | 1b | --model PATH] [--adapters 8]
+                              [--requests 64] [--tokens 32] [--rounds 3] [--rank 16]
+                              [--dtype auto | float32 | bfloat16] [--with-modules]
+                              [--no-base-engine]
 
-With no model: the SmolLM2-135M-shaped random checkpoint (`tokenmill bench make-model
---preset smollm`). Random peft adapters (every decoder target, --rank) are written to a
-temporary directory. Per round, in a shuffled order: all requests on the base model through
-an engine without --enable-lora, the same through the LoRA engine, and the requests spread
-evenly over the adapters on the LoRA engine (--max-loras = --adapters); with --with-modules
-also the mixed requests through the layer modules (the fused stack set aside: the path
-adapter steps took before the stack applied them). Output tokens/s, median over rounds, and
-CPU time per output token (the work, which others' load on a shared machine disturbs less).
+With no model: a preset's random checkpoint (`tokenmill bench make-model --preset ...`):
+`smollm` (SmolLM2-135M's shape, the default) or `1b` (Llama-3.2-1B's: hidden 2048, 16
+layers). `--dtype auto` is the engine's choice (bfloat16 on a CPU with AVX512_BF16 or AMX,
+float32 below), and the header names what it resolved to. `--no-base-engine` leaves out the
+engine without --enable-lora (the base then runs on the LoRA engine alone): one engine's
+memory, for the 1B shape in float32 (5 GB each) on a small machine.
+
+Random peft adapters (every decoder target, --rank) are written to a temporary directory. Per
+round, in a shuffled order: all requests on the base model through an engine without --enable-lora,
+the same through the LoRA engine, and the requests spread evenly over the adapters on the LoRA
+engine (--max-loras = --adapters); with --with-modules also the mixed requests through the layer
+modules (the fused stack set aside: the path adapter steps took before the stack applied them).
+Output tokens/s, median over rounds, and CPU time per output token (the work, which others' load on
+a shared machine disturbs less).
 Adapter load time: reading and checking each adapter into a fresh store (median).
 With --split, where each case's time went: the fused stack's forward (the decoder layers, the
 adapters' products inside it) per full decode step (median) and in all, against the wall time
@@ -34,14 +42,17 @@ from tokenmill.lora.adapter_store import LoRAAdapterStore
 
 
 def make_adapters(model: Path, count: int, rank: int, root: Path) -> list[LoRARequest]:
+    """Random adapters under `root`, reusing those already there (each writes by loading the
+    base in float32 through transformers: seconds a piece for the 1B shape)."""
     from tokenmill_testing.lora_adapters import save_random_adapter
 
-    return [
-        LoRARequest(
-            f"a{i}", i + 1, str(save_random_adapter(model, root / f"a{i}", rank=rank, seed=i))
-        )
-        for i in range(count)
-    ]
+    requests = []
+    for i in range(count):
+        path = root / f"a{i}"
+        if not (path / "adapter_config.json").is_file():
+            save_random_adapter(model, path, rank=rank, seed=i)
+        requests.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    return requests
 
 
 class StackTimer:
@@ -86,20 +97,33 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--preset", default="smollm", choices=sorted(PRESETS))
+    parser.add_argument("--no-base-engine", action="store_true")
+    parser.add_argument(
+        "--adapter-dir",
+        type=Path,
+        default=None,
+        help="keep the random adapters here and reuse them (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--prepare", action="store_true", help="only write the adapters (--adapter-dir), then exit"
+    )
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--with-modules", action="store_true")
     parser.add_argument("--split", action="store_true", help="time the stack's forward per case")
     args = parser.parse_args()
-    model = args.model or PRESETS["smollm"].model_dir()
+    model = args.model or PRESETS[args.preset].model_dir()
     settings = {"dtype": args.dtype, "max_model_len": 512, "max_num_seqs": args.requests}
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(model, args.adapters, args.rank, Path(tmp))
+        adapters = make_adapters(model, args.adapters, args.rank, args.adapter_dir or Path(tmp))
+        if args.prepare:
+            return
         lora_llm = LLM(
             model=str(model),
             enable_lora=True,
@@ -107,7 +131,9 @@ def main() -> None:
             max_lora_rank=args.rank,
             **settings,
         )
-        base_llm = LLM(model=str(model), **settings)
+        base_llm = None if args.no_base_engine else LLM(model=str(model), **settings)
+        embed = getattr(lora_llm.engine.runner.model, "embed_tokens", None)
+        dtype = str(getattr(getattr(embed, "weight", None), "dtype", args.dtype))
         store = LoRAAdapterStore(lora_llm.engine.parts.lora_store.base, args.rank, args.adapters)
         for adapter in adapters:
             store.get(adapter)
@@ -117,11 +143,11 @@ def main() -> None:
             for _ in range(args.requests)
         ]
         mixed = [adapters[i % len(adapters)] for i in range(args.requests)]
-        cases = {
-            "base, no --enable-lora": (base_llm, [None] * args.requests, True),
-            "base, LoRA engine": (lora_llm, [None] * args.requests, True),
-            f"{args.adapters} adapters mixed": (lora_llm, mixed, True),
-        }
+        cases: dict[str, tuple[LLM, list[LoRARequest | None], bool]] = {}
+        if base_llm is not None:
+            cases["base, no --enable-lora"] = (base_llm, [None] * args.requests, True)
+        cases["base, LoRA engine"] = (lora_llm, [None] * args.requests, True)
+        cases[f"{args.adapters} adapters mixed"] = (lora_llm, mixed, True)
         if args.with_modules:
             cases[f"{args.adapters} adapters, modules"] = (lora_llm, mixed, False)
         for llm, loras, stack in cases.values():  # warm-up: kernels, slots, caches
@@ -151,11 +177,12 @@ def main() -> None:
                     forward = sum(s for _, s in timer.calls)
                     splits[name].append((statistics.median(decode or [0.0]), forward, wall))
     print(
-        f"{model.name}, {args.dtype}, {args.requests} requests x {args.prompt_tokens} prompt + "
-        f"{args.tokens} output tokens, rank {args.rank}, {args.rounds} rounds"
+        f"{model.name}, {dtype.removeprefix('torch.')} (--dtype {args.dtype}), {args.requests} "
+        f"requests x {args.prompt_tokens} prompt + {args.tokens} output tokens, rank {args.rank}, "
+        f"{args.rounds} rounds"
     )
-    baseline = statistics.median(results["base, no --enable-lora"])
-    cpu_baseline = statistics.median(cpu["base, no --enable-lora"])
+    base = next(iter(cases))  # the engine without --enable-lora, else the LoRA engine's base
+    baseline, cpu_baseline = statistics.median(results[base]), statistics.median(cpu[base])
     for name, values in results.items():
         median, cpu_ms = statistics.median(values), statistics.median(cpu[name])
         print(

@@ -123,6 +123,37 @@ def test_bfloat16_stack_is_close_to_the_layer_modules(
         torch.testing.assert_close(got, per_level[-1], rtol=0, atol=0.02)
 
 
+def test_fused_parts_past_one_expand_block_equal_peft(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """q/k/v and gate/up wider than the expand's 256-column block, so that a block holds only
+    some parts' columns and the expand skips the other parts' widths: an adapter on every part
+    and one on k and up alone (whose widths are skipped where q's and gate's columns lie)."""
+    base = tiny_checkpoint(
+        "llama",
+        hidden_size=40,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=64,  # q 320, k and v 64: columns 0-255 are q's alone
+        intermediate_size=160,  # gate 0-159, up 160-319: columns 256-319 are up's alone
+    )
+    settings = [{"rank": 8, "seed": 21}, {"rank": 8, "seed": 22, "targets": ("k_proj", "up_proj")}]
+    adapters = [
+        LoRARequest(f"w{i}", i + 1, str(save_random_adapter(base, tmp_path / f"w{i}", **kwargs)))
+        for i, kwargs in enumerate(settings)
+    ]
+    want = []
+    for request in [None, *adapters]:
+        model = merged_reference(base, None if request is None else request.lora_path)
+        want.extend(greedy_reference(model, PROMPTS, MAX_TOKENS)[0])
+    llm = make_llm(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    stack = llm.engine.runner.model.decoder_stack
+    assert stack is not None and stack.lora_mapping is not None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in mixed(llm, adapters, params)]
+    assert got == want
+
+
 class _Spy:
     """The native stack with its `forward` calls' arguments seen first."""
 

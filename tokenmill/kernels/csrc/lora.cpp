@@ -10,6 +10,7 @@
 #include "lora.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "thread_pool.h"
 
@@ -217,6 +218,47 @@ void shrink_tile_avx512(const T* const* x, int64_t rows, const T* a, int64_t nw,
   shrink_tiles<ShrinkAvx512, T>(x, rows, a, nw, in, out, ld_out);
 }
 
+// AVX-512 BF16 (bf16 weights and input): vdpbf16ps takes 32 bf16 of A and of x as they lie
+// (pairs of neighbours, products exact in float32, summed in float32), no widening; up to four
+// rows by four widths in registers. The tail is a masked load (zeros add nothing).
+template <int R, int W>
+struct ShrinkBf16 {
+  TM_AVX512BF16 static void run(const u16* const* x, const u16* a, int64_t in, float* out,
+                                int64_t ld_out) {
+    __m512 acc[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+      const __mmask32 mask =
+          in - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (in - k)) - 1);
+      __m512bh av[W];
+      for (int w = 0; w < W; ++w) av[w] = (__m512bh)_mm512_maskz_loadu_epi16(mask, a + w * in + k);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[r] + k);
+        for (int w = 0; w < W; ++w) acc[r][w] = _mm512_dpbf16_ps(acc[r][w], xv, av[w]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int w = 0; w < W; ++w) out[r * ld_out + w] = _mm512_reduce_add_ps(acc[r][w]);
+  }
+};
+
+void shrink_tile_bf16(const u16* const* x, int64_t rows, const u16* a, int64_t nw, int64_t in,
+                      float* out, int64_t ld_out) {
+  using Fn = void (*)(const u16* const*, const u16*, int64_t, float*, int64_t);
+  static constexpr Fn table[4][4] = {
+      {ShrinkBf16<1, 1>::run, ShrinkBf16<1, 2>::run, ShrinkBf16<1, 3>::run, ShrinkBf16<1, 4>::run},
+      {ShrinkBf16<2, 1>::run, ShrinkBf16<2, 2>::run, ShrinkBf16<2, 3>::run, ShrinkBf16<2, 4>::run},
+      {ShrinkBf16<3, 1>::run, ShrinkBf16<3, 2>::run, ShrinkBf16<3, 3>::run, ShrinkBf16<3, 4>::run},
+      {ShrinkBf16<4, 1>::run, ShrinkBf16<4, 2>::run, ShrinkBf16<4, 3>::run, ShrinkBf16<4, 4>::run}};
+  for (int64_t r = 0; r < rows; r += 4) {
+    const int64_t nr = std::min<int64_t>(4, rows - r);
+    for (int64_t w = 0; w < nw; w += 4)
+      table[nr - 1][std::min<int64_t>(4, nw - w) - 1](x + r, a + w * in, in, out + r * ld_out + w,
+                                                      ld_out);
+  }
+}
+
 template <typename T, int R>
 TM_AVX512 void expand_rows_avx512(float* const* y, const float* t, int64_t ld_t, const T* b,
                                   int64_t ld_b, const int64_t* ws, int64_t nw, int64_t n) {
@@ -269,6 +311,8 @@ struct Kernels {
 
 template <typename T>
 Kernels<T> kernels_for(int isa) {
+  if constexpr (std::is_same_v<T, u16>)
+    if (isa >= kAvx512Bf16) return {shrink_tile_bf16, expand_tile_avx512<T>};
   if (isa >= kAvx512) return {shrink_tile_avx512<T>, expand_tile_avx512<T>};
   if (isa >= kAvx2) return {shrink_tile_avx2<T>, expand_tile_avx2<T>};
   return {shrink_tile_portable<T>, expand_tile_portable<T>};
@@ -302,15 +346,23 @@ void expand_task(const LoRAStack& s, const LoRARows& rows, const float* shrunk, 
   float* ys[kLoRARowTile];
   for (int64_t i = tile.first; i < tile.end; ++i) ys[i - tile.first] = y + rows.row[i] * ld_y + c0;
   const float* t = shrunk + tile.first * s.width;
-  // The widths any of the tile's rows uses (ranks below the width shrink to zeros).
+  // The widths any of the tile's rows uses (ranks below the width shrink to zeros) whose part
+  // has columns in the block (a fused linear's other parts' B is zeros there).
   thread_local std::vector<int64_t> ws;
   ws.clear();
-  for (int64_t w = 0; w < s.width; ++w)
+  const int64_t per_part = s.width / s.parts;
+  for (int64_t w = 0; w < s.width; ++w) {
+    const int64_t part = w / per_part;
+    if (s.part_end[part] <= c0 || (part > 0 && s.part_end[part - 1] >= c1)) {
+      w = (part + 1) * per_part - 1;  // the rest of this part's widths
+      continue;
+    }
     for (int64_t r = 0; r < n; ++r)
       if (t[r * s.width + w] != 0.0f) {
         ws.push_back(w);
         break;
       }
+  }
   if (ws.empty()) return;
   const T* bt = static_cast<const T*>(s.bt) + tile.slot * s.width * s.out + c0;
   kernels_for<T>(isa).expand(ys, n, t, s.width, bt, s.out, ws.data(),
@@ -334,8 +386,20 @@ LoRAStack lora_stack_of(const at::Tensor& a, const at::Tensor& bt) {
   TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.dim() == 3 && bt.dim() == 3 &&
                   a.size(0) == bt.size(0) && a.size(1) == bt.size(1),
               "LoRA weights: contiguous a [slots, width, in] and bt [slots, width, out]");
-  return LoRAStack{a.data_ptr(), bt.data_ptr(), a.size(0), a.size(1), a.size(2), bt.size(2),
-                   type == at::kBFloat16};
+  LoRAStack stack{a.data_ptr(), bt.data_ptr(), a.size(0), a.size(1), a.size(2), bt.size(2),
+                  type == at::kBFloat16};
+  stack.part_end[0] = stack.out;
+  return stack;
+}
+
+void LoRAStack::set_parts(const std::vector<int64_t>& sizes) {
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK(n >= 1 && n <= static_cast<int64_t>(part_end.size()) && width % n == 0,
+              "LoRA weights: a fused linear's widths split evenly over its parts");
+  int64_t end = 0;
+  for (int64_t p = 0; p < n; ++p) part_end[p] = end += sizes[p];
+  TORCH_CHECK(end == out, "LoRA weights: the parts' outputs make up the linear's");
+  parts = n;
 }
 
 LoRARows lora_rows_of(const at::Tensor& segments, int64_t rows, int64_t slots) {

@@ -6,6 +6,7 @@
 // `lora_shrink_expand` runs them as one job.
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "cpu_common.h"
@@ -19,12 +20,19 @@ constexpr int64_t kLoRARowTile = 16;
 
 // One linear's adapters, every slot stacked: a [slots, width, in], bt [slots, width, out]
 // (B transposed, the scaling folded in); both float32, or both bf16 (then so is the input).
+// A fused linear's parts (q/k/v, gate/up) each take width / parts of the widths and their B
+// only its own columns: `part_end[p]` is part p's last output column + 1, so the expand skips
+// the widths of parts whose columns miss its block (their B is zeros there).
 struct LoRAStack {
   const void* a = nullptr;
   const void* bt = nullptr;
   int64_t slots = 0, width = 0, in = 0, out = 0;
   bool bf16 = false;
+  int64_t parts = 1;
+  std::array<int64_t, 4> part_end{};
   bool empty() const { return a == nullptr || width == 0; }
+  // Split into parts of these output sizes (summing to `out`, width a multiple of their count).
+  void set_parts(const std::vector<int64_t>& sizes);
 };
 
 // The stack of `a` and `bt` (checked: shapes, contiguous, one dtype of float32 or bf16).
