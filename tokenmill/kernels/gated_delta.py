@@ -11,6 +11,8 @@ torch gathers the slots' states, runs ~10 ops over them and scatters them back (
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill.kernels.native import native_kernels
@@ -58,6 +60,22 @@ def native_applies(query: torch.Tensor, state_pool: torch.Tensor) -> bool:
         and state_pool.is_contiguous()
         and native_kernels() is not None
         and hasattr(native_kernels(), "gated_delta_decode")
+    )
+
+
+def fused_decode_applies(mixed: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a gated DeltaNet layer's decode rows run in one native call
+    (`gated_deltanet_decode`): the CPU, float32 or bfloat16 activations, every tensor of
+    theirs (`tensors`: z, b, a, the conv taps and states, the norm's weight) of that dtype.
+    `TOKENMILL_FUSED_HYBRID=0` runs the ops one by one (A/B measurements)."""
+    module = native_kernels()
+    return (
+        mixed.device.type == "cpu"
+        and mixed.dtype in (torch.float32, torch.bfloat16)
+        and all(t.dtype == mixed.dtype for t in tensors)
+        and module is not None
+        and hasattr(module, "gated_deltanet_decode")
+        and os.environ.get("TOKENMILL_FUSED_HYBRID") != "0"
     )
 
 
@@ -128,3 +146,40 @@ def decode_delta_rule_torch_(
     out = recurrent_step_(q, k, value.float(), decay, beta, state)
     state_pool[slots] = state
     return out
+
+
+def fused_decode_(
+    mixed: torch.Tensor,  # [rows, conv_dim]: q|k|v before the conv
+    z: torch.Tensor,  # [rows, v_heads, v_dim]
+    b: torch.Tensor,  # [rows, v_heads]
+    a: torch.Tensor,  # [rows, v_heads]
+    a_log: torch.Tensor,  # [v_heads]
+    dt_bias: torch.Tensor,  # [v_heads]
+    conv_weight: torch.Tensor,  # [conv_dim, kernel]
+    conv_states: torch.Tensor,  # [slots, conv_dim, kernel - 1], rows' slots shifted
+    state_pool: torch.Tensor,  # [slots, v_heads, k_dim, v_dim] float32, rows' slots updated
+    slots: torch.Tensor,  # [rows] int64
+    norm_weight: torch.Tensor,  # [v_dim]
+    k_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """One token of each row through the conv, the delta rule and the gated norm
+    (`fused_decode_applies`): `[rows, v_heads * v_dim]` in the activations' dtype, what the
+    layer's output projection reads."""
+    module = native_kernels()
+    assert module is not None
+    return module.gated_deltanet_decode(
+        mixed.contiguous(),
+        z.contiguous(),
+        b.contiguous(),
+        a.contiguous(),
+        a_log.float().contiguous(),
+        dt_bias.float().contiguous(),
+        conv_weight.contiguous(),
+        conv_states,
+        state_pool,
+        slots.contiguous(),
+        norm_weight.contiguous(),
+        k_heads,
+        eps,
+    )

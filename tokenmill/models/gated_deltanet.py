@@ -23,6 +23,8 @@ from torch import nn
 
 from tokenmill.kernels.gated_delta import (
     decode_delta_rule_,
+    fused_decode_,
+    fused_decode_applies,
     native_prefill_applies,
     prefill_delta_rule_,
 )
@@ -110,12 +112,25 @@ class GatedDeltaNet(nn.Module):
         step, index = self.states.step, self.layer_index
         conv_states, recurrent = self.states.conv[index], self.states.recurrent[index]
         mixed, z, b, a = self._project(hidden)
-        beta = b.float().sigmoid()
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
-        out = hidden.new_empty((hidden.shape[0], self.num_v_heads, self.v_dim), dtype=torch.float32)
-        rows = step.num_decodes
-        if rows:
+        tokens, rows = hidden.shape[0], step.num_decodes
+        fused = bool(rows) and fused_decode_applies(mixed, z, b, a, weight, conv_states,
+                                                    self.norm.weight)  # fmt: skip
+        gated_decodes = None
+        if fused:  # the decode rows' conv, rule and gated norm in one native call
+            gated_decodes = fused_decode_(
+                mixed[:rows], z[:rows], b[:rows], a[:rows], self.A_log, self.dt_bias, weight,
+                conv_states, recurrent, step.decode_slots, self.norm.weight,
+                self.num_k_heads, self.norm.eps,
+            )  # fmt: skip
+        if gated_decodes is not None and rows == tokens:
+            decay = beta = None  # a decode-only step: nothing below reads them
+        else:
+            beta = b.float().sigmoid()
+            decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = hidden.new_empty((tokens, self.num_v_heads, self.v_dim), dtype=torch.float32)
+        if rows and not fused:
+            assert decay is not None and beta is not None
             # index_select / index_copy_, not `conv_states[slots]`: advanced indexing of the
             # pool took ~10 ms a layer on a loaded 2-core machine (its parallel kernel).
             slots = step.decode_slots
@@ -132,6 +147,7 @@ class GatedDeltaNet(nn.Module):
                 slot = step.slots[i]
                 snapshots.save(index, snapshot, conv_states[slot], recurrent[slot])
         for i in range(rows, len(step.slots)):
+            assert decay is not None and beta is not None
             start, end, slot = step.row_starts[i], step.row_starts[i + 1], step.slots[i]
             if i in step.verifying:
                 out[start:end] = self._verify(mixed[start:end], decay[start:end],
@@ -144,8 +160,14 @@ class GatedDeltaNet(nn.Module):
                 snapshots.save(index, cut[1], conv_states[slot], recurrent[slot])
             if split < end:
                 out[split:end] = self._chunk(mixed, decay, beta, split, end, slot, weight)
-        gated = self.norm(out.to(hidden.dtype), z)
-        return self.out_proj(gated.reshape(hidden.shape[0], self.value_size))
+        if gated_decodes is None:
+            gated = self.norm(out.to(hidden.dtype), z).reshape(tokens, self.value_size)
+        elif rows == tokens:
+            gated = gated_decodes
+        else:
+            rest = self.norm(out[rows:].to(hidden.dtype), z[rows:])
+            gated = torch.cat([gated_decodes, rest.reshape(tokens - rows, self.value_size)])
+        return self.out_proj(gated)
 
     def _chunk(
         self,

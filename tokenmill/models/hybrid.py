@@ -10,12 +10,14 @@ hands the model (`use_state_cache`). docs/hybrid_models.md says what is supporte
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention.base import AttentionMetadata, KVCache
 from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
@@ -79,6 +81,29 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
+def add_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden + delta, its norm): one native call where it builds
+    (kernels/csrc/add_rms_norm.cpp; `TOKENMILL_FUSED_HYBRID=0` runs torch's ops), else the
+    add and the module. `delta` None: hidden as it is."""
+    module = native_kernels()
+    if (
+        module is not None
+        and hasattr(module, "add_rms_norm")
+        and hidden.device.type == "cpu"
+        and hidden.dtype in (torch.float32, torch.bfloat16)
+        and norm.weight.dtype == hidden.dtype
+        and (delta is None or delta.dtype == hidden.dtype)
+        and os.environ.get("TOKENMILL_FUSED_HYBRID") != "0"
+    ):
+        delta = None if delta is None else delta.contiguous()
+        return module.add_rms_norm(hidden.contiguous(), delta, norm.weight, norm.offset, norm.eps)
+    if delta is not None:
+        hidden = hidden + delta
+    return hidden, norm(hidden)
+
+
 class HybridDecoderLayer(nn.Module):
     def __init__(self, mixer: nn.Module, mlp: nn.Module, shape: ModelShape) -> None:
         super().__init__()
@@ -96,16 +121,20 @@ class HybridDecoderLayer(nn.Module):
         self,
         rope: RopeCache,
         hidden: torch.Tensor,
+        pending: torch.Tensor | None,
         kv_cache: KVCache | None,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        normed = self.input_layernorm(hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, the MLP's output still to be added to it): `pending` is the
+        previous layer's, added here with the input norm in one call (`add_norm`)."""
+        hidden, normed = add_norm(hidden, pending, self.input_layernorm)
         if self.is_linear:
-            hidden = hidden + self.linear_attn(normed)
+            mixed = self.linear_attn(normed)
         else:
             assert kv_cache is not None
-            hidden = hidden + self.self_attn(rope, normed, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mixed = self.self_attn(rope, normed, kv_cache, metadata)
+        hidden, normed = add_norm(hidden, mixed, self.post_attention_layernorm)
+        return hidden, self.mlp(normed)
 
 
 class HybridForCausalLM(LlamaForCausalLM):
@@ -170,9 +199,11 @@ class HybridForCausalLM(LlamaForCausalLM):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         caches = iter(kv_caches)
+        pending = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, None if layer.is_linear else next(caches), metadata)
-        return self.norm(hidden)
+            cache = None if layer.is_linear else next(caches)
+            hidden, pending = layer(rope, hidden, pending, cache, metadata)
+        return add_norm(hidden, pending, self.norm)[1]
 
 
 def split_hybrid_tensor(name: str, read: Any, hf_config: Any) -> Iterator[tuple[str, Any]]:

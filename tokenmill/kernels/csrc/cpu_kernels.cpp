@@ -6,6 +6,8 @@
 #include <cpuid.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <tuple>
+
 #include "cpu_common.h"
 #include "decoder_stack.h"
 #include "int_linear.h"
@@ -24,6 +26,17 @@ at::Tensor gated_delta_decode(const at::Tensor& query, const at::Tensor& key,
 at::Tensor gated_delta_prefill(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& decay,
                                const at::Tensor& beta, at::Tensor& state);  // gated_delta.cpp
+at::Tensor gated_deltanet_decode(const at::Tensor& mixed, const at::Tensor& z,
+                                 const at::Tensor& b, const at::Tensor& a,
+                                 const at::Tensor& a_log, const at::Tensor& dt_bias,
+                                 const at::Tensor& conv_weight, at::Tensor& conv_states,
+                                 at::Tensor& state_pool, const at::Tensor& slots,
+                                 const at::Tensor& norm_weight, int64_t k_heads,
+                                 double eps);  // gated_deltanet_decode.cpp
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden,
+                                                const c10::optional<at::Tensor>& delta,
+                                                const at::Tensor& weight, double offset,
+                                                double eps);  // add_rms_norm.cpp
 void encoder_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seqlens, double scale,
                        at::Tensor& out);  // encoder_attention.cpp
@@ -103,6 +116,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one token of the gated delta rule per row, its state updated in its slot", no_gil);
   m.def("gated_delta_prefill", &gated_delta_prefill,
         "one sequence's tokens of the gated delta rule, its state updated in place", no_gil);
+  m.def("gated_deltanet_decode", &gated_deltanet_decode,
+        "a gated DeltaNet layer's decode rows: conv, the delta rule, the gated norm", no_gil);
+  m.def("add_rms_norm", &add_rms_norm,
+        "(hidden + delta, rms_norm(hidden + delta) * (offset + weight)) in the dtype", no_gil);
   m.def("encoder_attention", &encoder_attention,
         "bidirectional attention over packed variable-length sequences (cu_seqlens)", no_gil);
   pybind11::class_<DecoderStack>(m, "DecoderStack")

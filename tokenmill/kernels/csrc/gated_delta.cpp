@@ -12,24 +12,28 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "gated_delta.h"
 #include "thread_pool.h"
 
 namespace tokenmill {
 namespace {
 
-struct HeadJob {
-  const float* q;  // [k_dim], normalised and scaled
-  const float* k;  // [k_dim], normalised
-  const float* v;  // [v_dim]
-  float decay;     // exp(g)
-  float beta;
-  float* state;  // [k_dim, v_dim]
-  float* out;    // [v_dim]
-  int64_t k_dim, v_dim;
-};
+// The prediction d of a head, on the stack up to this v_dim (a heap vector per head and layer
+// was one malloc per job: 16 heads x 18 layers a decode step).
+constexpr int64_t kStackVDim = 512;
+
+// Scratch of v_dim floats: the stack buffer, or `heap` sized where v_dim is larger.
+inline float* scratch(float* stack, std::vector<float>& heap, int64_t v_dim) {
+  if (v_dim <= kStackVDim) return stack;
+  heap.assign(v_dim, 0.f);
+  return heap.data();
+}
 
 void head_portable(const HeadJob& j) {
-  std::vector<float> delta(j.v_dim, 0.f);
+  float stack[kStackVDim];
+  std::vector<float> heap;
+  float* delta = scratch(stack, heap, j.v_dim);
+  std::fill(delta, delta + j.v_dim, 0.f);
   for (int64_t i = 0; i < j.k_dim; ++i) {
     float* row = j.state + i * j.v_dim;
     for (int64_t c = 0; c < j.v_dim; ++c) {
@@ -52,7 +56,10 @@ void head_portable(const HeadJob& j) {
 
 TM_AVX2 void head_avx2(const HeadJob& j) {
   if (j.v_dim % 8) return head_portable(j);
-  std::vector<float> delta(j.v_dim, 0.f);
+  float stack[kStackVDim];
+  std::vector<float> heap;
+  float* delta = scratch(stack, heap, j.v_dim);
+  std::fill(delta, delta + j.v_dim, 0.f);
   const __m256 decay = _mm256_set1_ps(j.decay);
   for (int64_t i = 0; i < j.k_dim; ++i) {
     float* row = j.state + i * j.v_dim;
@@ -60,20 +67,20 @@ TM_AVX2 void head_avx2(const HeadJob& j) {
     for (int64_t c = 0; c < j.v_dim; c += 8) {
       const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), decay);
       _mm256_storeu_ps(row + c, s);
-      _mm256_storeu_ps(delta.data() + c, _mm256_fmadd_ps(ki, s, _mm256_loadu_ps(delta.data() + c)));
+      _mm256_storeu_ps(delta + c, _mm256_fmadd_ps(ki, s, _mm256_loadu_ps(delta + c)));
     }
   }
   const __m256 beta = _mm256_set1_ps(j.beta);
   for (int64_t c = 0; c < j.v_dim; c += 8) {
-    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(j.v + c), _mm256_loadu_ps(delta.data() + c));
-    _mm256_storeu_ps(delta.data() + c, _mm256_mul_ps(d, beta));
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(j.v + c), _mm256_loadu_ps(delta + c));
+    _mm256_storeu_ps(delta + c, _mm256_mul_ps(d, beta));
     _mm256_storeu_ps(j.out + c, _mm256_setzero_ps());
   }
   for (int64_t i = 0; i < j.k_dim; ++i) {
     float* row = j.state + i * j.v_dim;
     const __m256 ki = _mm256_set1_ps(j.k[i]), qi = _mm256_set1_ps(j.q[i]);
     for (int64_t c = 0; c < j.v_dim; c += 8) {
-      const __m256 s = _mm256_fmadd_ps(ki, _mm256_loadu_ps(delta.data() + c), _mm256_loadu_ps(row + c));
+      const __m256 s = _mm256_fmadd_ps(ki, _mm256_loadu_ps(delta + c), _mm256_loadu_ps(row + c));
       _mm256_storeu_ps(row + c, s);
       _mm256_storeu_ps(j.out + c, _mm256_fmadd_ps(qi, s, _mm256_loadu_ps(j.out + c)));
     }
@@ -82,7 +89,10 @@ TM_AVX2 void head_avx2(const HeadJob& j) {
 
 TM_AVX512 void head_avx512(const HeadJob& j) {
   if (j.v_dim % 16) return head_avx2(j);
-  std::vector<float> delta(j.v_dim, 0.f);
+  float stack[kStackVDim];
+  std::vector<float> heap;
+  float* delta = scratch(stack, heap, j.v_dim);
+  std::fill(delta, delta + j.v_dim, 0.f);
   const __m512 decay = _mm512_set1_ps(j.decay);
   for (int64_t i = 0; i < j.k_dim; ++i) {
     float* row = j.state + i * j.v_dim;
@@ -90,27 +100,28 @@ TM_AVX512 void head_avx512(const HeadJob& j) {
     for (int64_t c = 0; c < j.v_dim; c += 16) {
       const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(row + c), decay);
       _mm512_storeu_ps(row + c, s);
-      _mm512_storeu_ps(delta.data() + c, _mm512_fmadd_ps(ki, s, _mm512_loadu_ps(delta.data() + c)));
+      _mm512_storeu_ps(delta + c, _mm512_fmadd_ps(ki, s, _mm512_loadu_ps(delta + c)));
     }
   }
   const __m512 beta = _mm512_set1_ps(j.beta);
   for (int64_t c = 0; c < j.v_dim; c += 16) {
-    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(j.v + c), _mm512_loadu_ps(delta.data() + c));
-    _mm512_storeu_ps(delta.data() + c, _mm512_mul_ps(d, beta));
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(j.v + c), _mm512_loadu_ps(delta + c));
+    _mm512_storeu_ps(delta + c, _mm512_mul_ps(d, beta));
     _mm512_storeu_ps(j.out + c, _mm512_setzero_ps());
   }
   for (int64_t i = 0; i < j.k_dim; ++i) {
     float* row = j.state + i * j.v_dim;
     const __m512 ki = _mm512_set1_ps(j.k[i]), qi = _mm512_set1_ps(j.q[i]);
     for (int64_t c = 0; c < j.v_dim; c += 16) {
-      const __m512 s = _mm512_fmadd_ps(ki, _mm512_loadu_ps(delta.data() + c), _mm512_loadu_ps(row + c));
+      const __m512 s = _mm512_fmadd_ps(ki, _mm512_loadu_ps(delta + c), _mm512_loadu_ps(row + c));
       _mm512_storeu_ps(row + c, s);
       _mm512_storeu_ps(j.out + c, _mm512_fmadd_ps(qi, s, _mm512_loadu_ps(j.out + c)));
     }
   }
 }
 
-// x * rsqrt(sum(x^2) + 1e-6) * scale, into out.
+}  // namespace
+
 void l2_normalize(const float* x, float* out, int64_t n, float scale) {
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
@@ -127,6 +138,8 @@ void run_head(int isa, const HeadJob& j) {
     head_portable(j);
   }
 }
+
+namespace {
 
 // Normalised q (scaled by k_dim^-0.5) and k, once per (token or row, key head).
 std::pair<at::Tensor, at::Tensor> normalized_qk(const at::Tensor& query, const at::Tensor& key) {
