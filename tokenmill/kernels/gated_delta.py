@@ -63,6 +63,11 @@ def native_applies(query: torch.Tensor, state_pool: torch.Tensor) -> bool:
     )
 
 
+def fused_hybrid_enabled() -> bool:
+    """The hybrid layers' native glue is on unless `TOKENMILL_FUSED_HYBRID=0` (A/B runs)."""
+    return os.environ.get("TOKENMILL_FUSED_HYBRID") != "0"
+
+
 def fused_decode_applies(mixed: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a gated DeltaNet layer's decode rows run in one native call
     (`gated_deltanet_decode`): the CPU, float32 or bfloat16 activations, every tensor of
@@ -75,7 +80,7 @@ def fused_decode_applies(mixed: torch.Tensor, *tensors: torch.Tensor) -> bool:
         and all(t.dtype == mixed.dtype for t in tensors)
         and module is not None
         and hasattr(module, "gated_deltanet_decode")
-        and os.environ.get("TOKENMILL_FUSED_HYBRID") != "0"
+        and fused_hybrid_enabled()
     )
 
 

@@ -10,13 +10,13 @@ hands the model (`use_state_cache`). docs/hybrid_models.md says what is supporte
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill.kernels.gated_delta import fused_hybrid_enabled
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention.base import AttentionMetadata, KVCache
 from tokenmill.layers.attention.selector import make_attention_backend
@@ -95,7 +95,7 @@ def add_norm(
         and hidden.dtype in (torch.float32, torch.bfloat16)
         and norm.weight.dtype == hidden.dtype
         and (delta is None or delta.dtype == hidden.dtype)
-        and os.environ.get("TOKENMILL_FUSED_HYBRID") != "0"
+        and fused_hybrid_enabled()
     ):
         delta = None if delta is None else delta.contiguous()
         return module.add_rms_norm(hidden.contiguous(), delta, norm.weight, norm.offset, norm.eps)
