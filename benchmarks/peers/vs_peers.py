@@ -102,7 +102,10 @@ def offline(engines: list[Engine], args: argparse.Namespace) -> str:
                 continue
             runs[engine.name].append(result)
             rates = ", ".join(f"B={b} {r:.1f}" for b, r in result.rates.items())
-            print(f"round {round_index} {engine.name}: {rates} tok/s", flush=True)
+            decode = "" if result.decode_steps_s is None else (
+                f"; B=1 decode {result.decode_steps_s:.1f} steps/s"
+            )  # fmt: skip
+            print(f"round {round_index} {engine.name}: {rates} tok/s{decode}", flush=True)
     memory = {}
     if args.quantization:
         for engine in engines:

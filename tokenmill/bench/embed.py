@@ -21,6 +21,7 @@ import json
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -263,15 +264,25 @@ def _measure(
         run(texts[:8])  # warm-up: first calls allocate and pick kernels
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     latency: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for name, run in runs.items():
             start = time.perf_counter()
             run(texts)
             seconds[name].append(time.perf_counter() - start)
+            short_latency = []
             for _ in range(9):
                 start = time.perf_counter()
                 run(short)
-                latency[name].append(time.perf_counter() - start)
+                short_latency.append(time.perf_counter() - start)
+            latency[name].extend(short_latency)
+            # Each round as it ends, so a run killed by a time limit still leaves its data.
+            print(
+                f"round {round_index + 1} {name}: {args.num_texts / seconds[name][-1]:.2f} texts/s"
+                f" ({seconds[name][-1]:.1f} s), one short text p50"
+                f" {1000 * statistics.median(short_latency):.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     report = {
         "model": str(model),
         "num_texts": args.num_texts,

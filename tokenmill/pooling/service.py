@@ -14,11 +14,12 @@ from transformers import PreTrainedTokenizerBase
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.layers.attention.selector import resolve_attention_backend
+from tokenmill.models.bert import ENCODER_ARCHITECTURES
 from tokenmill.models.loader import LoadSettings, checkpoint_dtype, load_tokenizer
 from tokenmill.pooling.config import PoolingConfig, read_pooling_config
 from tokenmill.pooling.engine import PoolingEngine, PoolingRequest, PoolingResult
 from tokenmill.pooling.inputs import PoolingPrompts
-from tokenmill.pooling.model_loading import PoolingModel, load_pooling_model
+from tokenmill.pooling.model_loading import PoolingModel, load_pooling_model, pooling_architecture
 from tokenmill.pooling.runner import PoolingInput, PoolingRunner
 
 logger = logging.getLogger("tokenmill.pooling")
@@ -79,8 +80,11 @@ def build_pooling_service(config: EngineConfig, task: str) -> PoolingService:
 
     raw_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_max = int(getattr(raw_config, "max_position_embeddings", 512))
+    # An encoder's forward is all products over many rows: its dtype follows the CPU's
+    # product speed rather than the bytes a weight read costs (EngineConfig.torch_dtype).
+    is_encoder = pooling_architecture(model_dir) in ENCODER_ARCHITECTURES
     settings = LoadSettings(
-        dtype=config.torch_dtype(checkpoint_dtype(raw_config)),
+        dtype=config.torch_dtype(checkpoint_dtype(raw_config), compute_bound=is_encoder),
         linear_backend=config.linear_backend_for(device),
         attention_backend=resolve_attention_backend(config.attention_backend, device),
         max_model_len=config.max_model_len or min(model_max, DEFAULT_DECODER_MAX_LEN),
