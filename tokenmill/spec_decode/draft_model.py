@@ -71,7 +71,11 @@ class DraftModelProposer:
         # The catch-up folded into the native chain's call (`_whole_proposal`); False: two
         # calls (A/B measurements).
         self.fold_catch_up = True
-        small = sum(p.numel() for p in model.parameters()) <= SMALL_DRAFT_ELEMENTS
+        shape = model.shape  # its weights by shape: packed linears are not parameters
+        attention = shape.head_dim * (2 * shape.num_heads + 2 * shape.num_kv_heads)
+        layer = shape.hidden_size * (attention + 3 * shape.intermediate_size)
+        elements = shape.num_layers * layer + shape.vocab_size * shape.hidden_size
+        small = elements <= SMALL_DRAFT_ELEMENTS
         self.one_thread_rows = ONE_THREAD_ROWS if small else 0
 
     @torch.inference_mode()
