@@ -5,8 +5,10 @@ the draft's proposal, and the rest (scheduling, sampling, bookkeeping).
         [--k 4] [--max-tokens 96] [--repeats 3]
 
 `draft_model_python` among the methods: the draft model with the chain stepped from Python
-(TOKENMILL_NATIVE_DRAFT_CHAIN=0), beside `draft_model` (one native call per chain);
-`draft_model@8`: a method at its own k.
+(TOKENMILL_NATIVE_DRAFT_CHAIN=0), beside `draft_model` (one native call per proposal: the
+catch-up and the chain); `draft_model_two_calls`: the catch-up a call of its own before the
+native chain; `draft_model_team`: its forwards on the engine's threads, not one; `draft_model@8`:
+a method at its own k.
 
 The demo target, one prompt at a time (fixed k, greedy), each configuration beside no
 speculation, interleaved; medians over the repeats of each run's totals. The target's forward
@@ -28,20 +30,28 @@ from tokenmill import LLM
 
 def engine(method: str, k: int) -> LLM:
     """`draft_model_python`: the draft model with its chain step by step from Python (the
-    native `draft_chain` off), for A/B in one run; `METHOD@K`: that method at k = K."""
+    native `draft_chain` off), `_two_calls` and `_team` (see the module's docstring), for
+    A/B in one run; `METHOD@K`: that method at k = K."""
     method, _, own_k = method.partition("@")
     k = int(own_k) if own_k else k
     python_chain = method == "draft_model_python"
-    method = "draft_model" if python_chain else method
+    variant = method.removeprefix("draft_model_") if method.startswith("draft_model_") else ""
+    method = "draft_model" if variant else method
     spec = None if method == "off" else {"method": method, "num_speculative_tokens": k}
     if spec is not None:
         spec["adaptive"] = False
     if python_chain:
         os.environ["TOKENMILL_NATIVE_DRAFT_CHAIN"] = "0"
     try:
-        return LLM(model=None, max_num_seqs=1, speculative_config=spec)
+        llm = LLM(model=None, max_num_seqs=1, speculative_config=spec)
     finally:
         os.environ.pop("TOKENMILL_NATIVE_DRAFT_CHAIN", None)
+    proposer: Any = llm.engine.runner.proposer
+    if variant == "two_calls":
+        proposer.fold_catch_up = False
+    if variant == "team":
+        proposer.one_thread_rows = 0
+    return llm
 
 
 def timed_run(llm: LLM, prompts: list[str], max_tokens: int) -> dict[str, float]:

@@ -291,6 +291,21 @@ def test_draft_catch_up_split_over_forwards_and_steps(
     assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
 
+def draft_model_run(
+    target: str, prompts: list[list[int]], dtype: str
+) -> tuple[list[list[int]], tuple[int, int]]:
+    """Greedy outputs of the target drafting for itself at a fixed k = 4, and the draft and
+    accepted token counts."""
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+    llm = LLM(
+        model=target, dtype=dtype, speculative_config={**spec, "adaptive": False}, max_model_len=128
+    )
+    outputs = generate(llm, prompts, greedy())
+    stats = llm.get_stats().scheduler.spec_decode
+    assert stats is not None and stats.num_draft_tokens > 0
+    return outputs, (stats.num_draft_tokens, stats.num_accepted_tokens)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_draft_chain_drafts_as_the_python_chain(target, prompts, monkeypatch, dtype):
     """The draft chain in one native call (`draft_chain`: embedding, stack, LM head, argmax,
@@ -314,26 +329,13 @@ def test_native_draft_chain_drafts_as_the_python_chain(target, prompts, monkeypa
 
         return Spy(), embedding, head
 
-    def run() -> tuple[list[list[int]], tuple[int, int]]:
-        spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
-        llm = LLM(
-            model=target,
-            dtype=dtype,
-            speculative_config={**spec, "adaptive": False},
-            max_model_len=128,
-        )
-        outputs = generate(llm, prompts, greedy())
-        stats = llm.get_stats().scheduler.spec_decode
-        assert stats is not None
-        return outputs, (stats.num_draft_tokens, stats.num_accepted_tokens)
-
     monkeypatch.setattr(draft_model.DraftModelProposer, "_build_native_chain", counted)
-    native_run = run()
+    native_run = draft_model_run(target, prompts, dtype)
     if not calls:
         pytest.skip("the native chain does not apply here (no native kernels)")
     assert set(calls) == {3}
     monkeypatch.setattr(draft_model.DraftModelProposer, "_build_native_chain", lambda self: None)
-    assert run() == native_run
+    assert draft_model_run(target, prompts, dtype) == native_run
 
 
 def test_accepted_chain_drafts_need_no_draft_catch_up(target, prompts, reference, monkeypatch):
@@ -351,7 +353,18 @@ def test_accepted_chain_drafts_need_no_draft_catch_up(target, prompts, reference
             rows.extend(q for q, e in zip(query_lens.tolist(), seq_lens.tolist()) if e > q)
             return forward(self, states, input_ids, query_lens, seq_lens)
 
+        whole = draft_model.DraftModelProposer._whole_proposal
+
+        def counted_whole(self, states, num_tokens):
+            gaps = [len(s.token_ids) - s.num_draft_computed_tokens for s in states]
+            started = [s.num_draft_computed_tokens > 0 for s in states]
+            proposals = whole(self, states, num_tokens)
+            if proposals is not None:  # the catch-up ran inside the one native call
+                rows.extend(g for g, s in zip(gaps, started) if s)
+            return proposals
+
         monkeypatch.setattr(draft_model.DraftModelProposer, "_forward", counted)
+        monkeypatch.setattr(draft_model.DraftModelProposer, "_whole_proposal", counted_whole)
         spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
         llm = make(target, {**spec, "adaptive": False})
         assert generate(llm, prompts, greedy()) == reference
@@ -364,3 +377,29 @@ def test_accepted_chain_drafts_need_no_draft_catch_up(target, prompts, reference
     plain_rows, plain_steps = run()
     assert credited_steps == plain_steps > 0
     assert credited_rows <= 2 * credited_steps < plain_rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_proposal_in_one_call_drafts_as_two_calls(target, prompts, monkeypatch, dtype):
+    """The catch-up folded into the native chain's call (`draft_proposal`) proposes what the
+    catch-up forward from Python followed by the native chain proposes: the same outputs and
+    draft counts, and the one call is the path taken in the steady state."""
+    from tokenmill.spec_decode import draft_model
+
+    calls = []
+    whole = draft_model.DraftModelProposer._whole_proposal
+
+    def counted(self, states, num_tokens):
+        proposals = whole(self, states, num_tokens)
+        calls.append(proposals is not None)
+        return proposals
+
+    monkeypatch.setattr(draft_model.DraftModelProposer, "_whole_proposal", counted)
+    one_call = draft_model_run(target, prompts, dtype)
+    if not any(calls):
+        pytest.skip("the native proposal does not apply here (no native kernels)")
+    assert sum(calls) > len(calls) // 2  # most proposals, steady state
+    monkeypatch.setattr(
+        draft_model.DraftModelProposer, "_whole_proposal", lambda self, states, k: None
+    )
+    assert draft_model_run(target, prompts, dtype) == one_call

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tokenmill.layers.attention import torch_backend
 from tokenmill.layers.attention.base import DECODE_SLICE_ROWS
 from tokenmill.layers.attention.torch_backend import TorchPagedAttention
-from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
+from tokenmill.step.layout import attention_group_key, layout_decode, layout_rows, layout_step
 
 BLOCK_SIZE = 16
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -133,20 +133,28 @@ def test_multi_token_rows_attend_causally_to_their_own_context(
         start += q
 
 
+@pytest.mark.parametrize("rows", ["decode", "verify"])
 @pytest.mark.parametrize("sliding_window", [None, 40])
-def test_decode_layout_is_the_general_layout_of_a_decode_step(sliding_window: int | None) -> None:
-    """`layout_decode` (Python ints, for steps of one token per sequence) lays out exactly
-    what `layout_step` does: positions, slots, the CPU step, the groups."""
+def test_lean_layouts_are_the_general_layout(sliding_window: int | None, rows: str) -> None:
+    """`layout_decode` (Python ints, for steps of one token per sequence) and `layout_rows`
+    (a few rows a sequence: draft verifications) lay out exactly what `layout_step` does:
+    positions, slots, the CPU step, the groups."""
     rng = np.random.default_rng(0)
     for num_seqs in (1, 2, 7, 33):
-        block_ids, query_lens, seq_lens = decode_step(rng.integers(1, 700, num_seqs).tolist())
+        block_ids, query_lens, seq_lens = decode_step(rng.integers(10, 700, num_seqs).tolist())
         block_ids = [[*ids, 999] for ids in block_ids]  # a block allocated past the tokens
+        if rows == "verify":
+            query_lens = rng.integers(1, 10, num_seqs)
         cpu = torch.device("cpu")
         positions, general = layout_step(
             block_ids, query_lens, seq_lens, BLOCK_SIZE, sliding_window, cpu
         )
-        lean_positions, lean = layout_decode(
-            block_ids, seq_lens.tolist(), BLOCK_SIZE, sliding_window, cpu
+        lean_positions, lean = (
+            layout_decode(block_ids, seq_lens.tolist(), BLOCK_SIZE, sliding_window, cpu)
+            if rows == "decode"
+            else layout_rows(
+                block_ids, query_lens.tolist(), seq_lens.tolist(), BLOCK_SIZE, sliding_window, cpu
+            )
         )
         assert lean_positions.tolist() == positions.tolist()
         assert torch.equal(lean.slot_mapping, general.slot_mapping)

@@ -13,6 +13,7 @@ deterministic, which is what the verifier assumes (see verification.py).
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -20,10 +21,12 @@ import torch
 
 from tokenmill.kernels.argmax import argmax_rows
 from tokenmill.kernels.native import native_kernels
+from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.catch_up import catch_up_allowances
+from tokenmill.spec_decode.proposer import SMALL_DRAFT_ELEMENTS, torch_threads
 from tokenmill.step.layout import attention_group_key, layout_decode, layout_step
 
 if TYPE_CHECKING:
@@ -34,6 +37,9 @@ CATCH_UP_TOKENS_PER_FORWARD = 2048
 # Catch-up tokens per step beyond the steady state's: bounds what drafting again after steps
 # without drafts (the policy exploring) costs, when every running request is behind.
 CATCH_UP_EXTRA_TOKENS = 256
+
+# Rows a small draft's forward runs on one thread up to (`DraftModelProposer.one_thread_rows`).
+ONE_THREAD_ROWS = 4
 
 # (request, first position, end position) of one request's tokens in a catch-up forward.
 Piece = tuple["CachedRequestState", int, int]
@@ -58,6 +64,19 @@ class DraftModelProposer:
         self._native: tuple[Any, torch.Tensor, Any] | Literal[False] | None = (
             False if os.environ.get("TOKENMILL_NATIVE_DRAFT_CHAIN") == "0" else None
         )
+        # A small draft's forward of at most this many rows runs on one thread: at batch 1 a
+        # chain step is a row through ~20 phases of microseconds each, and handing each phase
+        # to the pool's other thread costs more than it saves. 0: the engine's threads always
+        # (A/B measurements).
+        # The catch-up folded into the native chain's call (`_whole_proposal`); False: two
+        # calls (A/B measurements).
+        self.fold_catch_up = True
+        shape = model.shape  # its weights by shape: packed linears are not parameters
+        attention = shape.head_dim * (2 * shape.num_heads + 2 * shape.num_kv_heads)
+        layer = shape.hidden_size * (attention + 3 * shape.intermediate_size)
+        elements = shape.num_layers * layer + shape.vocab_size * shape.hidden_size
+        small = elements <= SMALL_DRAFT_ELEMENTS
+        self.one_thread_rows = ONE_THREAD_ROWS if small else 0
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
@@ -73,6 +92,10 @@ class DraftModelProposer:
         # budget (catch_up.py) and draft once caught up.
         gaps = [len(s.token_ids) - s.num_draft_computed_tokens for s in active]
         allowances = catch_up_allowances(gaps, num_tokens, CATCH_UP_EXTRA_TOKENS)
+        if allowances == gaps and 0 < sum(gaps) <= CATCH_UP_TOKENS_PER_FORWARD and min(gaps) > 0:
+            whole = self._whole_proposal(active, num_tokens)
+            if whole is not None:
+                return whole
         ends = [(s, s.num_draft_computed_tokens + a) for s, a in zip(active, allowances)]
         first_tokens = self._catch_up(ends)
         active = [s for s in active if s.req_id in first_tokens]
@@ -125,20 +148,14 @@ class DraftModelProposer:
             module, embedding, head = native
             for i, state in enumerate(states):  # chain step 0's; the rest is native
                 layout[i] = len(state.token_ids)
-            drafted = module.draft_chain(
-                self.model.decoder_stack.native,
-                embedding,
-                head,
-                torch.tensor(tokens, dtype=torch.long),
-                torch.from_numpy(layout),
-                metadata.slot_mapping,
-                step.query_start_loc,
-                step.seq_lens,
-                step.block_tables,
-                self.kv_caches,
-                self.block_size,
-                num_tokens - 1,
-            ).T.tolist()
+            with self._threads(len(states)):
+                drafted = module.draft_chain(
+                    self.model.decoder_stack.native,
+                    embedding,
+                    head,
+                    torch.tensor(tokens, dtype=torch.long),
+                    *self._chain_arguments(layout, metadata, num_tokens),
+                ).T.tolist()
             for state, chain in zip(states, drafted):
                 proposals[state.req_id].extend(chain)
             remember_fed_tokens(states, proposals, num_tokens)
@@ -155,12 +172,87 @@ class DraftModelProposer:
                 position = len(state.token_ids) - 1 + offset
                 positions[i], lens[i], ids[i] = position, position + 1, tokens[i]
                 slots[i] = tables[i][position // size] * size + position % size
-            hidden = self.model(ids_tensor, position_tensor, self.kv_caches, metadata)
-            tokens = argmax_rows(self.model.compute_logits(hidden)).tolist()
+            with self._threads(len(states)):
+                hidden = self.model(ids_tensor, position_tensor, self.kv_caches, metadata)
+                tokens = argmax_rows(self.model.compute_logits(hidden)).tolist()
             for state, token in zip(states, tokens):
                 proposals[state.req_id].append(token)
         remember_fed_tokens(states, proposals, num_tokens)
         return True
+
+    def _whole_proposal(
+        self, states: list[CachedRequestState], num_tokens: int
+    ) -> dict[str, list[int]] | None:
+        """The catch-up forward and the chain in one native call (`draft_proposal`), where
+        every request catches up completely in one forward (the caller checks) and has room
+        for the whole chain; its layouts from Python ints. None (nothing done) elsewhere."""
+        native = self._native_chain() if self.fold_catch_up else None
+        stack = self.model.decoder_stack
+        if native is None or stack is None or not hasattr(native[0], "draft_proposal"):
+            return None
+        lengths = [len(s.token_ids) for s in states]
+        last = [n - 1 + num_tokens - 1 for n in lengths]  # the chain's last fed position
+        if not all(self._has_slot(s, p) for s, p in zip(states, last)):
+            return None
+        layout, metadata = layout_decode(
+            [s.block_ids for s in states],
+            [p + 1 for p in last],
+            self.block_size,
+            self.sliding_window,
+            self.device,
+        )
+        step = metadata.step
+        if step is None or not stack.applies(metadata, self.kv_caches):
+            return None
+        size = self.block_size
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        for i, state in enumerate(states):
+            start, table = state.num_draft_computed_tokens, state.block_ids
+            ids += state.token_ids[start:]
+            positions += range(start, lengths[i])
+            slots += [table[p // size] * size + p % size for p in range(start, lengths[i])]
+            query_start.append(len(ids))
+            layout[i] = lengths[i]  # chain step 0's position: the first draft's
+        module, embedding, head = native
+        with self._threads(max(len(ids), len(states))):
+            drafted = module.draft_proposal(
+                stack.native,
+                embedding,
+                head,
+                torch.tensor(ids, dtype=torch.long),
+                torch.tensor(positions, dtype=torch.long),
+                torch.tensor(slots, dtype=torch.long),
+                torch.tensor(query_start, dtype=torch.int32),
+                torch.tensor(lengths, dtype=torch.int32),
+                *self._chain_arguments(layout, metadata, num_tokens),
+            ).T.tolist()
+        proposals: dict[str, list[int]] = {}
+        for state, chain in zip(states, drafted):
+            state.num_draft_computed_tokens = len(state.token_ids)
+            proposals[state.req_id] = chain
+        remember_fed_tokens(states, proposals, num_tokens)
+        return proposals
+
+    def _chain_arguments(
+        self, layout: np.ndarray, metadata: AttentionMetadata, num_tokens: int
+    ) -> list[Any]:
+        """The native chain's arguments after its first tokens: the chain's step layout
+        (`layout_decode`'s, positions at chain step 0), the draft's KV, k - 1 steps."""
+        step = metadata.step
+        assert step is not None
+        return [
+            torch.from_numpy(layout),
+            metadata.slot_mapping,
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_tables,
+            self.kv_caches,
+            self.block_size,
+            num_tokens - 1,
+        ]
 
     def _native_chain(self) -> tuple[Any, torch.Tensor, Any] | None:
         """(the native module, the embedding table, the LM head's `PackedLinear`) where the
@@ -198,6 +290,10 @@ class DraftModelProposer:
         embedding = model.embed_tokens(vocab).contiguous()
         return module, embedding, linear
 
+    def _threads(self, rows: int) -> AbstractContextManager[None]:
+        """One torch thread for a forward of few rows (`one_thread_rows`), else the engine's."""
+        return torch_threads(1 if rows <= self.one_thread_rows else None)
+
     def _has_slot(self, state: CachedRequestState, position: int) -> bool:
         return position < len(state.block_ids) * self.block_size and position < self.max_position
 
@@ -233,11 +329,12 @@ class DraftModelProposer:
         input_ids = [t for state, start, end in pieces for t in state.token_ids[start:end]]
         last_rows = np.cumsum(query_lens) - 1
         finishing = [i for i, (s, _, end) in enumerate(pieces) if end == len(s.token_ids)]
-        hidden = self._forward([p[0] for p in pieces], input_ids, query_lens, seq_lens)
-        if not finishing:
-            return {}
-        rows = torch.from_numpy(last_rows[finishing]).to(self.device)
-        next_tokens = argmax_rows(self.model.compute_logits(hidden[rows])).tolist()
+        with self._threads(len(input_ids)):
+            hidden = self._forward([p[0] for p in pieces], input_ids, query_lens, seq_lens)
+            if not finishing:
+                return {}
+            rows = torch.from_numpy(last_rows[finishing]).to(self.device)
+            next_tokens = argmax_rows(self.model.compute_logits(hidden[rows])).tolist()
         return {pieces[i][0].req_id: t for i, t in zip(finishing, next_tokens)}
 
     def _decode_step(
@@ -254,8 +351,11 @@ class DraftModelProposer:
             self.device,
         )
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.from_numpy(layout).to(self.device), self.kv_caches, metadata)
-        return argmax_rows(self.model.compute_logits(hidden)).tolist()
+        with self._threads(len(tokens)):
+            hidden = self.model(
+                ids, torch.from_numpy(layout).to(self.device), self.kv_caches, metadata
+            )
+            return argmax_rows(self.model.compute_logits(hidden)).tolist()
 
     def _forward(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -23,10 +23,14 @@ def proposal_threads(weight_elements: int) -> int | None:
     return 1 if weight_elements <= SMALL_DRAFT_ELEMENTS else None
 
 
-@contextmanager
-def threads_for(proposer: object) -> Iterator[None]:
+def threads_for(proposer: object) -> AbstractContextManager[None]:
     """Run a proposal on the proposer's `proposal_threads` torch threads, if it names them."""
-    threads = getattr(proposer, "proposal_threads", None)
+    return torch_threads(getattr(proposer, "proposal_threads", None))
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Torch's (and so the native kernels') thread count set to `threads` within (None: as is)."""
     before = torch.get_num_threads()
     if threads is None or threads == before:
         yield

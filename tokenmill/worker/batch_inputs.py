@@ -4,12 +4,14 @@ and the lean path for a decode-only step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
 
 import numpy as np
 import torch
 
 from tokenmill.layers.attention.base import AttentionMetadata
-from tokenmill.step.layout import layout_decode, to_device
+from tokenmill.step.layout import layout_decode, layout_rows, to_device
 from tokenmill.step.runner_request_state import CachedRequestState
 from tokenmill.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from tokenmill.worker.captured_step import DecodeBatch
@@ -75,6 +77,55 @@ def decode_inputs(
         row_starts=list(range(len(states))),
         first_positions=[n - 1 for n in seq_lens],
         known_ends=seq_lens,
+    )
+
+
+def verify_inputs(
+    runner: Any,
+    states: list[CachedRequestState],
+    num_scheduled: dict[str, int],
+    drafts: list[list[int]],
+) -> BatchInputs | None:
+    """Inputs of a step of verifications only, from Python ints as a decode's
+    (`decode_inputs`): every request computes its last known token and the drafts after it
+    and samples every row, without prompt logprobs, on the CPU, not captured. At batch 1 the
+    general path's numpy calls on arrays of k + 1 elements cost more than the rest of the
+    step's bookkeeping. None where the step is not one of those (`runner`: the model
+    runner, for its block size, window, KV groups, device and captured step)."""
+    if runner.device.type != "cpu" or runner.decode_step is not None:
+        return None
+    for s, d in zip(states, drafts):
+        if num_scheduled[s.req_id] != 1 + len(d) or s.num_computed_tokens + 1 != len(s.token_ids):
+            return None
+        if s.sampling_params.prompt_logprobs is not None:
+            return None
+    query_lens = [1 + len(d) for d in drafts]
+    seq_lens = [len(s.token_ids) + len(d) for s, d in zip(states, drafts)]
+    cpu = runner.device
+
+    def layout(block_ids: list[list[int]]) -> tuple[np.ndarray, AttentionMetadata]:
+        window = runner.sliding_window
+        return layout_rows(block_ids, query_lens, seq_lens, runner.block_size, window, cpu)
+
+    positions, metadata = layout([s.block_ids for s in states])
+    if runner.kv_groups is not None:  # a hybrid cache: the same rows through each group's
+        metadata.kv_groups = [
+            layout([s.group_block_ids[group] for s in states])[1]
+            for group in range(len(runner.kv_groups.windows) - 1)
+        ]
+    input_ids = np.array([t for s, d in zip(states, drafts) for t in (s.token_ids[-1], *d)])
+    return BatchInputs(
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        metadata=metadata,
+        logits_indices=torch.arange(len(positions)),
+        sampling_states=states,
+        sampling_drafts=drafts,
+        prompt_logprob_rows=[],
+        states=states,
+        row_starts=list(accumulate(query_lens[:-1], initial=0)),
+        first_positions=[len(s.token_ids) - 1 for s in states],
+        known_ends=[len(s.token_ids) for s in states],
     )
 
 

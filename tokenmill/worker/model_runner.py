@@ -39,6 +39,7 @@ from tokenmill.worker.batch_inputs import (
     apply_grammar,
     captured_inputs,
     decode_inputs,
+    verify_inputs,
 )
 from tokenmill.worker.captured_step import (
     Capture,
@@ -277,6 +278,8 @@ class ModelRunner:
             ))  # fmt: skip
             return inputs
         drafts = [spec_tokens.get(s.req_id, []) for s in states]
+        if (inputs := verify_inputs(self, states, num_scheduled, drafts)) is not None:
+            return inputs
         query_lens = np.array([num_scheduled[s.req_id] for s in states], dtype=np.int64)
         computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
         seq_lens = computed + query_lens

@@ -46,6 +46,15 @@ at::Tensor draft_chain(DecoderStack& stack, const at::Tensor& embedding,
                        const at::Tensor& query_start_loc, at::Tensor& seq_lens,
                        const at::Tensor& block_tables, const std::vector<at::Tensor>& kv_caches,
                        int64_t block_size, int64_t steps);  // draft_chain.cpp
+at::Tensor draft_proposal(DecoderStack& stack, const at::Tensor& embedding,
+                          const PackedLinear& lm_head, const at::Tensor& catch_up_ids,
+                          const at::Tensor& catch_up_positions, const at::Tensor& catch_up_slots,
+                          const at::Tensor& catch_up_query_start_loc,
+                          const at::Tensor& catch_up_seq_lens, at::Tensor& positions,
+                          at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                          at::Tensor& seq_lens, const at::Tensor& block_tables,
+                          const std::vector<at::Tensor>& kv_caches, int64_t block_size,
+                          int64_t steps);  // draft_chain.cpp
 
 namespace {
 
@@ -139,6 +148,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("block_tables"), pybind11::arg("lora_segments") = pybind11::none());
   m.def("draft_chain", &draft_chain,
         "a draft model's greedy chain: k - 1 steps of embedding, stack, LM head and argmax",
+        no_gil);
+  m.def("draft_proposal", &draft_proposal,
+        "a draft model's whole proposal: the catch-up forward, its argmax, then the chain",
         no_gil);
   pybind11::class_<MoEExperts>(m, "MoEExperts")
       .def(pybind11::init<std::vector<PackedLinear>, std::vector<PackedLinear>, int64_t,

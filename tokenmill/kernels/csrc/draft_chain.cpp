@@ -60,4 +60,50 @@ at::Tensor draft_chain(DecoderStack& stack, const at::Tensor& embedding,
   return out;
 }
 
+// A whole proposal in one call: the catch-up forward over each sequence's tokens the draft has
+// no KV for (`catch_up_*`: ids, positions and slots [T], query_start_loc [B + 1] and seq_lens [B];
+// each sequence's rows end at its last token), the first drafts the argmax at each sequence's
+// last row, then `steps` chain steps as `draft_chain` (its arguments after `block_tables`, which
+// both share: it covers the chain's positions, the catch-up's are before them). At batch 1 the
+// catch-up was a second native call with its step layout, embedding, LM head and argmax from
+// Python around a forward of one or two rows. Returns the drafts [steps + 1, B].
+at::Tensor draft_proposal(DecoderStack& stack, const at::Tensor& embedding,
+                          const PackedLinear& lm_head, const at::Tensor& catch_up_ids,
+                          const at::Tensor& catch_up_positions, const at::Tensor& catch_up_slots,
+                          const at::Tensor& catch_up_query_start_loc,
+                          const at::Tensor& catch_up_seq_lens, at::Tensor& positions,
+                          at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                          at::Tensor& seq_lens, const at::Tensor& block_tables,
+                          const std::vector<at::Tensor>& kv_caches, int64_t block_size,
+                          int64_t steps) {
+  const int64_t count = positions.numel();
+  TORCH_CHECK(catch_up_ids.scalar_type() == at::kLong && catch_up_ids.dim() == 1 &&
+                  catch_up_query_start_loc.scalar_type() == at::kInt &&
+                  catch_up_query_start_loc.is_contiguous() &&
+                  catch_up_query_start_loc.numel() == count + 1 &&
+                  catch_up_seq_lens.numel() == count,
+              "draft_proposal: int64 catch-up ids, int32 query_start_loc [B + 1], seq_lens [B]");
+  const int32_t* starts = catch_up_query_start_loc.data_ptr<int32_t>();
+  at::Tensor rows = at::empty({count}, catch_up_ids.options());
+  int64_t* last = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(starts[i + 1] > starts[i], "draft_proposal: a sequence without catch-up rows");
+    last[i] = starts[i + 1] - 1;
+  }
+  const at::Tensor hidden = embedding.index_select(0, catch_up_ids);
+  const at::Tensor states =
+      stack.forward(hidden, catch_up_positions, kv_caches, catch_up_slots,
+                    catch_up_query_start_loc, catch_up_seq_lens, block_tables);
+  const at::Tensor first =
+      argmax_rows(lm_head.forward(states.index_select(0, rows), c10::nullopt, true));
+  const at::Tensor chain = draft_chain(stack, embedding, lm_head, first, positions, slot_mapping,
+                                       query_start_loc, seq_lens, block_tables, kv_caches,
+                                       block_size, steps);
+  at::Tensor out = at::empty({steps + 1, count}, catch_up_ids.options());
+  int64_t* drafted = out.data_ptr<int64_t>();
+  std::copy_n(first.data_ptr<int64_t>(), count, drafted);
+  std::copy_n(chain.data_ptr<int64_t>(), steps * count, drafted + count);
+  return out;
+}
+
 }  // namespace tokenmill
