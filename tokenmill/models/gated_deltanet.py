@@ -25,10 +25,12 @@ from tokenmill.kernels.gated_delta import (
     decode_delta_rule_,
     fused_decode_,
     fused_decode_applies,
+    fused_hybrid_enabled,
     native_prefill_applies,
     prefill_delta_rule_,
 )
 from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk, recurrent_step_
+from tokenmill.layers.linear import Linear, PackedLinearMethod
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
 
 
@@ -44,6 +46,36 @@ def linear_state_spec(hf_config: Any, num_layers: int, dtype: torch.dtype) -> Li
         v_dim=hf_config.linear_value_head_dim,
         conv_dtype=dtype,
     )
+
+
+def merge_linears(parts: list[nn.Module]) -> Linear | None:
+    """One linear whose output is `parts`' side by side (one product, one read of the input),
+    made after loading where every part is a packed dense `Linear` of one dtype (bf16 / f32
+    on the CPU); None otherwise (quantized parts keep their own products), and under
+    `TOKENMILL_FUSED_HYBRID=0` (A/B runs)."""
+    if not fused_hybrid_enabled() or not all(
+        isinstance(p, Linear) and type(p.quant_method) is PackedLinearMethod for p in parts
+    ):
+        return None
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.in_features != first.in_features for p in parts):
+        return None
+    with_bias = [p.bias is not None for p in parts]
+    if any(with_bias) and not all(with_bias):
+        return None
+    weight = torch.cat([PackedLinearMethod.plain_weight(p) for p in parts])
+    bias = torch.cat([p.bias.detach() for p in parts]) if all(with_bias) else None
+    method = PackedLinearMethod(first.dtype)
+    merged = Linear(
+        first.in_features,
+        weight.shape[0],
+        method,
+        bias=None if bias is None else nn.Parameter(bias, requires_grad=False),
+        weight=nn.Parameter(weight, requires_grad=False),
+        dtype=first.dtype,
+    )
+    method.process_weights_after_loading(merged)
+    return merged
 
 
 class GatedRMSNorm(nn.Module):
@@ -89,10 +121,30 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
         self.states: LinearStateCache | None = None  # set by the model's `use_state_cache`
+        self.in_proj_all: Linear | None = None  # q|k|v, z, b, a in one product (`after_loading`)
+        self.decay_params: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def after_loading(self) -> None:
+        """Qwen3.5's four input products merged into one where they are packed dense
+        (`merge_linears`; the parts are dropped), and A_log / dt_bias kept in float32 for the
+        fused decode (one conversion, not two ops a layer a step)."""
+        self.decay_params = (self.A_log.detach().float(), self.dt_bias.detach().float())
+        if self.fused_projections:
+            return
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        merged = merge_linears(parts)
+        if merged is not None:
+            self.in_proj_all = merged
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v `[tokens, conv_dim]`, z `[tokens, v_heads, v_dim]`, b, a `[tokens, v_heads]`)."""
         tokens = x.shape[0]
+        if self.in_proj_all is not None:
+            heads = self.num_v_heads
+            sizes = [self.conv_dim, self.value_size, heads, heads]
+            mixed, z, b, a = self.in_proj_all(x).split(sizes, dim=-1)
+            return mixed, z.view(tokens, heads, self.v_dim), b, a
         if not self.fused_projections:
             z = self.in_proj_z(x).view(tokens, self.num_v_heads, self.v_dim)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
@@ -118,8 +170,9 @@ class GatedDeltaNet(nn.Module):
                                                     self.norm.weight)  # fmt: skip
         gated_decodes = None
         if fused:  # the decode rows' conv, rule and gated norm in one native call
+            a_log, dt_bias = self.decay_params or (self.A_log, self.dt_bias)
             gated_decodes = fused_decode_(
-                mixed[:rows], z[:rows], b[:rows], a[:rows], self.A_log, self.dt_bias, weight,
+                mixed[:rows], z[:rows], b[:rows], a[:rows], a_log, dt_bias, weight,
                 conv_states, recurrent, step.decode_slots, self.norm.weight,
                 self.num_k_heads, self.norm.eps,
             )  # fmt: skip
@@ -128,9 +181,11 @@ class GatedDeltaNet(nn.Module):
         else:
             beta = b.float().sigmoid()
             decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = hidden.new_empty((tokens, self.num_v_heads, self.v_dim), dtype=torch.float32)
+        out = None  # the rule's float32 output, for the rows the fused call does not gate
+        if gated_decodes is None or rows < tokens:
+            out = hidden.new_empty((tokens, self.num_v_heads, self.v_dim), dtype=torch.float32)
         if rows and not fused:
-            assert decay is not None and beta is not None
+            assert decay is not None and beta is not None and out is not None
             # index_select / index_copy_, not `conv_states[slots]`: advanced indexing of the
             # pool took ~10 ms a layer on a loaded 2-core machine (its parallel kernel).
             slots = step.decode_slots
@@ -147,7 +202,7 @@ class GatedDeltaNet(nn.Module):
                 slot = step.slots[i]
                 snapshots.save(index, snapshot, conv_states[slot], recurrent[slot])
         for i in range(rows, len(step.slots)):
-            assert decay is not None and beta is not None
+            assert decay is not None and beta is not None and out is not None
             start, end, slot = step.row_starts[i], step.row_starts[i + 1], step.slots[i]
             if i in step.verifying:
                 out[start:end] = self._verify(mixed[start:end], decay[start:end],
@@ -161,10 +216,12 @@ class GatedDeltaNet(nn.Module):
             if split < end:
                 out[split:end] = self._chunk(mixed, decay, beta, split, end, slot, weight)
         if gated_decodes is None:
+            assert out is not None
             gated = self.norm(out.to(hidden.dtype), z).reshape(tokens, self.value_size)
         elif rows == tokens:
             gated = gated_decodes
         else:
+            assert out is not None
             rest = self.norm(out[rows:].to(hidden.dtype), z[rows:])
             gated = torch.cat([gated_decodes, rest.reshape(tokens - rows, self.value_size)])
         return self.out_proj(gated)

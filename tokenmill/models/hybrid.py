@@ -24,7 +24,7 @@ from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
 from tokenmill.models.families.qwen_moe import is_sparse_layer, qwen_moe_shape
-from tokenmill.models.gated_deltanet import GatedDeltaNet, linear_state_spec
+from tokenmill.models.gated_deltanet import GatedDeltaNet, linear_state_spec, merge_linears
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, ModelShape, RMSNorm, RopeCache
 from tokenmill.models.moe import moe_mlp
 from tokenmill.models.traits import ArchitectureTraits
@@ -64,15 +64,29 @@ class GatedAttention(nn.Module):
             self.head_dim,
             shape.head_dim**-0.5,
         )
+        self.qkv_all: nn.Module | None = None  # the three products in one (`after_loading`)
+
+    def after_loading(self) -> None:
+        """q|gate, k and v in one product where the three are packed dense (`merge_linears`;
+        the parts are dropped)."""
+        merged = merge_linears([self.q_gate_proj, self.key_proj, self.value_proj])
+        if merged is not None:
+            self.qkv_all = merged
+            del self.q_gate_proj, self.key_proj, self.value_proj
 
     def forward(
         self, rope: RopeCache, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q_gate = self.q_gate_proj(hidden).view(tokens, self.num_heads, 2 * self.head_dim)
-        q, gate = q_gate.split(self.head_dim, dim=-1)
-        k = self.key_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.value_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_all is not None:
+            q_gate, k, v = self.qkv_all(hidden).split(
+                [2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
+            )
+        else:
+            q_gate, k, v = self.q_gate_proj(hidden), self.key_proj(hidden), self.value_proj(hidden)
+        q, gate = q_gate.view(tokens, heads, 2 * dim).split(dim, dim=-1)
+        k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
         qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         apply_rotary_(qk, *rope)
         kv = torch.stack([qk[:, self.num_heads :], v], dim=1)
@@ -182,6 +196,12 @@ class HybridForCausalLM(LlamaForCausalLM):
         self.state_spec: LinearStateSpec = linear_state_spec(
             hf_config, len(self.linear_layers), dtype
         )
+
+    def after_loading(self) -> None:
+        """Called by the loader once the weights are in (models/loader.py): the layers merge
+        their input products (`merge_linears`)."""
+        for layer in self.layers:
+            (layer.linear_attn if layer.is_linear else layer.self_attn).after_loading()
 
     def use_state_cache(self, cache: LinearStateCache) -> None:
         """The linear layers read and write their states in `cache`'s slots."""
