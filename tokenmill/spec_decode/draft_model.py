@@ -46,6 +46,8 @@ Piece = tuple["CachedRequestState", int, int]
 
 
 class DraftModelProposer:
+    proposal_threads: int | None = None  # the engine's threads
+
     def __init__(
         self,
         model: LlamaForCausalLM,

@@ -14,6 +14,8 @@ _ITEM = array("i").itemsize
 
 
 class NgramProposer:
+    proposal_threads: int | None = None  # the engine's threads
+
     def __init__(self, min_n: int, max_n: int) -> None:
         """n-grams of `min_n` to `max_n` tokens (1 <= min_n <= max_n: SpeculativeConfig checks)."""
         self.min_n = min_n

@@ -23,9 +23,9 @@ def proposal_threads(weight_elements: int) -> int | None:
     return 1 if weight_elements <= SMALL_DRAFT_ELEMENTS else None
 
 
-def threads_for(proposer: object) -> AbstractContextManager[None]:
-    """Run a proposal on the proposer's `proposal_threads` torch threads, if it names them."""
-    return torch_threads(getattr(proposer, "proposal_threads", None))
+def threads_for(proposer: Proposer) -> AbstractContextManager[None]:
+    """Run a proposal on the proposer's `proposal_threads` torch threads (None: as is)."""
+    return torch_threads(proposer.proposal_threads)
 
 
 @contextmanager
@@ -43,6 +43,9 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
 
 class Proposer(Protocol):
+    # Torch threads its proposals run on (`proposal_threads()`); None: the engine's.
+    proposal_threads: int | None
+
     def propose(self, states: list[CachedRequestState], num_tokens: int) -> dict[str, list[int]]:
         """Up to `num_tokens` drafts per request, to follow its last (verified) token."""
         ...

@@ -25,6 +25,8 @@ class _Local:
 
 
 class SuffixDecodingProposer:
+    proposal_threads: int | None = None  # the engine's threads
+
     def __init__(
         self,
         max_tree_depth: int,
