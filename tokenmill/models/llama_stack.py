@@ -5,7 +5,10 @@ Where it applies (the CPU, one rank, the `cpu` attention backend, every decoder 
 native kernels multiply: dense packed, int8 or int4, as each layer's `LinearMethod` says
 through `native_linear`; a float32 or bfloat16 KV cache), `LlamaForCausalLM.forward` hands
 the embedded tokens to it instead of running its layers one op at a time: per layer that is
-~100 torch ops and ~10 waits for OpenMP threads less. The layers' modules stay the reference
+~100 torch ops and ~10 waits for OpenMP threads less. An MoE family's `FusedMoE` blocks of
+routed experts only run inside it too (`set_moe`: the router, softmax and top-k, then the MoE
+kernel's one-job phases, all in the stack's job): a batch-1 step of the qwen3-moe preset made
+~25 torch ops and 4 pool jobs per layer in Python before. The layers' modules stay the reference
 (and the path for everything else); the stack reads their weights, it holds no copy of the
 packed linears. With LoRA (lora/model_manager.py) each adapter row's delta is added inside
 the stack, after each base product. `TOKENMILL_FUSED_STACK=0` turns it off (A/B measurements).
@@ -19,9 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.kernels.moe import ONE_JOB_MAX_PAIRS
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu_backend import CpuPagedAttention
+from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.linear import Linear
 from tokenmill.models.registry import family_of
 
@@ -29,8 +34,12 @@ STACK_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LlamaDecoderStack:
-    def __init__(self, native: Any) -> None:
+    def __init__(self, native: Any, max_tokens: int | None = None) -> None:
+        """`max_tokens`: the most tokens a step may have to run here (an MoE model's: the
+        experts' one-job phases up to `ONE_JOB_MAX_PAIRS` pairs; larger steps run the
+        modules, whose kernel takes each expert in turn)."""
         self.native = native
+        self.max_tokens = max_tokens
         self.layer_groups: tuple[int, ...] | None = None  # as the native stack was told
         self.lora_mapping: Any = None  # multi-LoRA's per-step rows (lora/layer.py), if any
 
@@ -41,8 +50,9 @@ class LlamaDecoderStack:
         self.native.set_lora(layers)
         self.lora_mapping = mapping
 
-    @staticmethod
-    def applies(metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+    def applies(self, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        if self.max_tokens is not None and metadata.slot_mapping.shape[-1] > self.max_tokens:
+            return False
         return metadata.step is not None and kv_caches[0].dtype in STACK_CACHE_DTYPES
 
     def __call__(
@@ -82,11 +92,20 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     module = native_kernels()
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
-    if family_of(model.architecture).mlp is not None:
-        return None  # a family's own MLP (an MoE's experts, models/moe.py) runs in its module
+    from tokenmill.models.llama import LlamaMLP  # (llama.py imports this module)
+
+    moe = [_moe_of(layer.mlp, module) for layer in model.stage_layers]
+    if family_of(model.architecture).mlp is not None and any(
+        spec is None and not isinstance(layer.mlp, LlamaMLP)
+        for spec, layer in zip(moe, model.stage_layers, strict=True)
+    ):
+        return None  # a family's own MLP that the stack cannot run stays in its module
     if family_of(model.architecture).model_class is not None:
         return None  # a family's own model class (hybrid layers, models/hybrid.py)
-    linears = [_layer_linears(layer) for layer in model.stage_layers]
+    linears = [
+        _layer_linears(layer, spec is not None)
+        for layer, spec in zip(model.stage_layers, moe, strict=True)
+    ]
     if any(part is None for part in linears):
         return None
     layers = [_layer_tensors(layer) for layer in model.stage_layers]
@@ -103,7 +122,14 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         attention.num_heads,
         attention.num_kv_heads,
         attention.head_dim,
-        model.stage_layers[0].mlp.intermediate_size,
+        next(
+            (
+                layer.mlp.intermediate_size
+                for layer in model.stage_layers
+                if isinstance(layer.mlp, LlamaMLP)
+            ),
+            model.shape.intermediate_size,
+        ),
         model.shape.rms_norm_eps,
         model.shape.sliding_window or 0,
     )
@@ -123,7 +149,28 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     if traits.attention_softcap is not None:
         native.set_attention_softcap(traits.attention_softcap)
     native.set_final_norm(model.stage.is_last)  # a stage before the last hands on the sum
-    return LlamaDecoderStack(native)
+    max_tokens = None
+    for index, spec in enumerate(moe):
+        if spec is not None:
+            experts, router, top_k, renormalize = spec
+            native.set_moe(index, experts, router, top_k, renormalize)
+            max_tokens = min(max_tokens or ONE_JOB_MAX_PAIRS, ONE_JOB_MAX_PAIRS // top_k)
+    return LlamaDecoderStack(native, max_tokens)
+
+
+def _moe_of(mlp: nn.Module, module: Any) -> tuple[Any, torch.Tensor, int, bool] | None:
+    """A `FusedMoE` block the stack runs (routed experts only, every expert's linears with a
+    native product) as (native `MoEExperts`, float32 router, top_k, renormalize); else None."""
+    if type(mlp) is not FusedMoE or mlp.shared_expert is not None:
+        return None
+    gate_up = [expert.gate_up_proj.quant_method.native_linear(expert.gate_up_proj)
+               for expert in mlp.experts]  # fmt: skip
+    down = [expert.down_proj.quant_method.native_linear(expert.down_proj) for expert in mlp.experts]
+    if any(linear is None or isinstance(linear, list) for linear in [*gate_up, *down]):
+        return None
+    experts = module.MoEExperts(gate_up, down, mlp.experts[0].intermediate_size)
+    router = mlp.gate.weight.detach().float().contiguous()
+    return experts, router, mlp.shape.top_k, mlp.shape.renormalize
 
 
 def final_norm_of(model: nn.Module) -> torch.Tensor:
@@ -136,18 +183,21 @@ def final_norm_of(model: nn.Module) -> torch.Tensor:
     )
 
 
-def _layer_linears(layer: nn.Module) -> list[Any] | None:
+def _layer_linears(layer: nn.Module, moe: bool = False) -> list[Any] | None:
     """A `LlamaDecoderLayer`'s qkv, o, gate_up and down, each a list of native `PackedLinear`
     parts (one, or one per format of a mixed layer: mixed_parts.py); None if one's method has
-    none."""
+    none. `moe`: the MLP is an MoE block (set_moe), no gate_up / down parts."""
     attention, mlp = layer.self_attn, layer.mlp
-    linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = (attention.qkv_proj, attention.o_proj)
+    if not moe:
+        linears = (*linears, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(linear, Linear) for linear in linears):
         return None
     native = [linear.quant_method.native_linear(linear) for linear in linears]
     if any(part is None for part in native):
         return None
-    return [part if isinstance(part, list) else [part] for part in native]  # lists of parts
+    parts = [part if isinstance(part, list) else [part] for part in native]  # lists of parts
+    return parts if not moe else [*parts, [], []]
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
@@ -156,7 +206,8 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
     attention, mlp = layer.self_attn, layer.mlp
     if not isinstance(attention.attn, CpuPagedAttention):
         return None
-    qkv, o, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+    qkv, o = attention.qkv_proj, attention.o_proj
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
 
     def scale_of(norm: nn.Module | None) -> torch.Tensor | None:
         return None if norm is None else norm.scale().detach()
@@ -168,8 +219,8 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
         scale_of(attention.k_norm),
         o.bias,
         scale_of(layer.post_attention_layernorm),
-        gate_up.bias,
-        down.bias,
+        None if gate_up is None else gate_up.bias,
+        None if down is None else down.bias,
     ]
     if layer.pre_feedforward_layernorm is None:
         return tensors

@@ -4,9 +4,11 @@ family says so, a dense MLP elsewhere.
 
 A family gives `moe_mlp` how its config names the MoE sizes and which layers are sparse; the
 loader reads the expert tensors by their checkpoint names (`mlp.experts.{e}.gate_proj` ...;
-a family's `split_tensor` renames its own spelling). The fused native decoder stack does not
-run these models (a family with a `Family.mlp` makes llama_stack.py decline it): their layers
-run as modules, the experts through the native MoE kernel where it applies.
+a family's `split_tensor` renames its own spelling). The fused native decoder stack runs these
+models where every MoE block has routed experts only, each with a native product
+(llama_stack.py: router, routing and the experts' phases inside the stack's one job, steps of
+up to `ONE_JOB_MAX_PAIRS` pairs); elsewhere (a shared expert, a larger step) the layers run as
+modules, the experts through the native MoE kernel where it applies.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "[n, k] weight -> the packed layout");
   m.def("unpack_linear_weight", &unpack_linear_weight, "the packed layout -> [n, k]");
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias on a packed weight", no_gil);
+  m.def("set_quant_prefetch", &set_quant_prefetch, "tuning: VNNI products' prefetch distance");
   m.def("quant_amx_min_rows", [] { return kQuantAmxMinRows; },
         "rows from which quantized products run on AMX tiles (ISA level 4)");
   pybind11::class_<PackedLinear>(m, "PackedLinear")
@@ -142,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_attention_softcap", &DecoderStack::set_attention_softcap)
       .def("set_final_norm", &DecoderStack::set_final_norm)
       .def("set_lora", &DecoderStack::set_lora)
+      .def("set_moe", &DecoderStack::set_moe, "layer's MLP: these experts, router, top_k, renormalize")
       .def("forward", &DecoderStack::forward, no_gil, pybind11::arg("hidden"),
            pybind11::arg("positions"), pybind11::arg("kv_caches"), pybind11::arg("slot_mapping"),
            pybind11::arg("query_start_loc"), pybind11::arg("seq_lens"),

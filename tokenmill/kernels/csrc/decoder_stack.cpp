@@ -135,6 +135,48 @@ __attribute__((always_inline)) inline void rope_and_cache(const StackShape& s, c
   }
 }
 
+// An MoE layer's routing of rows [r0, r1) of its normed input x: logits = router x (float32
+// [experts, hidden]), softmax, the top k (ties: the lower expert first), optionally
+// renormalized to sum to one (layers/fused_moe.py's `route`).
+template <typename Act>
+__attribute__((always_inline)) inline void route_rows(const float* router, int64_t experts,
+                                                      int64_t hidden, const Act* x, int64_t ld,
+                                                      int64_t top_k, bool renormalize,
+                                                      int64_t* ids, float* weights, int64_t r0,
+                                                      int64_t r1) {
+  thread_local std::vector<float> row, probs;
+  thread_local std::vector<int64_t> order;
+  row.resize(hidden);
+  probs.resize(experts);
+  order.resize(experts);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < hidden; ++j) row[j] = load_float(x + r * ld + j);
+    float top = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) {
+      const float* w = router + e * hidden;
+      const float* in = row.data();
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < hidden; ++j) dot += w[j] * in[j];
+      probs[e] = dot;
+      top = std::max(top, dot);
+    }
+    float total = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(probs[e] - top);
+    for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+    });
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) chosen += probs[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      ids[r * top_k + j] = order[j];
+      weights[r * top_k + j] = renormalize ? probs[order[j]] / chosen : probs[order[j]];
+    }
+  }
+}
+
 // The elementwise phases, each compiled for three ISA levels.
 #define TM_ELEMENTWISE_VARIANTS(NAME, ATTR)                                                      \
   template <typename Act>                                                                        \
@@ -147,6 +189,12 @@ __attribute__((always_inline)) inline void rope_and_cache(const StackShape& s, c
   ATTR void act_mul_##NAME(const float* gate_up, int64_t ld, int64_t size, bool gelu_tanh,       \
                            Act* out, int64_t ld_out, int64_t r0, int64_t r1) {                   \
     act_mul_rows(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);                             \
+  }                                                                                              \
+  template <typename Act>                                                                        \
+  ATTR void route_##NAME(const float* router, int64_t experts, int64_t hidden, const Act* x,     \
+                         int64_t ld, int64_t top_k, bool renormalize, int64_t* ids,             \
+                         float* weights, int64_t r0, int64_t r1) {                               \
+    route_rows(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);       \
   }                                                                                              \
   template <typename C>                                                                          \
   ATTR void rope_cache_##NAME(const StackShape& s, const StepArgs& step, const LayerWeights& l,  \
@@ -175,6 +223,16 @@ void act_mul(int isa, const float* gate_up, int64_t ld, int64_t size, bool gelu_
   if (isa >= kAvx512) act_mul_avx512(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);
   else if (isa >= kAvx2) act_mul_avx2(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);
   else act_mul_portable(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);
+}
+
+template <typename Act>
+void route(int isa, const float* router, int64_t experts, int64_t hidden, const Act* x, int64_t ld,
+           int64_t top_k, bool renormalize, int64_t* ids, float* weights, int64_t r0, int64_t r1) {
+  if (isa >= kAvx512)
+    route_avx512(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);
+  else if (isa >= kAvx2)
+    route_avx2(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);
+  else route_portable(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);
 }
 
 template <typename C>
@@ -233,8 +291,11 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
                 "DecoderStack: 8 (or 10) tensors and 4 linears per layer");
     Layer layer;
     for (const auto& tensor : layers[li]) layer.tensors.push_back(float_copy(tensor));
+    // No gate_up and no down: an MoE layer (set_moe).
+    const bool moe = linears[li][2].empty() && linears[li][3].empty();
     for (size_t slot = 0; slot < 4; ++slot) {
-      TORCH_CHECK(!linears[li][slot].empty(), "DecoderStack: a linear of no parts");
+      TORCH_CHECK(!linears[li][slot].empty() || (moe && slot >= 2),
+                  "DecoderStack: a linear of no parts");
       for (const PackedLinear& part : linears[li][slot]) {
         layer.linears.push_back(part);
         layer.parts[slot].push_back(part.weight());
@@ -260,7 +321,7 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
                                              {hidden, q_size},
                                              {2 * intermediate_size, hidden},
                                              {hidden, intermediate_size}};
-    for (size_t slot = 0; slot < 4; ++slot) {
+    for (size_t slot = 0; slot < (moe ? 2 : 4); ++slot) {
       int64_t rows = 0;
       for (const PackedWeight& w : layer.parts[slot]) {
         TORCH_CHECK(w.k == shapes[slot][1], "DecoderStack: a linear's shape");
@@ -275,6 +336,24 @@ DecoderStack::DecoderStack(const std::vector<std::vector<c10::optional<at::Tenso
 }
 
 void DecoderStack::set_final_norm(bool apply) { apply_final_norm_ = apply; }
+
+void DecoderStack::set_moe(int64_t layer, const MoEExperts& experts, const at::Tensor& router,
+                           int64_t top_k, bool renormalize) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "DecoderStack: layer");
+  Layer& l = layers_[layer];
+  TORCH_CHECK(l.parts[2].empty() && l.parts[3].empty(),
+              "DecoderStack: an MoE layer has no gate_up / down linears");
+  TORCH_CHECK(experts.hidden() == shape_.hidden && experts.one_job_reads(is_bf16_),
+              "DecoderStack: the experts take the model's width and activations");
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == experts.num_experts() &&
+                  router.size(1) == shape_.hidden,
+              "DecoderStack: router [experts, hidden]");
+  TORCH_CHECK(top_k >= 1 && top_k <= experts.num_experts(), "DecoderStack: top_k");
+  l.moe = std::make_shared<MoEExperts>(experts);
+  l.router = router.detach().to(at::kFloat).contiguous();
+  l.top_k = top_k;
+  l.renormalize = renormalize;
+}
 
 void DecoderStack::set_family_options(const at::Tensor& local_cos, const at::Tensor& local_sin,
                                       const std::vector<bool>& layer_is_local,
@@ -356,6 +435,10 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     for (size_t slot = 0; slot < 4; ++slot) {
       int64_t& ld_in = slot == 1 ? ld_attn : slot == 3 ? ld_act : ld_x;
       int64_t rows = 0;
+      if (layer.parts[slot].empty()) {
+        TORCH_CHECK(layer.moe, "DecoderStack: an MoE layer's experts were not set");
+        continue;
+      }
       for (const PackedWeight& w : layer.parts[slot]) {
         ld_in = std::max(ld_in, w.k_pad);
         rows += w.n;
@@ -395,6 +478,10 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
       for (const PackedWeight& w : slot)
         if (w.quantized()) b.quant.reserve(w, tokens, isa);
   std::vector<float> scratch(scratch_floats * threads);
+  int64_t max_top_k = 0;
+  for (const Layer& layer : layers_) max_top_k = std::max(max_top_k, layer.top_k);
+  std::vector<int64_t> route_ids(tokens * max_top_k);
+  std::vector<float> route_weights(tokens * max_top_k);
   float* residual = b.residual.data_ptr<float>();
   float* delta = b.delta.data_ptr<float>();
   float* qkv = b.qkv.data_ptr<float>();
@@ -535,6 +622,31 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                   });
     gemm_parts(layer.parts[1], attn, ld_attn, delta, hidden, lw.o_bias, lora ? lora + 1 : nullptr);
     add_norm_phase(delta, lw.attn_out_norm, lw.post_norm, x, ld_x, bf16_act);
+    if (layer.moe) {  // routing, then the experts' phases, their sum into delta
+      const MoEExperts* moe = layer.moe.get();
+      const float* router = layer.router.data_ptr<float>();
+      const int64_t experts = moe->num_experts(), top_k = layer.top_k;
+      const bool renormalize = layer.renormalize;
+      int64_t* ids = route_ids.data();
+      float* weights = route_weights.data();
+      job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
+        int64_t r0, r1;
+        rows_of(chunk, r0, r1);
+        if (bf16_act)
+          route(isa, router, experts, s.hidden, static_cast<const bf16*>(x), ld_x, top_k,
+                renormalize, ids, weights, r0, r1);
+        else
+          route(isa, router, experts, s.hidden, static_cast<const float*>(x), ld_x, top_k,
+                renormalize, ids, weights, r0, r1);
+      });
+      MoEPlan* plan = &b.moe;
+      job.add_phase(1, [=](int64_t, int) {
+        moe->plan(*plan, ids, weights, tokens, top_k, bf16_act, isa);
+      });
+      moe->add_phases(job, b.moe, x, ld_x, bf16_act, tokens, std::min(experts, tokens * top_k),
+                      delta, false, hidden, threads, isa);
+      continue;
+    }
     gemm_parts(layer.parts[2], x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias,
                lora ? lora + 2 : nullptr);
     job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {

@@ -2,12 +2,14 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <vector>
 
 #include "cpu_common.h"
 #include "int_linear.h"
 #include "linear.h"
 #include "lora.h"
+#include "moe.h"
 #include "paged_attention.h"
 
 namespace tokenmill {
@@ -86,6 +88,11 @@ class DecoderStack {
   // ([n, 3] int64: first, end, slot) add each adapter row's delta after the base products,
   // inside the stack's own phases.
   void set_lora(const std::vector<std::vector<c10::optional<at::Tensor>>>& layers);
+  // Layer `layer`'s MLP is this mixture-of-experts block (built with no gate_up / down
+  // linears): `router` float32 [experts, hidden], softmax then the top `top_k`, `renormalize`d
+  // (Qwen's norm_topk_prob, Mixtral), the experts' one-job phases inside the stack's job.
+  void set_moe(int64_t layer, const MoEExperts& experts, const at::Tensor& router, int64_t top_k,
+               bool renormalize);
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -99,12 +106,18 @@ class DecoderStack {
     // qkv, o, gate_up, down: each one or more row ranges of its own format, in row order.
     std::array<std::vector<PackedWeight>, 4> parts;
     LayerWeights weights{};
+    // An MoE MLP (set_moe) instead of gate_up / down.
+    std::shared_ptr<MoEExperts> moe;
+    at::Tensor router;
+    int64_t top_k = 0;
+    bool renormalize = false;
   };
   // Activations, kept between calls and grown to the largest step seen.
   struct Buffers {
     int64_t rows = 0;
     at::Tensor residual, delta, qkv, gate_up, x, attn, act;
     QuantScratch quant;  // quantized linears' prepared inputs
+    MoEPlan moe;         // an MoE layer's routed pairs (one layer at a time)
     void ensure(int64_t tokens, int64_t hidden, int64_t ld_x, int64_t ld_qkv, int64_t ld_attn,
                 int64_t ld_gate_up, int64_t ld_act, at::ScalarType act_type);
   };

@@ -30,6 +30,7 @@
 #include <ATen/ops/empty.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -55,6 +56,9 @@ constexpr int lane_cols(int bits) { return bits == 8 ? 4 : 8; }
 // llama.cpp's IQ4_NL values plus 128, as one 16-byte shuffle table.
 inline uint8_t iq4_unsigned(int index) { return static_cast<uint8_t>(kIq4NlValues[index] + 128); }
 
+std::atomic<int64_t> g_quant_prefetch{0};
+std::atomic<int> g_quant_prefetch_hint{0};
+
 // A packed weight as the kernels read it.
 struct Problem {
   const uint8_t* codes;  // [blocks, block_bytes]
@@ -66,6 +70,7 @@ struct Problem {
   const int8_t* sub_scales = nullptr;   // factored scales: [blocks, groups, 16]
   const half* super_scales = nullptr;   // times [blocks, groups / super_groups, 16]
   int64_t super_groups = 0;
+  int64_t prefetch = 0;  // bytes ahead of the codes read to prefetch (0: none)
   // Where group g's 16 scales of block nb are: (its own, its super-block's).
   int64_t scale_at(int64_t nb, int64_t g) const { return (nb * groups + g) * kBlockRows; }
   int64_t super_at(int64_t nb, int64_t g) const {
@@ -89,6 +94,7 @@ Problem problem_of(const PackedWeight& w) {
   p.sub_scales = w.sub_scales;
   p.super_scales = w.super_scales;
   p.super_groups = w.super_groups;
+  p.prefetch = g_quant_prefetch.load(std::memory_order_relaxed);
   return p;
 }
 
@@ -589,6 +595,18 @@ TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block,
   }
 }
 
+// The codes `p.prefetch` bytes after chunk `chunk`'s (and its high bits as far ahead).
+template <int BITS>
+inline void prefetch_codes(const Problem& p, const uint8_t* block, int64_t chunk) {
+  const char* at = reinterpret_cast<const char*>(block + chunk * 64 * base_bits(BITS) / 4) + p.prefetch;
+  if (g_quant_prefetch_hint.load(std::memory_order_relaxed)) _mm_prefetch(at, _MM_HINT_T1);
+  else _mm_prefetch(at, _MM_HINT_T0);
+  if constexpr (has_high_bits(BITS)) {
+    if (chunk % 2 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(p.high_bits(block, chunk)) + p.prefetch * (BITS - base_bits(BITS)) / 4, _MM_HINT_T0);
+  }
+}
+
 template <int BITS, int R>
 TM_AVX512 void block_avx512(const Problem& p, const QuantInput& a, int64_t nb, int64_t m0,
                             float* out) {
@@ -679,6 +697,7 @@ TM_AVX512BF16 inline void segment_vnni(const Problem& p, const uint8_t* block,
         into = _mm512_dpbusd_epi32(into, raw, _mm512_set1_epi32(x4));
       }
     } else {
+      if (p.prefetch) prefetch_codes<BITS>(p, block, col / 8 + c);
       __m512i lo, hi;
       split_chunk_avx512<BITS>(p, block, col / 8 + c, lo, hi);
 #pragma GCC unroll 8
@@ -800,6 +819,13 @@ TM_AVX512BF16 void block_vnni_factored(const Problem& p, const QuantInput& a, in
           int32_t codes_sum = x_qsum[r][col / 16];
           if constexpr (GROUP == 32) codes_sum += x_qsum[r][col / 16 + 1];
           acc[r] = _mm512_set1_epi32(-center * codes_sum);
+        }
+        if (p.prefetch) {
+          // 16 sub-scale and 32 offset bytes a group per 8 x GROUP bytes of nibbles.
+          const int64_t ahead = p.prefetch * 2 / GROUP;
+          _mm_prefetch(reinterpret_cast<const char*>(p.sub_scales + p.scale_at(nb, g)) + ahead, _MM_HINT_T0);
+          if (offsets)
+            _mm_prefetch(reinterpret_cast<const char*>(offsets + g * kBlockRows) + 2 * ahead, _MM_HINT_T0);
         }
         segment_vnni<BITS, R, GROUP>(p, block, xq, col, acc);
         const __m512i sub = _mm512_cvtepi8_epi32(_mm_loadu_si128(
@@ -982,6 +1008,11 @@ std::array<size_t, 6> input_bytes(QuantPath path, int64_t rows, int64_t kp, int6
 }
 
 }  // namespace
+
+void set_quant_prefetch(int64_t bytes, int64_t hint) {
+  g_quant_prefetch.store(bytes);
+  g_quant_prefetch_hint.store(static_cast<int>(hint));
+}
 
 QuantPath quant_path(int64_t rows, int isa) {
   if (isa >= kAmx && rows >= kQuantAmxMinRows) return QuantPath::kAmx;

@@ -36,6 +36,10 @@ constexpr int64_t kQuantAmxMinRows = 32;
 enum class QuantPath : int { kFloat = 0, kInt8 = 1, kAmx = 2 };
 QuantPath quant_path(int64_t rows, int isa);
 
+// Tuning (benchmarks): software prefetch `bytes` ahead of the codes a VNNI product reads
+// (0: none), into L1 (hint 0) or L2 (hint 1).
+void set_quant_prefetch(int64_t bytes, int64_t hint);
+
 // A product's input rows as its kernels read them (pointers into a QuantScratch).
 struct QuantInput {
   QuantPath path;

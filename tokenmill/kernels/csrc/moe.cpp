@@ -11,8 +11,6 @@
 
 #include <utility>
 
-#include "int_linear.h"
-#include "thread_pool.h"
 
 namespace tokenmill {
 
@@ -178,22 +176,6 @@ Routing group_by_expert(const int64_t* id, const float* weight, int64_t pairs, i
   return r;
 }
 
-// Chunks of `blocks_per` 16-row blocks over each active expert's product, numbered in a row:
-// `first[a]` is active expert a's first chunk (and first[active] the total).
-struct BlockChunks {
-  std::vector<int64_t> first, per;
-  void add(int64_t blocks, int64_t blocks_per) {
-    if (first.empty()) first.push_back(0);
-    per.push_back(blocks_per);
-    first.push_back(first.back() + (blocks + blocks_per - 1) / blocks_per);
-  }
-  // (active expert, its chunk) of chunk `c`.
-  std::pair<int64_t, int64_t> locate(int64_t c) const {
-    const int64_t a = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
-    return {a, c - first[a]};
-  }
-};
-
 inline int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
 
 }  // namespace
@@ -211,17 +193,21 @@ at::Tensor MoEExperts::forward(const at::Tensor& x, const at::Tensor& weights,
               "MoEExperts: weights must be contiguous float32 [T, k]");
   TORCH_CHECK(x.size(1) == gate_up_[0].weight().k, "MoEExperts: x has ", x.size(1),
               " columns, the experts take ", gate_up_[0].weight().k);
+  const bool one_job = !per_expert_ && one_job_reads(is_bf16);
+  if (one_job) return forward_one_job(x, weights, ids);
   const Routing routing =
       group_by_expert(ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.numel(),
                       ids.size(1), static_cast<int64_t>(gate_up_.size()));
-  // A dense weight reads rows of its own dtype: other inputs take the per-product path,
-  // which converts them.
-  bool one_job = !per_expert_;
-  for (size_t e = 0; e < gate_up_.size() && one_job; ++e)
+  return forward_per_expert(x, routing.start, routing.token_of, routing.scale);
+}
+
+// A dense weight reads rows of its own dtype: other inputs take the per-product path, which
+// converts them.
+bool MoEExperts::one_job_reads(bool is_bf16) const {
+  for (size_t e = 0; e < gate_up_.size(); ++e)
     for (const PackedLinear* linear : {&gate_up_[e], &down_[e]})
-      if (!linear->weight().quantized() && linear->weight().is_bf16 != is_bf16) one_job = false;
-  return one_job ? forward_one_job(x, routing.start, routing.token_of, routing.scale, ids.size(1))
-                 : forward_per_expert(x, routing.start, routing.token_of, routing.scale);
+      if (!linear->weight().quantized() && linear->weight().is_bf16 != is_bf16) return false;
+  return true;
 }
 
 at::Tensor MoEExperts::forward_per_expert(const at::Tensor& x, const std::vector<int64_t>& start,
@@ -276,124 +262,158 @@ void MoEExperts::activate(int isa, const float* gate_up, void* act, bool is_bf16
   }
 }
 
-at::Tensor MoEExperts::forward_one_job(const at::Tensor& x, const std::vector<int64_t>& start,
-                                       const std::vector<int64_t>& token_of,
-                                       const std::vector<float>& scale, int64_t top_k) const {
-  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-  const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
-  const int64_t width = intermediate_;
-  const int isa = current_isa();
-  if (isa >= kAmx) amx_permitted();
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
-  const int64_t n_active = static_cast<int64_t>(active.size());
-  if (n_active == 0) return at::zeros({tokens, hidden}, x.options());
-
-  // Rows of the gathered inputs and of the activations, zero-padded to a bf16 weight's k_pad.
-  const int64_t ld_x = round_up(hidden, 32), ld_act = round_up(width, 32);
-  at::Tensor xs = at::zeros({pairs, ld_x}, x.options());
-  at::Tensor act = at::zeros({pairs, ld_act}, x.options());
-  at::Tensor gate_up = at::empty({pairs, 2 * width}, x.options().dtype(at::kFloat));
-  at::Tensor y = at::empty({pairs, hidden}, x.options().dtype(at::kFloat));
-  at::Tensor out = at::empty({tokens, hidden}, x.options());
-  char* xs_bytes = static_cast<char*>(xs.data_ptr());
-  char* act_bytes = static_cast<char*>(act.data_ptr());
-  float* gu = gate_up.data_ptr<float>();
-  float* ys = y.data_ptr<float>();
-  const char* x_bytes = static_cast<const char*>(x.data_ptr());
-  const int64_t elem = x.element_size();
-
-  // Each active expert's quantized products' prepared inputs, in scratch of their own (the
-  // views of one scratch would invalidate each other).
-  thread_local std::vector<QuantScratch> scratch;
-  if (scratch.size() < static_cast<size_t>(2 * n_active)) scratch.resize(2 * n_active);
-  std::vector<QuantInput> gu_in(n_active), down_in(n_active);
-  // Work per chunk as the per-product path's (a few chunks per thread and product); tiny
-  // products on the calling thread.
-  const PackedWeight& w0 = gate_up_[active[0]].weight();
-  const int threads =
-      w0.n_pad * w0.k_pad * std::max<int64_t>(pairs, 4) * 2 < (1 << 16) ? 1 : team_size();
-  BlockChunks gu_chunks, down_chunks;
+void MoEExperts::plan(MoEPlan& p, const int64_t* ids, const float* weights, int64_t tokens,
+                      int64_t top_k, bool is_bf16, int isa) const {
+  const int64_t pairs = tokens * top_k;
+  Routing routing = group_by_expert(ids, weights, pairs, top_k, num_experts());
+  p.tokens = tokens;
+  p.top_k = top_k;
+  p.start = std::move(routing.start);
+  p.token_of = std::move(routing.token_of);
+  p.scale = std::move(routing.scale);
+  p.active.clear();
+  for (int64_t e = 0; e < num_experts(); ++e)
+    if (p.start[e + 1] > p.start[e]) p.active.push_back(e);
+  // Each token's grouped pairs in expert order: the sum adds them in the order the
+  // per-expert path does.
+  p.token_slots.assign(pairs, 0);
+  std::vector<int64_t> filled(tokens, 0);
+  for (int64_t slot = 0; slot < pairs; ++slot) {
+    const int64_t t = p.token_of[slot];
+    p.token_slots[t * top_k + filled[t]++] = slot;
+  }
+  // Rows of the gathered inputs and of the activations, zero-padded to a bf16 weight's k_pad
+  // (kept between calls: nothing writes the padding).
+  const int64_t ld_x = round_up(hidden(), 32), ld_act = round_up(intermediate_, 32);
+  const auto dtype = is_bf16 ? at::kBFloat16 : at::kFloat;
+  if (!p.xs.defined() || p.xs.size(0) < pairs || p.ld_x != ld_x || p.ld_act != ld_act ||
+      p.xs.scalar_type() != dtype) {
+    const int64_t rows = std::max<int64_t>(pairs, 8);
+    const auto options = at::TensorOptions().dtype(dtype);
+    p.xs = at::zeros({rows, ld_x}, options);
+    p.act = at::zeros({rows, ld_act}, options);
+    p.gate_up = at::empty({rows, 2 * intermediate_}, options.dtype(at::kFloat));
+    p.y = at::empty({rows, hidden()}, options.dtype(at::kFloat));
+    p.ld_x = ld_x;
+    p.ld_act = ld_act;
+  }
+  const int64_t n_active = static_cast<int64_t>(p.active.size());
+  if (p.scratch.size() < static_cast<size_t>(2 * n_active)) p.scratch.resize(2 * n_active);
+  p.gu_in.assign(n_active, QuantInput{});
+  p.down_in.assign(n_active, QuantInput{});
   for (int64_t a = 0; a < n_active; ++a) {
-    const int64_t e = active[a], rows = start[e + 1] - start[e];
+    const int64_t e = p.active[a], rows = p.start[e + 1] - p.start[e];
     const PackedWeight& wg = gate_up_[e].weight();
     const PackedWeight& wd = down_[e].weight();
-    if (wg.quantized()) gu_in[a] = scratch[2 * a].view(wg, rows, isa);
-    if (wd.quantized()) down_in[a] = scratch[2 * a + 1].view(wd, rows, isa);
-    gu_chunks.add(wg.blocks(), gemm_chunk_blocks(wg, rows, threads));
-    down_chunks.add(wd.blocks(), gemm_chunk_blocks(wd, rows, threads));
+    if (wg.quantized()) p.gu_in[a] = p.scratch[2 * a].view(wg, rows, isa);
+    if (wd.quantized()) p.down_in[a] = p.scratch[2 * a + 1].view(wd, rows, isa);
   }
-  // Each token's grouped pairs in expert order: the sum below adds them in the order the
-  // per-expert path does.
-  std::vector<int64_t> token_slots(pairs), filled(tokens, 0);
-  for (int64_t slot = 0; slot < pairs; ++slot) {
-    const int64_t t = token_of[slot];
-    token_slots[t * top_k + filled[t]++] = slot;
-  }
+}
 
-  PhasedJob job;
+void MoEExperts::add_phases(PhasedJob& job, const MoEPlan& p, const void* x, int64_t ldx,
+                            bool is_bf16, int64_t tokens, int64_t max_active, void* out,
+                            bool out_bf16, int64_t ld_out, int threads, int isa) const {
+  const int64_t hidden = this->hidden(), width = intermediate_;
+  const int64_t elem = is_bf16 ? sizeof(bf16) : sizeof(float);
+  // Every expert's products have the same blocks: the same chunks each (a few per thread).
+  const PackedWeight& wg0 = gate_up_[0].weight();
+  const PackedWeight& wd0 = down_[0].weight();
+  const int64_t gu_per = gemm_chunk_blocks(wg0, 1, threads);
+  const int64_t down_per = gemm_chunk_blocks(wd0, 1, threads);
+  const int64_t gu_chunks = (wg0.blocks() + gu_per - 1) / gu_per;
+  const int64_t down_chunks = (wd0.blocks() + down_per - 1) / down_per;
+  const char* x_bytes = static_cast<const char*>(x);
   // 1. Each active expert's rows gathered (and prepared for a quantized gate/up).
-  job.add_phase(n_active, [&](int64_t a, int) {
-    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+  job.add_phase(max_active, [=, &p](int64_t a, int) {
+    if (a >= static_cast<int64_t>(p.active.size())) return;
+    const int64_t e = p.active[a], first = p.start[e], rows = p.start[e + 1] - first;
+    char* xs = static_cast<char*>(p.xs.data_ptr());
     for (int64_t r = first; r < first + rows; ++r)
-      std::memcpy(xs_bytes + r * ld_x * elem, x_bytes + token_of[r] * hidden * elem,
-                  hidden * elem);
+      std::memcpy(xs + r * p.ld_x * elem, x_bytes + p.token_of[r] * ldx * elem, hidden * elem);
     const PackedWeight& w = gate_up_[e].weight();
     if (w.quantized())
-      prepare_quant_rows(w, xs_bytes + first * ld_x * elem, is_bf16, ld_x, gu_in[a], 0, rows);
+      prepare_quant_rows(w, xs + first * p.ld_x * elem, is_bf16, p.ld_x, p.gu_in[a], 0, rows);
   });
   // 2. gate/up: every active expert's output blocks, one pool of chunks.
-  job.add_phase(gu_chunks.first.back(), [&](int64_t c, int) {
-    const auto [a, chunk] = gu_chunks.locate(c);
-    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+  job.add_phase(max_active * gu_chunks, [=, &p](int64_t c, int) {
+    const int64_t a = c / gu_chunks, chunk = c % gu_chunks;
+    if (a >= static_cast<int64_t>(p.active.size())) return;
+    const int64_t e = p.active[a], first = p.start[e], rows = p.start[e + 1] - first;
     const PackedWeight& w = gate_up_[e].weight();
-    const GemmOut o{gu + first * 2 * width, 2 * width, false,
+    const GemmOut o{p.gate_up.data_ptr<float>() + first * 2 * width, 2 * width, false,
                     gate_up_bias_.empty() ? nullptr : gate_up_bias_[e].data_ptr<float>(),
                     2 * width};
-    const int64_t b0 = chunk * gu_chunks.per[a], b1 = std::min(w.blocks(), b0 + gu_chunks.per[a]);
-    if (w.quantized()) quant_gemm(w, gu_in[a], o, b0, b1, isa);
-    else packed_gemm(w, xs_bytes + first * ld_x * elem, ld_x, rows, o, b0, b1, isa);
+    const int64_t b0 = chunk * gu_per, b1 = std::min(w.blocks(), b0 + gu_per);
+    if (w.quantized()) quant_gemm(w, p.gu_in[a], o, b0, b1, isa);
+    else packed_gemm(w, static_cast<char*>(p.xs.data_ptr()) + first * p.ld_x * elem, p.ld_x,
+                     rows, o, b0, b1, isa);
   });
   // 3. The activation (and the down product's prepared input).
-  job.add_phase(n_active, [&](int64_t a, int) {
-    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
-    char* rows_act = act_bytes + first * ld_act * elem;
-    activate(isa, gu + first * 2 * width, rows_act, is_bf16, ld_act, rows);
+  job.add_phase(max_active, [=, &p](int64_t a, int) {
+    if (a >= static_cast<int64_t>(p.active.size())) return;
+    const int64_t e = p.active[a], first = p.start[e], rows = p.start[e + 1] - first;
+    char* rows_act = static_cast<char*>(p.act.data_ptr()) + first * p.ld_act * elem;
+    activate(isa, p.gate_up.data_ptr<float>() + first * 2 * width, rows_act, is_bf16, p.ld_act,
+             rows);
     const PackedWeight& w = down_[e].weight();
-    if (w.quantized()) prepare_quant_rows(w, rows_act, is_bf16, ld_act, down_in[a], 0, rows);
+    if (w.quantized()) prepare_quant_rows(w, rows_act, is_bf16, p.ld_act, p.down_in[a], 0, rows);
   });
   // 4. down: every active expert's output blocks.
-  job.add_phase(down_chunks.first.back(), [&](int64_t c, int) {
-    const auto [a, chunk] = down_chunks.locate(c);
-    const int64_t e = active[a], first = start[e], rows = start[e + 1] - first;
+  job.add_phase(max_active * down_chunks, [=, &p](int64_t c, int) {
+    const int64_t a = c / down_chunks, chunk = c % down_chunks;
+    if (a >= static_cast<int64_t>(p.active.size())) return;
+    const int64_t e = p.active[a], first = p.start[e], rows = p.start[e + 1] - first;
     const PackedWeight& w = down_[e].weight();
-    const GemmOut o{ys + first * hidden, hidden, false,
+    const GemmOut o{p.y.data_ptr<float>() + first * hidden, hidden, false,
                     down_bias_.empty() ? nullptr : down_bias_[e].data_ptr<float>(), hidden};
-    const int64_t b0 = chunk * down_chunks.per[a],
-                  b1 = std::min(w.blocks(), b0 + down_chunks.per[a]);
-    if (w.quantized()) quant_gemm(w, down_in[a], o, b0, b1, isa);
-    else packed_gemm(w, act_bytes + first * ld_act * elem, ld_act, rows, o, b0, b1, isa);
+    const int64_t b0 = chunk * down_per, b1 = std::min(w.blocks(), b0 + down_per);
+    if (w.quantized()) quant_gemm(w, p.down_in[a], o, b0, b1, isa);
+    else packed_gemm(w, static_cast<char*>(p.act.data_ptr()) + first * p.ld_act * elem,
+                     p.ld_act, rows, o, b0, b1, isa);
   });
-  // 5. Each token's weighted sum, in x's dtype.
+  // 5. Each token's weighted sum, into `out`.
   const int64_t per_chunk = std::max<int64_t>(1, (tokens + 4 * threads - 1) / (4 * threads));
-  job.add_phase((tokens + per_chunk - 1) / per_chunk, [&](int64_t c, int) {
-    std::vector<float> sum(hidden);
+  job.add_phase((tokens + per_chunk - 1) / per_chunk, [=, &p](int64_t c, int) {
+    thread_local std::vector<float> sum;
+    sum.resize(hidden);
     const int64_t zero = 0;
+    const float* ys = p.y.data_ptr<float>();
     for (int64_t t = c * per_chunk; t < std::min(tokens, (c + 1) * per_chunk); ++t) {
       std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int64_t j = 0; j < top_k; ++j) {
-        const int64_t slot = token_slots[t * top_k + j];
-        add_weighted_rows(isa, ys + slot * hidden, hidden, 1, &zero, &scale[slot], sum.data());
+      for (int64_t j = 0; j < p.top_k; ++j) {
+        const int64_t slot = p.token_slots[t * p.top_k + j];
+        add_weighted_rows(isa, ys + slot * hidden, hidden, 1, &zero, &p.scale[slot], sum.data());
       }
-      if (is_bf16) {
-        bf16* dst = out.data_ptr<bf16>() + t * hidden;
+      if (out_bf16) {
+        bf16* dst = static_cast<bf16*>(out) + t * ld_out;
         for (int64_t i = 0; i < hidden; ++i) store_float(dst + i, sum[i]);
       } else {
-        std::memcpy(out.data_ptr<float>() + t * hidden, sum.data(), hidden * sizeof(float));
+        std::memcpy(static_cast<float*>(out) + t * ld_out, sum.data(), hidden * sizeof(float));
       }
     }
   });
+}
+
+at::Tensor MoEExperts::forward_one_job(const at::Tensor& x, const at::Tensor& weights,
+                                       const at::Tensor& ids) const {
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
+  const int isa = current_isa();
+  if (isa >= kAmx) amx_permitted();
+  thread_local MoEPlan plan;
+  this->plan(plan, ids.data_ptr<int64_t>(), weights.data_ptr<float>(), tokens, top_k, is_bf16,
+             isa);
+  const int64_t n_active = static_cast<int64_t>(plan.active.size());
+  if (n_active == 0) return at::zeros({tokens, hidden}, x.options());
+  // Tiny products on the calling thread.
+  const PackedWeight& w0 = gate_up_[plan.active[0]].weight();
+  const int threads = w0.n_pad * w0.k_pad * std::max<int64_t>(tokens * top_k, 4) * 2 < (1 << 16)
+                          ? 1
+                          : team_size();
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  PhasedJob job;
+  add_phases(job, plan, x.data_ptr(), hidden, is_bf16, tokens, n_active, out.data_ptr(), is_bf16,
+             hidden, threads, isa);
   WorkerPool::instance().run(job, threads);
   return out;
 }

@@ -3,9 +3,26 @@
 
 #include <vector>
 
+#include "int_linear.h"
 #include "linear.h"
+#include "thread_pool.h"
 
 namespace tokenmill {
+
+// One call's (token, choice) pairs grouped by expert, and the buffers the one-job phases use:
+// made by `MoEExperts::plan` before the job, or inside it (the decoder stack routes in a phase
+// of its own, so the phases read it at run time). Kept between calls (buffers grow).
+struct MoEPlan {
+  int64_t tokens = 0, top_k = 0, ld_x = 0, ld_act = 0;
+  std::vector<int64_t> start;        // [experts + 1]: expert e's pairs [start[e], start[e + 1])
+  std::vector<int64_t> token_of;     // [pairs]: each grouped pair's token
+  std::vector<float> scale;          // [pairs]: its routing weight
+  std::vector<int64_t> token_slots;  // [tokens, top_k]: each token's pairs in expert order
+  std::vector<int64_t> active;       // the experts with pairs, in order
+  std::vector<QuantInput> gu_in, down_in;
+  std::vector<QuantScratch> scratch;  // two per active expert (views invalidate each other)
+  at::Tensor xs, act, gate_up, y;     // gathered rows, activations (zero-padded), products
+};
 
 // The experts' activation of gate/up's row ([2 * size] float32) into [size].
 enum MoEActivation : int64_t {
@@ -36,6 +53,22 @@ class MoEExperts {
   // not 2k). Dense weights of another dtype than x run `per_expert`, which converts.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const;
 
+  // `plan` the pairs of `ids` / `weights` ([tokens, top_k]) for inputs of `is_bf16`.
+  void plan(MoEPlan& plan, const int64_t* ids, const float* weights, int64_t tokens,
+            int64_t top_k, bool is_bf16, int isa) const;
+  // The one-job path's five phases onto `job`, reading `plan` when they run: x [tokens, ldx]
+  // (x's dtype `is_bf16`), the weighted sums into `out` (rows `ld_out` apart, bf16 or float32).
+  // `max_active`: at most this many experts have pairs (the products' phases have that many
+  // experts' chunks; those past the plan's active experts do nothing).
+  void add_phases(PhasedJob& job, const MoEPlan& plan, const void* x, int64_t ldx, bool is_bf16,
+                  int64_t tokens, int64_t max_active, void* out, bool out_bf16, int64_t ld_out,
+                  int threads, int isa) const;
+  int64_t num_experts() const { return static_cast<int64_t>(gate_up_.size()); }
+  int64_t hidden() const { return gate_up_[0].weight().k; }
+  // Whether the one-job path reads inputs of this dtype (dense experts only their own).
+  bool one_job_reads(bool is_bf16) const;
+  const PackedWeight& gate_up_weight(int64_t e) const { return gate_up_[e].weight(); }
+
   // Whether forward runs each active expert's two products in turn on the pool, through the
   // formats' own `PackedLinear::forward` (the reference the one job equals bit for bit; tests
   // and benchmarks compare the two).
@@ -45,9 +78,8 @@ class MoEExperts {
   at::Tensor forward_per_expert(const at::Tensor& x, const std::vector<int64_t>& start,
                                 const std::vector<int64_t>& token_of,
                                 const std::vector<float>& scale) const;
-  at::Tensor forward_one_job(const at::Tensor& x, const std::vector<int64_t>& start,
-                             const std::vector<int64_t>& token_of, const std::vector<float>& scale,
-                             int64_t top_k) const;
+  at::Tensor forward_one_job(const at::Tensor& x, const at::Tensor& weights,
+                             const at::Tensor& ids) const;
   // act (rows `ld_act` elements apart, x's dtype) = the activation of gate/up's float32 rows.
   void activate(int isa, const float* gate_up, void* act, bool is_bf16, int64_t ld_act,
                 int64_t rows) const;
