@@ -92,6 +92,8 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
     module = native_kernels()
     if module is None or model.tp.size > 1 or os.environ.get("TOKENMILL_FUSED_STACK") == "0":
         return None
+    if family_of(model.architecture).model_class is not None:
+        return None  # a family's own model class (hybrid layers, models/hybrid.py)
     from tokenmill.models.llama import LlamaMLP  # (llama.py imports this module)
 
     moe = [_moe_of(layer.mlp, module) for layer in model.stage_layers]
@@ -100,8 +102,6 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         for spec, layer in zip(moe, model.stage_layers, strict=True)
     ):
         return None  # a family's own MLP that the stack cannot run stays in its module
-    if family_of(model.architecture).model_class is not None:
-        return None  # a family's own model class (hybrid layers, models/hybrid.py)
     linears = [
         _layer_linears(layer, spec is not None)
         for layer, spec in zip(model.stage_layers, moe, strict=True)
