@@ -32,6 +32,8 @@ from tokenmill.step.runner_request_state import CachedRequestState
 class OracleProposer:
     """Drafts the continuation a reference run produced for the same prompt."""
 
+    proposal_threads: int | None = None  # the engine's threads
+
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
         self.continuations = continuations  # prompt token ids -> prompt + greedy output
 

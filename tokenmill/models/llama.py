@@ -226,6 +226,7 @@ class LlamaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset) if sandwich else None
         self.mlp = mlp if mlp is not None else LlamaMLP(shape, traits, tp)
+        self.dense_mlp = mlp is None  # the fused stack computes exactly this MLP (llama_stack.py)
 
     def forward(
         self,

@@ -94,11 +94,9 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         return None
     if family_of(model.architecture).model_class is not None:
         return None  # a family's own model class (hybrid layers, models/hybrid.py)
-    from tokenmill.models.llama import LlamaMLP  # (llama.py imports this module)
-
     moe = [_moe_of(layer.mlp, module) for layer in model.stage_layers]
     if family_of(model.architecture).mlp is not None and any(
-        spec is None and not isinstance(layer.mlp, LlamaMLP)
+        spec is None and not layer.dense_mlp
         for spec, layer in zip(moe, model.stage_layers, strict=True)
     ):
         return None  # a family's own MLP that the stack cannot run stays in its module
@@ -123,11 +121,7 @@ def build_decoder_stack(model: nn.Module) -> LlamaDecoderStack | None:
         attention.num_kv_heads,
         attention.head_dim,
         next(
-            (
-                layer.mlp.intermediate_size
-                for layer in model.stage_layers
-                if isinstance(layer.mlp, LlamaMLP)
-            ),
+            (layer.mlp.intermediate_size for layer in model.stage_layers if layer.dense_mlp),
             model.shape.intermediate_size,
         ),
         model.shape.rms_norm_eps,
