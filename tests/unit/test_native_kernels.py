@@ -27,7 +27,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 21, 37, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 16, 21, 37, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 33), (130, 64), (5, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(
@@ -50,20 +50,29 @@ def test_packed_linear_matches_f_linear(
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_product_does_not_depend_on_the_other_rows(isa: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("out_features", [200, 109])
+def test_a_rows_product_does_not_depend_on_the_other_rows(
+    isa: int, dtype: torch.dtype, out_features: int
+) -> None:
     """Below AMX (which tiles 16 rows its own way), every row count gives each row the bits it
     gets alone: a speculative verification of k + 1 rows must score its first token exactly
     as a one-token decode step would (greedy equality). 5 and 9 rows: the five-row pass
-    (AVX2, AVX-512 BF16), 6-8: the six-row pass and its neighbours (AVX-512 BF16)."""
+    (AVX2, AVX-512 BF16), 6-8: the six-row pass and its neighbours (AVX-512 BF16); 1, 2, 6
+    and 10 rows: AVX2's last one or two rows over 4, 2 and single blocks a pass (13 and 7
+    blocks of 16 columns, in chunks of 4)."""
     if isa >= native.ISA_LEVELS.index("amx"):
         pytest.skip("AMX's tiles round rows in groups")
     generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(200, 70, generator=generator).to(dtype)
+    weight = torch.randn(out_features, 70, generator=generator).to(dtype)
     packed = pack_linear_weight(weight)
-    x = torch.randn(9, 70, generator=generator).to(dtype)
-    alone = torch.cat([packed_linear(x[i : i + 1], packed, 200, None) for i in range(9)])
-    for rows in (2, 4, 5, 6, 7, 8, 9):
-        assert torch.equal(packed_linear(x[:rows], packed, 200, None), alone[:rows]), rows
+    x = torch.randn(13, 70, generator=generator).to(dtype)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, out_features, None) for i in range(13)])
+    reference = F.linear(x.float(), weight.float())
+    scale = reference.abs().max().item()
+    assert (alone.float() - reference).abs().max().item() <= TOLERANCE[dtype] * scale
+    for rows in range(2, 14):
+        got = packed_linear(x[:rows], packed, out_features, None)
+        assert torch.equal(got, alone[:rows]), rows
 
 
 @needs_native

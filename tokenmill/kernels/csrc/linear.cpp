@@ -104,42 +104,67 @@ TM_AVX2 inline void bf16_pair_halves_avx2(const bf16* p, __m256& even, __m256& o
   odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF0000)));
 }
 
-template <int NR, typename X>
+// NR rows x NB consecutive blocks, each weight vector loaded and widened once for NR rows.
+// Every output lane accumulates its k in one fixed order whatever NR and NB, so a row's bits do
+// not depend on the row count or the tiling; NB > 1 gives one or two rows 4NB independent FMA
+// chains, where one block's two (bf16: a chain of two FMAs a pair of k) left the pass bound by
+// FMA latency at a quarter of the FMA rate.
+template <int NR, int NB, typename X>
 TM_AVX2 void rows_avx2(const PackedWeight& w, const X* x, int64_t ldx, int64_t r,
                        const GemmOut& o, int64_t b) {
-  __m256 acc[NR][2];
-  for (int i = 0; i < NR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  __m256 acc[NR][NB][2];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
   const int64_t per_block = block_elements(w);
   if (w.is_bf16) {
-    const bf16* block = static_cast<const bf16*>(w.data) + b * per_block;
+    const bf16* blocks = static_cast<const bf16*>(w.data) + b * per_block;
     for (int64_t p = 0; p < w.k_pad / 2; ++p) {
-      __m256 even0, odd0, even1, odd1;
-      bf16_pair_halves_avx2(block + p * 32, even0, odd0);
-      bf16_pair_halves_avx2(block + p * 32 + 16, even1, odd1);
-      for (int i = 0; i < NR; ++i) {
-        const X* xr = x + (r + i) * ldx + 2 * p;
-        const __m256 x0 = _mm256_set1_ps(load_float(xr)), x1 = _mm256_set1_ps(load_float(xr + 1));
-        acc[i][0] = _mm256_fmadd_ps(x1, odd0, _mm256_fmadd_ps(x0, even0, acc[i][0]));
-        acc[i][1] = _mm256_fmadd_ps(x1, odd1, _mm256_fmadd_ps(x0, even1, acc[i][1]));
+      for (int j = 0; j < NB; ++j) {
+        const bf16* pair = blocks + j * per_block + p * 32;
+        __m256 even0, odd0, even1, odd1;
+        bf16_pair_halves_avx2(pair, even0, odd0);
+        bf16_pair_halves_avx2(pair + 16, even1, odd1);
+        for (int i = 0; i < NR; ++i) {
+          const X* xr = x + (r + i) * ldx + 2 * p;
+          const __m256 x0 = _mm256_set1_ps(load_float(xr)), x1 = _mm256_set1_ps(load_float(xr + 1));
+          acc[i][j][0] = _mm256_fmadd_ps(x1, odd0, _mm256_fmadd_ps(x0, even0, acc[i][j][0]));
+          acc[i][j][1] = _mm256_fmadd_ps(x1, odd1, _mm256_fmadd_ps(x0, even1, acc[i][j][1]));
+        }
       }
     }
   } else {
-    const float* block = static_cast<const float*>(w.data) + b * per_block;
+    const float* blocks = static_cast<const float*>(w.data) + b * per_block;
     for (int64_t kk = 0; kk < w.k; ++kk) {
-      const __m256 w0 = _mm256_loadu_ps(block + kk * 16), w1 = _mm256_loadu_ps(block + kk * 16 + 8);
-      for (int i = 0; i < NR; ++i) {
-        const __m256 xv = _mm256_set1_ps(load_float(x + (r + i) * ldx + kk));
-        acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+      for (int j = 0; j < NB; ++j) {
+        const float* row = blocks + j * per_block + kk * 16;
+        const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+        for (int i = 0; i < NR; ++i) {
+          const __m256 xv = _mm256_set1_ps(load_float(x + (r + i) * ldx + kk));
+          acc[i][j][0] = _mm256_fmadd_ps(xv, w0, acc[i][j][0]);
+          acc[i][j][1] = _mm256_fmadd_ps(xv, w1, acc[i][j][1]);
+        }
       }
     }
   }
   alignas(32) float values[16];
-  for (int i = 0; i < NR; ++i) {
-    _mm256_store_ps(values, acc[i][0]);
-    _mm256_store_ps(values + 8, acc[i][1]);
-    store16_portable(values, o, r + i, b * 16);
-  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NB; ++j) {
+      _mm256_store_ps(values, acc[i][j][0]);
+      _mm256_store_ps(values + 8, acc[i][j][1]);
+      store16_portable(values, o, r + i, (b + j) * 16);
+    }
+}
+
+// One or two rows over blocks [b0, b1): NB = 4 / 2 blocks a pass (8 accumulators), then singles.
+template <int NR, typename X>
+TM_AVX2 void few_rows_avx2(const PackedWeight& w, const X* x, int64_t ldx, int64_t r,
+                           const GemmOut& o, int64_t b0, int64_t b1) {
+  constexpr int kBlocks = NR == 1 ? 4 : 2;
+  int64_t b = b0;
+  for (; b + kBlocks <= b1; b += kBlocks) rows_avx2<NR, kBlocks>(w, x, ldx, r, o, b);
+  if constexpr (kBlocks == 4)
+    for (; b + 2 <= b1; b += 2) rows_avx2<NR, 2>(w, x, ldx, r, o, b);
+  for (; b < b1; ++b) rows_avx2<NR, 1>(w, x, ldx, r, o, b);
 }
 
 // bf16 rows widened to float32 once per call (exact), so the kernel broadcasts each input
@@ -171,21 +196,21 @@ TM_AVX2 void gemm_avx2(const PackedWeight& w, const X* x, int64_t ldx, int64_t m
     const int64_t k = w.is_bf16 ? w.k_pad : w.k;
     return gemm_avx2<float>(w, widen_rows_avx2(x, ldx, m, k), k, m, o, b0, b1);
   }
-  for (int64_t b = b0; b < b1; ++b) {
+  // Block by block, rows in fours (five at the end: 10 accumulators and 4 weight halves fill
+  // the 16 registers, so a verification of k + 1 = 5 tokens reads and widens each weight once)
+  // and a last three; a last one or two rows then over the blocks a few at a time.
+  const int64_t tail = m % 4 == 1 && m >= 5 ? 0 : m % 4 == 3 ? 0 : m % 4;
+  const int64_t grouped = m - tail;
+  for (int64_t b = b0; b < b1 && grouped > 0; ++b) {
     int64_t r = 0;
-    // Five rows in one pass (10 accumulators, 4 weight halves: the 16 registers), so a
-    // verification of k + 1 = 5 tokens reads and widens each weight once, not twice.
-    for (; r + 4 <= m; r += m - r == 5 ? 5 : 4) {
-      if (m - r == 5) rows_avx2<5>(w, x, ldx, r, o, b);
-      else rows_avx2<4>(w, x, ldx, r, o, b);
+    for (; r + 4 <= grouped; r += grouped - r == 5 ? 5 : 4) {
+      if (grouped - r == 5) rows_avx2<5, 1>(w, x, ldx, r, o, b);
+      else rows_avx2<4, 1>(w, x, ldx, r, o, b);
     }
-    switch (m - r) {
-      case 3: rows_avx2<3>(w, x, ldx, r, o, b); break;
-      case 2: rows_avx2<2>(w, x, ldx, r, o, b); break;
-      case 1: rows_avx2<1>(w, x, ldx, r, o, b); break;
-      default: break;
-    }
+    if (grouped - r == 3) rows_avx2<3, 1>(w, x, ldx, r, o, b);
   }
+  if (tail == 2) few_rows_avx2<2>(w, x, ldx, grouped, o, b0, b1);
+  if (tail == 1) few_rows_avx2<1>(w, x, ldx, grouped, o, b0, b1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -461,6 +486,8 @@ int64_t gemm_chunk_blocks(const PackedWeight& w, int64_t m, int threads) {
   if (threads <= 1) return blocks;
   int64_t per = (blocks + 4 * threads - 1) / (4 * threads);
   if (m >= kAmxMinRows) per = std::min(kAmxBlocksPerChunk, per);
+  // One or two dense rows go over 4 (2) blocks a pass (few_rows_avx2): whole passes a chunk.
+  if (m <= 2 && !w.quantized()) per = (per + 3) / 4 * 4;
   return std::max<int64_t>(per, 1);
 }
 
