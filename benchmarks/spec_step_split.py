@@ -2,7 +2,7 @@
 the draft's proposal, and the rest (scheduling, sampling, bookkeeping).
 
     python -m benchmarks.spec_step_split [--methods draft_model,eagle] [--tasks story,sort]
-        [--k 4] [--max-tokens 96] [--repeats 3]
+        [--k 4] [--max-tokens 96] [--repeats 3] [--threads 1]
 
 `draft_model_python` among the methods: the draft model with the chain stepped from Python
 (TOKENMILL_NATIVE_DRAFT_CHAIN=0), beside `draft_model` (one native call per proposal: the
@@ -13,7 +13,9 @@ a method at its own k.
 The demo target, one prompt at a time (fixed k, greedy), each configuration beside no
 speculation, interleaved; medians over the repeats of each run's totals. The target's forward
 is the runner's own clock (`forward_seconds`: forward and logits), the proposal the step's
-`propose_seconds`; a step is one `execute_model` (the prefill's included).
+`propose_seconds`; a step is one `execute_model` (the prefill's included). Each row also gives
+the process's CPU time per output token ("cpu/tok"): with `--threads 1` (torch's and the native
+pool's threads) it moves far less with other processes' load than wall time does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import os
 import statistics
 import time
 from typing import Any
+
+import torch
 
 from benchmarks.spec_decode import generate_greedy, task_prompts
 from tokenmill import LLM
@@ -69,7 +73,7 @@ def timed_run(llm: LLM, prompts: list[str], max_tokens: int) -> dict[str, float]
     runner.execute_model = counted
     llm.reset_prefix_cache()
     forward_before = runner.forward_seconds
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tokens = 0
     try:
         for prompt in prompts:
@@ -78,6 +82,7 @@ def timed_run(llm: LLM, prompts: list[str], max_tokens: int) -> dict[str, float]
         runner.execute_model = execute
     return {
         "wall": time.perf_counter() - start,
+        "cpu": time.process_time() - cpu_start,
         "forward": runner.forward_seconds - forward_before,
         "propose": sum(proposals),
         "steps": len(proposals),
@@ -92,7 +97,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     args = parser.parse_args()
+    if args.threads > 0:  # before any engine: the native pool takes torch's count once
+        torch.set_num_threads(args.threads)
     engines = {m: engine(m, args.k) for m in ["off", *args.methods.split(",")]}
     for task in args.tasks.split(","):
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
@@ -111,6 +119,7 @@ def main() -> None:
                 f"  {name:<12} {rate:7.0f} tok/s {rate / base:4.2f}x  {med['steps']:.0f} steps"
                 f" {med['tokens'] / med['steps']:.2f} tok/step  wall {ms['wall']:.3f} ="
                 f" target {ms['forward']:.3f} + propose {ms['propose']:.3f} + rest {rest:.3f}"
+                f"  cpu/tok {1e3 * med['cpu'] / med['tokens']:.3f} ms"
             )
 
 

@@ -486,8 +486,8 @@ int64_t gemm_chunk_blocks(const PackedWeight& w, int64_t m, int threads) {
   if (threads <= 1) return blocks;
   int64_t per = (blocks + 4 * threads - 1) / (4 * threads);
   if (m >= kAmxMinRows) per = std::min(kAmxBlocksPerChunk, per);
-  // One or two dense rows go over 4 (2) blocks a pass (few_rows_avx2): whole passes a chunk.
-  if (m <= 2 && !w.quantized()) per = (per + 3) / 4 * 4;
+  // AVX2 takes one or two dense rows over 4 (2) blocks a pass (few_rows_avx2): whole passes.
+  if (m <= 2 && !w.quantized() && current_isa() < kAvx512) per = (per + 3) / 4 * 4;
   return std::max<int64_t>(per, 1);
 }
 
