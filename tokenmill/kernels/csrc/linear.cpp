@@ -149,9 +149,21 @@ TM_AVX2 void rows_avx2(const PackedWeight& w, const X* x, int64_t ldx, int64_t r
   alignas(32) float values[16];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NB; ++j) {
+      const int64_t col = (b + j) * 16;
+      if (!o.is_bf16 && col + 16 <= o.n) {  // float32, a whole block: two vector stores
+        __m256 lo = acc[i][j][0], hi = acc[i][j][1];
+        if (o.bias) {
+          lo = _mm256_add_ps(lo, _mm256_loadu_ps(o.bias + col));
+          hi = _mm256_add_ps(hi, _mm256_loadu_ps(o.bias + col + 8));
+        }
+        float* out = static_cast<float*>(o.data) + (r + i) * o.ld + col;
+        _mm256_storeu_ps(out, lo);
+        _mm256_storeu_ps(out + 8, hi);
+        continue;
+      }
       _mm256_store_ps(values, acc[i][j][0]);
       _mm256_store_ps(values + 8, acc[i][j][1]);
-      store16_portable(values, o, r + i, (b + j) * 16);
+      store16_portable(values, o, r + i, col);
     }
 }
 
