@@ -8,8 +8,9 @@ prints one `RESULT {json}` line. At each batch size an untimed warm-up (8 tokens
 timed run (greedy, ignore_eos, the prefix cache emptied first): output tok/s, prefill
 included. At B = 1 the decode rate apart: (G - 1) tokens over the B = 1 run's time less that
 of the same request with one token generated (median of 3). `--memory` instead loads the
-engine with a KV cache of a few MB and reports how much its resident memory grew, and the
-bytes of the weights its model holds (tokenmill only).
+engine with a KV cache of a few MB (beside one sequence's linear-attention state for a hybrid
+model) and reports how much its resident memory grew, and the bytes of the weights its model
+holds (tokenmill only).
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class _Engine:
             from tokenmill import LLM, SamplingParams
         self.llm_class, self.params = LLM, SamplingParams
 
-    def load(self, max_num_seqs: int, max_model_len: int, kv_bytes: int | None = None) -> None:
-        kwargs: dict = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+    def load(
+        self, max_num_seqs: int, max_model_len: int, kv_bytes: int | None = None, **extra: object
+    ) -> None:
+        kwargs: dict = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, **extra}
         if self.args.dtype != "auto":
             kwargs["dtype"] = self.args.dtype
         if self.args.tokenizer:
@@ -96,9 +99,16 @@ def worker(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     engine = _Engine(args)
     if args.memory:
-        before = tree_rss_bytes()
-        engine.load(1, KV_PROBE_TOKENS, KV_PROBE_BYTES)
+        from tokenmill.engine.hybrid import probe_state_bytes
         from tokenmill.models.weight_bytes import weight_bytes
+
+        # A hybrid model's one sequence also holds its linear layers' state, taken out of the
+        # same budget: the probe's KV budget is KV_PROBE_BYTES on top of it, and no snapshot
+        # slots (prefix caching off), as llama.cpp's one recurrent state.
+        state = probe_state_bytes(args.weights)
+        extra = {"enable_prefix_caching": False} if state else {}
+        before = tree_rss_bytes()
+        engine.load(1, KV_PROBE_TOKENS, KV_PROBE_BYTES + state, **extra)
 
         model = engine.llm.engine.model
         return {"rss_load_bytes": tree_rss_bytes() - before, "weight_bytes": weight_bytes(model)}

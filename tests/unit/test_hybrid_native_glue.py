@@ -42,6 +42,7 @@ def layer_and_cache(dtype: torch.dtype) -> tuple[GatedDeltaNet, LinearStateCache
             parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.3)
         layer.A_log.copy_(torch.rand(layer.A_log.shape, generator=gen))
     layer = layer.to(dtype)
+    layer.after_loading()
     cache = LinearStateCache(linear_state_spec(CONFIG, 1, dtype), SLOTS, torch.device("cpu"))
     cache.conv[0].copy_(torch.randn(cache.conv[0].shape, generator=gen))
     cache.recurrent[0].copy_(torch.randn(cache.recurrent[0].shape, generator=gen) * 0.1)

@@ -30,8 +30,8 @@ from tokenmill.kernels.gated_delta import (
     prefill_delta_rule_,
 )
 from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk, recurrent_step_
-from tokenmill.layers.linear import Linear, PackedLinearMethod
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
+from tokenmill.layers.merged_products import MergedProducts, merge_products
 
 
 def linear_state_spec(hf_config: Any, num_layers: int, dtype: torch.dtype) -> LinearStateSpec:
@@ -46,36 +46,6 @@ def linear_state_spec(hf_config: Any, num_layers: int, dtype: torch.dtype) -> Li
         v_dim=hf_config.linear_value_head_dim,
         conv_dtype=dtype,
     )
-
-
-def merge_linears(parts: list[nn.Module]) -> Linear | None:
-    """One linear whose output is `parts`' side by side (one product, one read of the input),
-    made after loading where every part is a packed dense `Linear` of one dtype (bf16 / f32
-    on the CPU); None otherwise (quantized parts keep their own products), and under
-    `TOKENMILL_FUSED_HYBRID=0` (A/B runs)."""
-    if not fused_hybrid_enabled() or not all(
-        isinstance(p, Linear) and type(p.quant_method) is PackedLinearMethod for p in parts
-    ):
-        return None
-    first = parts[0]
-    if any(p.dtype != first.dtype or p.in_features != first.in_features for p in parts):
-        return None
-    with_bias = [p.bias is not None for p in parts]
-    if any(with_bias) and not all(with_bias):
-        return None
-    weight = torch.cat([PackedLinearMethod.plain_weight(p) for p in parts])
-    bias = torch.cat([p.bias.detach() for p in parts]) if all(with_bias) else None
-    method = PackedLinearMethod(first.dtype)
-    merged = Linear(
-        first.in_features,
-        weight.shape[0],
-        method,
-        bias=None if bias is None else nn.Parameter(bias, requires_grad=False),
-        weight=nn.Parameter(weight, requires_grad=False),
-        dtype=first.dtype,
-    )
-    method.process_weights_after_loading(merged)
-    return merged
 
 
 class GatedRMSNorm(nn.Module):
@@ -121,40 +91,38 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
         self.states: LinearStateCache | None = None  # set by the model's `use_state_cache`
-        self.in_proj_all: Linear | None = None  # q|k|v, z, b, a in one product (`after_loading`)
+        self.in_proj_all: MergedProducts | None = None  # the input products (`after_loading`)
         self.decay_params: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def after_loading(self) -> None:
-        """Qwen3.5's four input products merged into one where they are packed dense
-        (`merge_linears`; the parts are dropped), and A_log / dt_bias kept in float32 for the
-        fused decode (one conversion, not two ops a layer a step)."""
+        """Before the linears are processed: the input products (Qwen3.5's four, Qwen3-Next's
+        two) merged where adjacent ones share a format (`merge_products`; the parts move
+        into `in_proj_all`), and A_log / dt_bias kept in float32 for the fused decode (one
+        conversion, not two ops a layer a step)."""
         self.decay_params = (self.A_log.detach().float(), self.dt_bias.detach().float())
         if self.fused_projections:
-            return
-        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
-        merged = merge_linears(parts)
-        if merged is not None:
-            self.in_proj_all = merged
+            parts = [self.in_proj_qkvz, self.in_proj_ba]
+            del self.in_proj_qkvz, self.in_proj_ba
+        else:
+            parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
             del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        self.in_proj_all = merge_products(parts, fused_hybrid_enabled())
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v `[tokens, conv_dim]`, z `[tokens, v_heads, v_dim]`, b, a `[tokens, v_heads]`)."""
+        assert self.in_proj_all is not None, "after_loading merges the input products"
         tokens = x.shape[0]
-        if self.in_proj_all is not None:
-            heads = self.num_v_heads
-            sizes = [self.conv_dim, self.value_size, heads, heads]
-            mixed, z, b, a = self.in_proj_all(x).split(sizes, dim=-1)
-            return mixed, z.view(tokens, heads, self.v_dim), b, a
         if not self.fused_projections:
-            z = self.in_proj_z(x).view(tokens, self.num_v_heads, self.v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            mixed, z, b, a = self.in_proj_all(x)
+            return mixed, z.view(tokens, self.num_v_heads, self.v_dim), b, a
         # Per key head: q, k (k_dim each), then its group's v and z; b and a likewise.
         group = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, -1)
+        qkvz, ba = self.in_proj_all(x)
+        qkvz = qkvz.view(tokens, self.num_k_heads, -1)
         q, k, v, z = qkvz.split(
             [self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim], -1
         )
-        b, a = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * group).split(group, -1)
+        b, a = ba.reshape(tokens, self.num_k_heads, 2 * group).split(group, -1)
         mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], -1)
         z = z.reshape(tokens, self.num_v_heads, self.v_dim)
         return mixed, z, b.reshape(tokens, -1), a.reshape(tokens, -1)

@@ -21,10 +21,11 @@ from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention.base import AttentionMetadata, KVCache
 from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
+from tokenmill.layers.merged_products import MergedProducts, merge_products
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
 from tokenmill.models.families.qwen_moe import is_sparse_layer, qwen_moe_shape
-from tokenmill.models.gated_deltanet import GatedDeltaNet, linear_state_spec, merge_linears
+from tokenmill.models.gated_deltanet import GatedDeltaNet, linear_state_spec
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, ModelShape, RMSNorm, RopeCache
 from tokenmill.models.moe import moe_mlp
 from tokenmill.models.traits import ArchitectureTraits
@@ -64,27 +65,22 @@ class GatedAttention(nn.Module):
             self.head_dim,
             shape.head_dim**-0.5,
         )
-        self.qkv_all: nn.Module | None = None  # the three products in one (`after_loading`)
+        self.qkv_all: MergedProducts | None = None  # the three products (`after_loading`)
 
     def after_loading(self) -> None:
-        """q|gate, k and v in one product where the three are packed dense (`merge_linears`;
-        the parts are dropped)."""
-        merged = merge_linears([self.q_gate_proj, self.key_proj, self.value_proj])
-        if merged is not None:
-            self.qkv_all = merged
-            del self.q_gate_proj, self.key_proj, self.value_proj
+        """Before the linears are processed: q|gate, k and v merged where adjacent ones share
+        a format (`merge_products`; the parts move into `qkv_all`)."""
+        parts = [self.q_gate_proj, self.key_proj, self.value_proj]
+        del self.q_gate_proj, self.key_proj, self.value_proj
+        self.qkv_all = merge_products(parts, fused_hybrid_enabled())
 
     def forward(
         self, rope: RopeCache, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        assert self.qkv_all is not None, "after_loading merges the input products"
         tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_all is not None:
-            q_gate, k, v = self.qkv_all(hidden).split(
-                [2 * heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
-            )
-        else:
-            q_gate, k, v = self.q_gate_proj(hidden), self.key_proj(hidden), self.value_proj(hidden)
+        q_gate, k, v = self.qkv_all(hidden)
         q, gate = q_gate.view(tokens, heads, 2 * dim).split(dim, dim=-1)
         k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
         qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
@@ -198,8 +194,8 @@ class HybridForCausalLM(LlamaForCausalLM):
         )
 
     def after_loading(self) -> None:
-        """Called by the loader once the weights are in (models/loader.py): the layers merge
-        their input products (`merge_linears`)."""
+        """Called by the loader once the weights are in, before the linears are processed
+        (models/loader.py): the layers merge their input products (`merge_products`)."""
         for layer in self.layers:
             (layer.linear_attn if layer.is_linear else layer.self_attn).after_loading()
 

@@ -247,10 +247,10 @@ def load_model(
     linears.update(use_quantized_embedding(model, plan))
     load_weights(model, tensors, linears, Path(model_dir))
     _load_tied_quantized_head(model)
-    process_linears_after_loading(model)
     after_loading = getattr(model, "after_loading", None)
-    if after_loading is not None:  # a model's own step once its weights are in (hybrid.py)
-        after_loading()
+    if after_loading is not None:  # a model's own step on its loaded weights (hybrid.py)
+        after_loading()  # before the linears are processed: it may merge some
+    process_linears_after_loading(model)
     model.eval().requires_grad_(False)
     log_plan(plan, model)
     if settings.attention_backend == "cpu":
