@@ -1,4 +1,4 @@
-"""The hybrid layers' input products merged at load (layers/merged_products.py): adjacent
+"""The hybrid layers' input products merged at load (models/merged_products.py): adjacent
 parts of one format (dense float, int8 / int6 groups, int4 groups: a GGUF file's K-quant
 blocks load as these) in one product whose output is the parts' side by side, bit for bit,
 parts of other formats apart; and a Qwen3.5 model loads with them merged, its greedy tokens
@@ -17,7 +17,7 @@ from torch import nn
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.linear import Linear, LinearMethod, PackedLinearMethod
-from tokenmill.layers.merged_products import merge_products
+from tokenmill.models.merged_products import merge_products
 from tokenmill.quantization.int4 import Int4LinearMethod
 from tokenmill.quantization.int8 import Int8GroupWeight, Int8LinearMethod
 

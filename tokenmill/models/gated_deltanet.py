@@ -31,7 +31,7 @@ from tokenmill.kernels.gated_delta import (
 )
 from tokenmill.layers.gated_delta_rule import chunked_delta_rule, normalize_qk, recurrent_step_
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
-from tokenmill.layers.merged_products import MergedProducts, merge_products
+from tokenmill.models.merged_products import MergedProducts, merge_products
 
 
 def linear_state_spec(hf_config: Any, num_layers: int, dtype: torch.dtype) -> LinearStateSpec:

@@ -21,12 +21,12 @@ from tokenmill.kernels.native import native_kernels
 from tokenmill.layers.attention.base import AttentionMetadata, KVCache
 from tokenmill.layers.attention.selector import make_attention_backend
 from tokenmill.layers.linear_state import LinearStateCache, LinearStateSpec
-from tokenmill.layers.merged_products import MergedProducts, merge_products
 from tokenmill.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary_, rope_parameters
 from tokenmill.models.families.qwen_moe import is_sparse_layer, qwen_moe_shape
 from tokenmill.models.gated_deltanet import GatedDeltaNet, linear_state_spec
 from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP, ModelShape, RMSNorm, RopeCache
+from tokenmill.models.merged_products import MergedProducts, merge_products
 from tokenmill.models.moe import moe_mlp
 from tokenmill.models.traits import ArchitectureTraits
 
