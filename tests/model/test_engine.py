@@ -233,15 +233,24 @@ def test_the_engine_keeps_its_parts_instead_of_copying_them(llm: LLM) -> None:
     assert engine.intake.kv_connector is None and engine.parts.kv_connectors is None
 
 
-def test_dtype_auto_falls_back_to_float32_where_half_is_slow(tiny_checkpoint) -> None:
-    checkpoint = tiny_checkpoint("llama", dtype=torch.bfloat16)
-    llm = LLM(model=str(checkpoint), max_model_len=64)
+def test_dtype_auto_keeps_a_bfloat16_decoder_under_the_native_kernels(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bfloat16 checkpoint's decoder stays bfloat16 while the native products run (they
+    read its bytes on every ISA level); on the portable path it falls back to float32 where
+    the CPU has no fast half."""
     from tokenmill.config.engine import _cpu_has_fast_half_matmul
 
+    checkpoint = str(tiny_checkpoint("llama", dtype=torch.bfloat16))
+    native = LLM(model=checkpoint, max_model_len=64)
+    assert native.engine.parts.dtype == torch.bfloat16
+    monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", "0")
+    portable = LLM(model=checkpoint, max_model_len=64)
     expected = torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32
-    assert llm.engine.parts.dtype == expected
-    out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 3
+    assert portable.engine.parts.dtype == expected
+    for llm in (native, portable):
+        out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 3
 
 
 def test_dtype_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(

@@ -44,3 +44,18 @@ def test_bf16_outpaces_f32_with_amx_or_on_amd() -> None:
     text = cpuinfo.read_text()
     expected = "amx_tile" in text.split() or "AuthenticAMD" in text
     assert engine_config._cpu_bf16_outpaces_f32() == expected
+
+
+@pytest.mark.parametrize(("native", "decoder"), [("1", torch.bfloat16), ("0", torch.float32)])
+def test_a_bfloat16_decoder_keeps_its_bytes_under_the_native_kernels(
+    monkeypatch: pytest.MonkeyPatch, native: str, decoder: torch.dtype
+) -> None:
+    """Without native bf16 arithmetic (AVX2) a bfloat16 checkpoint's decoder stays bfloat16
+    while the native products run (half the bytes a batch-1 step reads); its encoder, and
+    every model on the portable path, runs in float32; float16 checkpoints in float32."""
+    monkeypatch.setattr(engine_config, "_cpu_has_fast_half_matmul", lambda: False)
+    monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", native)
+    config = EngineConfig(model="unused", device="cpu", dtype="auto")
+    assert config.torch_dtype(torch.bfloat16) == decoder
+    assert config.torch_dtype(torch.bfloat16, compute_bound=True) == torch.float32
+    assert config.torch_dtype(torch.float16) == torch.float32

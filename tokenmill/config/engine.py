@@ -3,6 +3,7 @@ from it) and its validation; the JSON-valued settings have their own modules."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,7 +75,8 @@ class EngineConfig:
     dtype: str = config_field(
         "auto",
         "compute dtype; auto: the checkpoint's, but bfloat16 for float32 checkpoints on CPUs "
-        "with native bf16 (AVX512_BF16/AMX) and float32 where a CPU has no fast half",
+        "with native bf16 (AVX512_BF16/AMX) and float32 where a CPU has no fast half (a "
+        "bfloat16 decoder stays bfloat16 under the native kernels)",
         choices=("auto", *_DTYPES),
     )
     device: str = config_field("auto", "auto, cpu, cuda or cuda:N")
@@ -400,9 +402,11 @@ class EngineConfig:
         """The compute dtype: the one asked for, or under `auto` the checkpoint's, except on a
         CPU: float32 checkpoints run in bfloat16 where the CPU multiplies bf16 natively
         (AVX512_BF16 or AMX; vLLM's CPU backend does the same), half ones in float32 where it
-        does not. Measured on an Intel Xeon with AMX (SmolLM2-135M shape, process CPU ms per
-        decode step, one thread, the native kernels): bfloat16 takes 0.67x, 0.53x and 0.48x of
-        float32's time at 1, 16 and 64 rows (docs/benchmarks.md, "dtype auto").
+        does not, except a bfloat16 decoder's under the native kernels, which read its bytes
+        as they are (`_native_products_enabled`). Measured on an Intel Xeon with AMX
+        (SmolLM2-135M shape, process CPU ms per decode step, one thread, the native kernels):
+        bfloat16 takes 0.67x, 0.53x and 0.48x of float32's time at 1, 16 and 64 rows
+        (docs/benchmarks.md, "dtype auto").
         An explicit `float32` stays exact. `compute_bound` (an encoder's forward: products of
         thousands of rows, no weight-bandwidth to save): bfloat16 only where its products
         outpace float32's (`_cpu_bf16_outpaces_f32`)."""
@@ -418,7 +422,19 @@ class EngineConfig:
             fast_half = fast_half and _cpu_bf16_outpaces_f32()
         if wanted == torch.float32:
             return torch.bfloat16 if fast_half else torch.float32
+        if wanted == torch.bfloat16 and not compute_bound and _native_products_enabled():
+            return wanted  # the native products widen bf16 in registers: half the bytes to read
         return wanted if fast_half else torch.float32
+
+
+def _native_products_enabled() -> bool:
+    """Whether the native CPU kernels may run (`TOKENMILL_NATIVE_KERNELS`, kernels/native.py;
+    read here because config sits below kernels). Their products read bfloat16 weights on every
+    ISA level, so a bandwidth-bound decoder keeps a bfloat16 checkpoint's bytes even without
+    native bf16 arithmetic: on an AVX2 Zen 3, Gemma-3-1B-shaped batch-1 decode ran 11.8 steps/s
+    in bfloat16 against 5.8 in float32, the same 21.5 tok/s at 16 requests
+    (docs/benchmarks.md, "dtype auto on AVX2")."""
+    return os.environ.get("TOKENMILL_NATIVE_KERNELS", "1") != "0"
 
 
 def _cpu_has_fast_half_matmul() -> bool:
