@@ -239,14 +239,14 @@ def test_dtype_auto_keeps_a_bfloat16_decoder_under_the_native_kernels(
     """A bfloat16 checkpoint's decoder stays bfloat16 while the native products run (they
     read its bytes on every ISA level); on the portable path it falls back to float32 where
     the CPU has no fast half."""
-    from tokenmill.config.engine import _cpu_has_fast_half_matmul
+    from tokenmill.config.cpu_dtype import cpu_has_fast_half_matmul
 
     checkpoint = str(tiny_checkpoint("llama", dtype=torch.bfloat16))
     native = LLM(model=checkpoint, max_model_len=64)
     assert native.engine.parts.dtype == torch.bfloat16
     monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", "0")
     portable = LLM(model=checkpoint, max_model_len=64)
-    expected = torch.bfloat16 if _cpu_has_fast_half_matmul() else torch.float32
+    expected = torch.bfloat16 if cpu_has_fast_half_matmul() else torch.float32
     assert portable.engine.parts.dtype == expected
     for llm in (native, portable):
         out = llm.generate(PROMPT, greedy(max_tokens=3), use_tqdm=False)[0].outputs[0]

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.config import EngineConfig
-from tokenmill.config import engine as engine_config
+from tokenmill.config import EngineConfig, cpu_dtype
 
 
 @pytest.mark.parametrize(
@@ -27,8 +26,8 @@ def test_a_float32_checkpoint_runs_in_bfloat16_only_where_it_pays(
     decoder: torch.dtype,
     encoder: torch.dtype,
 ) -> None:
-    monkeypatch.setattr(engine_config, "_cpu_has_fast_half_matmul", lambda: fast_half)
-    monkeypatch.setattr(engine_config, "_cpu_bf16_outpaces_f32", lambda: outpaces)
+    monkeypatch.setattr(cpu_dtype, "cpu_has_fast_half_matmul", lambda: fast_half)
+    monkeypatch.setattr(cpu_dtype, "cpu_bf16_outpaces_f32", lambda: outpaces)
     config = EngineConfig(model="unused", device="cpu", dtype="auto")
     assert config.torch_dtype(torch.float32) == decoder
     assert config.torch_dtype(torch.float32, compute_bound=True) == encoder
@@ -43,7 +42,7 @@ def test_bf16_outpaces_f32_with_amx_or_on_amd() -> None:
         pytest.skip("reads the CPU's vendor and flags from Linux's /proc/cpuinfo")
     text = cpuinfo.read_text()
     expected = "amx_tile" in text.split() or "AuthenticAMD" in text
-    assert engine_config._cpu_bf16_outpaces_f32() == expected
+    assert cpu_dtype.cpu_bf16_outpaces_f32() == expected
 
 
 @pytest.mark.parametrize(("native", "decoder"), [("1", torch.bfloat16), ("0", torch.float32)])
@@ -53,7 +52,7 @@ def test_a_bfloat16_decoder_keeps_its_bytes_under_the_native_kernels(
     """Without native bf16 arithmetic (AVX2) a bfloat16 checkpoint's decoder stays bfloat16
     while the native products run (half the bytes a batch-1 step reads); its encoder, and
     every model on the portable path, runs in float32; float16 checkpoints in float32."""
-    monkeypatch.setattr(engine_config, "_cpu_has_fast_half_matmul", lambda: False)
+    monkeypatch.setattr(cpu_dtype, "cpu_has_fast_half_matmul", lambda: False)
     monkeypatch.setenv("TOKENMILL_NATIVE_KERNELS", native)
     config = EngineConfig(model="unused", device="cpu", dtype="auto")
     assert config.torch_dtype(torch.bfloat16) == decoder

@@ -3,11 +3,10 @@ from it) and its validation; the JSON-valued settings have their own modules."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenmill.config import cpu_dtype
 from tokenmill.config.base import ConfigError, check_choice, config_field
 from tokenmill.config.kv_events import KVEventsConfig
 from tokenmill.config.kv_transfer import KVTransferConfig
@@ -403,13 +402,13 @@ class EngineConfig:
         CPU: float32 checkpoints run in bfloat16 where the CPU multiplies bf16 natively
         (AVX512_BF16 or AMX; vLLM's CPU backend does the same), half ones in float32 where it
         does not, except a bfloat16 decoder's under the native kernels, which read its bytes
-        as they are (`_native_products_enabled`). Measured on an Intel Xeon with AMX
+        as they are (`cpu_dtype.native_products_enabled`). Measured on an Intel Xeon with AMX
         (SmolLM2-135M shape, process CPU ms per decode step, one thread, the native kernels):
         bfloat16 takes 0.67x, 0.53x and 0.48x of float32's time at 1, 16 and 64 rows
         (docs/benchmarks.md, "dtype auto").
         An explicit `float32` stays exact. `compute_bound` (an encoder's forward: products of
         thousands of rows, no weight-bandwidth to save): bfloat16 only where its products
-        outpace float32's (`_cpu_bf16_outpaces_f32`)."""
+        outpace float32's (`cpu_dtype.cpu_bf16_outpaces_f32`)."""
         import torch
 
         if self.dtype != "auto":
@@ -417,47 +416,11 @@ class EngineConfig:
         wanted = checkpoint_dtype or torch.float32
         if self.torch_device().type == "cuda":
             return wanted
-        fast_half = _cpu_has_fast_half_matmul()
+        fast_half = cpu_dtype.cpu_has_fast_half_matmul()
         if compute_bound:
-            fast_half = fast_half and _cpu_bf16_outpaces_f32()
+            fast_half = fast_half and cpu_dtype.cpu_bf16_outpaces_f32()
         if wanted == torch.float32:
             return torch.bfloat16 if fast_half else torch.float32
-        if wanted == torch.bfloat16 and not compute_bound and _native_products_enabled():
+        if wanted == torch.bfloat16 and not compute_bound and cpu_dtype.native_products_enabled():
             return wanted  # the native products widen bf16 in registers: half the bytes to read
         return wanted if fast_half else torch.float32
-
-
-def _native_products_enabled() -> bool:
-    """Whether the native CPU kernels may run (`TOKENMILL_NATIVE_KERNELS`, kernels/native.py;
-    read here because config sits below kernels). Their products read bfloat16 weights on every
-    ISA level, so a bandwidth-bound decoder keeps a bfloat16 checkpoint's bytes even without
-    native bf16 arithmetic: on an AVX2 Zen 3, Gemma-3-1B-shaped batch-1 decode ran 11.8 steps/s
-    in bfloat16 against 5.8 in float32, the same 21.5 tok/s at 16 requests
-    (docs/benchmarks.md, "dtype auto on AVX2")."""
-    return os.environ.get("TOKENMILL_NATIVE_KERNELS", "1") != "0"
-
-
-def _cpu_has_fast_half_matmul() -> bool:
-    """AVX512_BF16 or AMX tiles (torch's own checks; torch._C._cpu lost them in torch 2.13,
-    which made this silently False)."""
-    import torch
-
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-
-
-def _cpu_bf16_outpaces_f32() -> bool:
-    """Whether bfloat16 products run faster than float32 ones (not only read fewer bytes):
-    with AMX tiles, or on AMD's AVX512_BF16 (Zen 4/5 issue VDPBF16PS at twice the float32 FMA
-    rate). Intel's AVX512_BF16 without AMX issues it at the FMA rate and pays conversions on
-    top: bge-small's encoder ran 21.6 texts/s in bfloat16 against 27.2 in float32 on an
-    Emerald Rapids VM without AMX (docs/benchmarks.md, "Embeddings")."""
-    import torch
-
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return True
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "AuthenticAMD" in cpuinfo
