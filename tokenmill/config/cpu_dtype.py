@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 
-def native_products_enabled() -> bool:
-    """Whether the native CPU kernels may run (`TOKENMILL_NATIVE_KERNELS`, kernels/native.py;
-    read here because config sits below kernels). Their products read bfloat16 weights on every
+def native_kernels_enabled() -> bool:
+    """Whether the native CPU kernels may run (`TOKENMILL_NATIVE_KERNELS`; read here, below
+    kernels/native.py, which asks the same). Their products read bfloat16 weights on every
     ISA level, so a bandwidth-bound decoder keeps a bfloat16 checkpoint's bytes even without
     native bf16 arithmetic: on an AVX2 Zen 3, Gemma-3-1B-shaped batch-1 decode ran 11.8 steps/s
     in bfloat16 against 5.8 in float32, the same 21.5 tok/s at 16 requests

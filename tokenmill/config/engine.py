@@ -402,7 +402,7 @@ class EngineConfig:
         CPU: float32 checkpoints run in bfloat16 where the CPU multiplies bf16 natively
         (AVX512_BF16 or AMX; vLLM's CPU backend does the same), half ones in float32 where it
         does not, except a bfloat16 decoder's under the native kernels, which read its bytes
-        as they are (`cpu_dtype.native_products_enabled`). Measured on an Intel Xeon with AMX
+        as they are (`cpu_dtype.native_kernels_enabled`). Measured on an Intel Xeon with AMX
         (SmolLM2-135M shape, process CPU ms per decode step, one thread, the native kernels):
         bfloat16 takes 0.67x, 0.53x and 0.48x of float32's time at 1, 16 and 64 rows
         (docs/benchmarks.md, "dtype auto").
@@ -421,6 +421,6 @@ class EngineConfig:
             fast_half = fast_half and cpu_dtype.cpu_bf16_outpaces_f32()
         if wanted == torch.float32:
             return torch.bfloat16 if fast_half else torch.float32
-        if wanted == torch.bfloat16 and not compute_bound and cpu_dtype.native_products_enabled():
+        if wanted == torch.bfloat16 and not compute_bound and cpu_dtype.native_kernels_enabled():
             return wanted  # the native products widen bf16 in registers: half the bytes to read
         return wanted if fast_half else torch.float32

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from tokenmill.config.cpu_dtype import native_kernels_enabled
 from tokenmill.kernels.extension_cache import ExtensionSpec, load_extension
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
@@ -64,7 +65,7 @@ def native_kernels() -> ModuleType | None:
     if "module" in _state:
         return _state["module"]
     module = None
-    if os.environ.get("TOKENMILL_NATIVE_KERNELS", "1") != "0":
+    if native_kernels_enabled():
         try:
             module = _build()
         except Exception as error:  # no compiler, no ninja, a failed build: run portable

@@ -157,14 +157,18 @@ def _moe_of(mlp: nn.Module, module: Any) -> tuple[Any, torch.Tensor, int, bool] 
     native product) as (native `MoEExperts`, float32 router, top_k, renormalize); else None."""
     if type(mlp) is not FusedMoE or mlp.shared_expert is not None:
         return None
-    gate_up = [expert.gate_up_proj.quant_method.native_linear(expert.gate_up_proj)
-               for expert in mlp.experts]  # fmt: skip
-    down = [expert.down_proj.quant_method.native_linear(expert.down_proj) for expert in mlp.experts]
+    gate_up = [_native_linear(expert.gate_up_proj) for expert in mlp.experts]
+    down = [_native_linear(expert.down_proj) for expert in mlp.experts]
     if any(linear is None or isinstance(linear, list) for linear in [*gate_up, *down]):
         return None
     experts = module.MoEExperts(gate_up, down, mlp.experts[0].intermediate_size)
     router = mlp.gate.weight.detach().float().contiguous()
     return experts, router, mlp.shape.top_k, mlp.shape.renormalize
+
+
+def _native_linear(linear: nn.Module) -> Any:
+    """`linear`'s native product (a `PackedLinear`, a list of parts, or None: no native one)."""
+    return linear.quant_method.native_linear(linear)
 
 
 def final_norm_of(model: nn.Module) -> torch.Tensor:
@@ -187,7 +191,7 @@ def _layer_linears(layer: nn.Module, moe: bool = False) -> list[Any] | None:
         linears = (*linears, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(linear, Linear) for linear in linears):
         return None
-    native = [linear.quant_method.native_linear(linear) for linear in linears]
+    native = [_native_linear(linear) for linear in linears]
     if any(part is None for part in native):
         return None
     parts = [part if isinstance(part, list) else [part] for part in native]  # lists of parts
