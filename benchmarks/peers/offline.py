@@ -75,7 +75,7 @@ class Resident:
 
 
 def resident_after_load(engine: Engine, args: argparse.Namespace) -> Resident | None:
-    """tokenmill: its process's growth over its load (with a KV cache of KV_PROBE_BYTES), and
+    """tokenmill: its process's growth over its load (with a KV cache of KV_PROBE_BLOCKS), and
     the bytes of the weight tensors the loaded model holds (`tokenmill.models.weight_bytes`);
     llama.cpp: its peak over an 8 + 8-token run (the weights are the file, mmapped, plus a KV
     cache of 16 tokens and its buffers); None for vLLM (its model lives in an engine-core

@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 
 RESULT = "RESULT "
-# The --memory probe: a KV cache of a few MB (one 64-token sequence), so that what grows is
-# the weights and the engine's buffers.
-KV_PROBE_BYTES, KV_PROBE_TOKENS = 4 << 20, 64
+# The --memory probe: a KV cache of one 64-token sequence, sized in blocks (16 tokens each, the
+# default) so that it holds that sequence whatever the model's KV width; what grows is the
+# weights and the engine's buffers.
+KV_PROBE_TOKENS = 64
+KV_PROBE_BLOCKS = KV_PROBE_TOKENS // 16
 
 
 def tree_rss_bytes(pid: int | None = None) -> int:
@@ -67,16 +69,12 @@ class _Engine:
             from tokenmill import LLM, SamplingParams
         self.llm_class, self.params = LLM, SamplingParams
 
-    def load(
-        self, max_num_seqs: int, max_model_len: int, kv_bytes: int | None = None, **extra: object
-    ) -> None:
+    def load(self, max_num_seqs: int, max_model_len: int, **extra: object) -> None:
         kwargs: dict = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, **extra}
         if self.args.dtype != "auto":
             kwargs["dtype"] = self.args.dtype
         if self.args.tokenizer:
             kwargs["tokenizer"] = self.args.tokenizer
-        if kv_bytes is not None:  # tokenmill's name; vLLM's CPU KV space is set in GiB
-            kwargs["kv_cache_memory"] = kv_bytes
         self.llm = self.llm_class(model=self.args.weights, **kwargs)
 
     def float_bytes(self) -> int:
@@ -99,16 +97,13 @@ def worker(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     engine = _Engine(args)
     if args.memory:
-        from tokenmill.engine.hybrid import probe_state_bytes
         from tokenmill.models.weight_bytes import weight_bytes
 
-        # A hybrid model's one sequence also holds its linear layers' state, taken out of the
-        # same budget: the probe's KV budget is KV_PROBE_BYTES on top of it, and no snapshot
-        # slots (prefix caching off), as llama.cpp's one recurrent state.
-        state = probe_state_bytes(args.weights)
-        extra = {"enable_prefix_caching": False} if state else {}
+        # tokenmill only (vLLM's KV space is set in whole GiB). A hybrid model's one sequence
+        # also holds its linear layers' state, beside the given blocks; prefix caching off
+        # leaves it one slot (no snapshots), as llama.cpp's one recurrent state.
         before = tree_rss_bytes()
-        engine.load(1, KV_PROBE_TOKENS, KV_PROBE_BYTES + state, **extra)
+        engine.load(1, KV_PROBE_TOKENS, num_kv_blocks=KV_PROBE_BLOCKS, enable_prefix_caching=False)
 
         model = engine.llm.engine.model
         return {"rss_load_bytes": tree_rss_bytes() - before, "weight_bytes": weight_bytes(model)}

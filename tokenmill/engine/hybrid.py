@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -18,9 +17,7 @@ from tokenmill.core.kv.sizing import AVAILABLE_MEMORY_SHARE, KVCacheSize, availa
 from tokenmill.layers.kv_cache import KVCacheSpec
 from tokenmill.layers.linear_state import LinearStateCache
 from tokenmill.models.families.qwen3_5 import FAMILIES
-from tokenmill.models.gated_deltanet import linear_state_spec
 from tokenmill.models.hybrid import HybridForCausalLM
-from tokenmill.models.loader import load_hf_config
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -54,17 +51,6 @@ def check_hybrid_config(config: EngineConfig, architecture: str) -> None:
 def _drafts_other_than_ngram(config: EngineConfig) -> bool:
     spec = config.speculative_config
     return spec is not None and spec.method != "ngram"
-
-
-def probe_state_bytes(model: str | Path) -> int:
-    """One sequence's linear-attention state (one slot, conv state in float32: an upper
-    bound) of the checkpoint at `model`; 0 for a model that is not hybrid. For a budget
-    sized before loading (benchmarks/peers' memory probe)."""
-    hf_config, architecture = load_hf_config(model)
-    if not is_hybrid(architecture):
-        return 0
-    layers = sum(kind == "linear_attention" for kind in hf_config.layer_types)
-    return linear_state_spec(hf_config, layers, torch.float32).bytes_per_slot
 
 
 def num_state_slots(config: EngineConfig) -> int:
