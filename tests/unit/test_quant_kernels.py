@@ -125,6 +125,41 @@ def test_quant_linear_matches_its_reference(
         assert (got.float() - reference).abs().max().item() <= tolerance * scale
 
 
+def k_quant_weight(out_features: int, in_features: int, bits: int, group: int, seed: int):
+    """Codes with K-quant scales (`d * sc`: a float16 per 256 columns times a small integer
+    per group: Q6_K's signed, its largest at -128, the others' 0-63, largest 63, as
+    llama.cpp's quantizers put them), which `pack` holds factored."""
+    generator = torch.Generator().manual_seed(seed)
+    low, high = code_range(bits)
+    codes = torch.randint(low, high + 1, (out_features, in_features), generator=generator)
+    supers = (torch.rand(out_features, in_features // 256, 1, generator=generator) + 0.1) / 64
+    per_super = 256 // group
+    low_sub, largest = (-127, -128) if bits == 6 else (0, 63)
+    shape = (out_features, in_features // 256, per_super)
+    subs = torch.randint(low_sub, abs(largest), shape, generator=generator)
+    subs[:, :, 0] = largest
+    scales = (subs.float() * supers.half().float()).view(out_features, -1)
+    offsets = torch.randn(out_features, in_features // group, generator=generator) * 0.01
+    return codes.to(torch.int8), scales, offsets
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize(("bits", "group"), [(6, 16), (5, 32), (4, 32), (3, 16), (2, 16)])
+def test_factored_scales_match_the_reference(isa: int, bits: int, group: int, rows: int) -> None:
+    """Weights whose scales `pack` factors as the K-quants store them (the AVX2 int8 path
+    applies the sub-scales in its pair sums and takes the codes' center off in float), at
+    every level, with and without offsets, against the dequantized reference."""
+    codes, scales, offsets = k_quant_weight(40, 512, bits, group, seed=bits + rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    for with_offsets in (False, True):
+        weight = pack(codes, scales, offsets if with_offsets else None, bits, group)
+        assert weight.super_scales is not None
+        got = quant_linear(x, weight, None)
+        reference = kernel_reference(x, weight, None)
+        assert (got - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
+
+
 @needs_native
 def test_many_rows_on_the_dot_product_kernel() -> None:
     """Prefill-sized products (tiles of 8 tokens, several threads) agree with the reference."""

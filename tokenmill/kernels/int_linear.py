@@ -12,10 +12,15 @@ group of `group_size` input columns: W = code * scale + offset. It is packed onc
 - 2- and 3-bit codes (GGUF's Q2_K and Q3_K at their own width): bit pairs instead of nibbles,
   byte j of a row's 4 bytes holding columns j, 4 + j, 8 + j and 12 + j of a 16-column chunk,
   and a 3-bit code's high bit as a mask like the 5- and 6-bit codes' below;
-- 5- and 6-bit codes (GGUF's Q5_0, Q5_K and Q6_K at their own width, code + 16 / + 32): the
-  int4 layout of their low four bits, then in the same block their high bits as bit masks, one
-  pair of 64-bit masks per 8 columns and high bit (the chunk's low nibbles, then its high ones;
-  bit b for byte b of the chunk's 64), which the kernels add back with masked byte adds;
+- 5-bit codes (GGUF's Q5_0 and Q5_K at their own width, code + 16): the int4 layout of their
+  low four bits, then in the same block their high bits as bit masks, one pair of 64-bit masks
+  per 8 columns (the chunk's low nibbles, then its high ones; bit b for byte b of the chunk's
+  64), which the kernels add back with masked byte adds;
+- 6-bit codes (GGUF's Q6_K, code + 32): the int4 layout of their low four bits, then in the
+  same block their two high bits in the 2-bit codes' layout (64 bytes per 16 columns: byte j
+  of a row's 4 holds the high pairs of columns j, 4 + j, 8 + j and 12 + j), which a shift and
+  a mask put back beside each nibble (two masks per 8 columns cost AVX2 ~10 instructions per
+  vector where this costs 2: it halved the speed of Q6_K products there);
 - codes from a table (`codebook`: GGUF's IQ4_NL / IQ4_XS, whose 4-bit indices pick one of 16
   int8 values): the int4 layout of the indices; the kernels look the values up;
 - scales and offsets as float16 `[blocks, groups, 16]`, 16 consecutive rows per load; or,
@@ -49,7 +54,9 @@ AMX_LEVEL = ISA_LEVELS.index("amx")
 # Code widths with a packed layout; codes are stored unsigned, plus 2 ** (bits - 1).
 CODE_BITS = (8, 6, 5, 4, 3, 2)
 # Widths whose codes carry high bits as masks after their base (nibbles, or bit pairs).
-_MASKED_BITS = (6, 5, 3)
+_MASKED_BITS = (5, 3)
+# Width whose codes carry their two high bits as bit pairs after their nibbles.
+_PAIRED_BITS = 6
 # llama.cpp's IQ4_NL table (IQ4_XS's too): the int8 values a 4-bit index stands for, and the
 # `bits` the native kernels take for such codes (csrc/int_linear.h's kIq4NlBits).
 IQ4_NL_VALUES = torch.tensor(
@@ -126,16 +133,17 @@ def pack(
     unsigned = (padded - code_range(bits)[0]).to(torch.uint8)
     if bits == 8:
         lanes = unsigned.view(blocks, BLOCK_ROWS, width // 4, 4)
-    elif bits < 4:  # bit pairs: byte j of a lane holds columns j, 4 + j, 8 + j, 12 + j
-        pairs = (unsigned & 0x03).view(blocks, BLOCK_ROWS, width // 16, 4, 4)
-        lanes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2)
-        lanes = lanes | (pairs[:, :, :, 2] << 4) | (pairs[:, :, :, 3] << 6)
+        packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
+    elif bits < 4:
+        packed_codes = _pair_lanes(unsigned, blocks)
     else:
         nibbles = (unsigned & 0x0F).view(blocks, BLOCK_ROWS, width // 8, 2, 4)
         lanes = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
-    packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
+        packed_codes = lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
     if bits in _MASKED_BITS:
         packed_codes = torch.cat([packed_codes, _high_bit_masks(unsigned, bits, blocks)], dim=1)
+    elif bits == _PAIRED_BITS:
+        packed_codes = torch.cat([packed_codes, _pair_lanes(unsigned >> 4, blocks)], dim=1)
     factored = factor_scales(scales, group) if width == cols else None
     if factored is None:
         packed_scales, super_scales = _pack_groups(scales, blocks), None
@@ -232,8 +240,19 @@ def codebook_indices(values: torch.Tensor, codebook: torch.Tensor) -> torch.Tens
     return indices
 
 
+def _pair_lanes(unsigned: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The low two bits of `unsigned` `[blocks * 16, width]` as bit pairs (module docstring):
+    byte j of a row's 4 per 16 columns holds columns j, 4 + j, 8 + j and 12 + j, uint8
+    `[blocks, width * 4]`."""
+    width = unsigned.shape[1]
+    pairs = (unsigned & 0x03).view(blocks, BLOCK_ROWS, width // 16, 4, 4).to(torch.uint8)
+    lanes = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2)
+    lanes = lanes | (pairs[:, :, :, 2] << 4) | (pairs[:, :, :, 3] << 6)
+    return lanes.permute(0, 2, 1, 3).contiguous().view(blocks, -1)
+
+
 def _high_bit_masks(unsigned: torch.Tensor, bits: int, blocks: int) -> torch.Tensor:
-    """The high bits of 5- / 6-bit codes as the kernels' masks (module docstring), uint8
+    """The high bits of 3- / 5-bit codes as the kernels' masks (module docstring), uint8
     `[blocks, chunks * (bits - 4) * 16]`."""
     width = unsigned.shape[1]
     # [blocks, rows, chunks, half (columns 0-3 / 4-7), j]
@@ -283,10 +302,7 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
         base = _base_bits(bits)
         base_bytes = BLOCK_ROWS * width * base // 8
         if base == 2:
-            lanes = codes[:, :base_bytes].reshape(-1, width // 16, BLOCK_ROWS, 4)
-            lanes = lanes[picked_rows, :, lane]  # [n, width/16, 4 (j)]
-            pairs = torch.stack([(lanes >> (2 * i)) & 3 for i in range(4)], dim=2)
-            unsigned = pairs.to(torch.int16).reshape(len(rows), width // 8, 2, 4)
+            unsigned = _picked_pairs(codes[:, :base_bytes], picked_rows, lane, width)
         else:
             lanes = codes[:, :base_bytes].reshape(-1, width // 8, BLOCK_ROWS, 4)
             lanes = lanes[picked_rows, :, lane]
@@ -303,6 +319,9 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
             picked = (picked_bytes[..., None] >> shifts) & 1
             for h in range(planes):
                 unsigned = unsigned + (picked[:, :, h] << (base + h))
+        elif bits == _PAIRED_BITS:
+            high = _picked_pairs(codes[:, base_bytes:], picked_rows, lane, width)
+            unsigned = unsigned + (high << 4)
         unsigned = unsigned.reshape(len(rows), width)
     if weight.codebook is None:
         codes = unsigned - (1 << (bits - 1))
@@ -317,6 +336,16 @@ def packed_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     if weight.offsets is not None:
         grouped = grouped + weight.offsets[block, :, lane].float()[..., None]
     return grouped.view(len(rows), width)[:, : weight.in_features]
+
+
+def _picked_pairs(
+    codes: torch.Tensor, picked_rows: torch.Tensor, lane: torch.Tensor, width: int
+) -> torch.Tensor:
+    """The bit pairs (`_pair_lanes`) of lane `lane` of each of `codes`' blocks, int16
+    `[n, width / 8, 2, 4]` (chunk, its low / high nibble's columns, j)."""
+    lanes = codes.reshape(-1, width // 16, BLOCK_ROWS, 4)[picked_rows, :, lane]
+    pairs = torch.stack([(lanes >> (2 * i)) & 3 for i in range(4)], dim=2)
+    return pairs.to(torch.int16).reshape(len(picked_rows), width // 8, 2, 4)
 
 
 def dequantize(weight: PackedWeight) -> torch.Tensor:

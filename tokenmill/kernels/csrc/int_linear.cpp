@@ -8,12 +8,15 @@
 // are stored unsigned: an int8 code c as c + 128, an int4 code as c + 8 (`center`). Scales and
 // offsets are float16, [blocks, groups, 16].
 //
-// 5- and 6-bit codes (GGUF's Q5_0 / Q5_K / Q6_K, kept at their width) are the int4 layout of
-// their low four bits followed, in the same block, by their high bits: for each 64-byte chunk
-// of nibbles (8 columns), one 16-byte pair of bit masks per high bit (bit 4, then bit 5), the
-// first 8 bytes for the chunk's low nibbles and the next 8 for its high ones, bit b of a mask
-// belonging to byte b of the chunk (`split_chunk_avx512` adds them back with two masked
-// byte adds). Codes are stored plus 16 (5-bit) or 32 (6-bit).
+// 5-bit codes (GGUF's Q5_0 / Q5_K, kept at their width) are the int4 layout of their low four
+// bits followed, in the same block, by their high bits: for each 64-byte chunk of nibbles (8
+// columns), one 16-byte pair of bit masks, the first 8 bytes for the chunk's low nibbles and
+// the next 8 for its high ones, bit b of a mask belonging to byte b of the chunk
+// (`split_chunk_avx512` adds them back with masked byte adds). Codes are stored plus 16.
+// 6-bit codes (GGUF's Q6_K) are the int4 layout of their low four bits followed by their two
+// high bits in the 2-bit codes' layout below (64 bytes per 16 columns, at the place the masks
+// of its first chunk would be): a shift and a mask per 8 columns put them beside the nibbles,
+// where masks cost AVX2 (no mask registers) ~10 instructions a vector. Stored plus 32.
 //
 // 2- and 3-bit codes (GGUF's Q2_K / Q3_K at their width) are bit pairs instead of nibbles:
 // each 64-byte chunk holds 16 columns, byte j of a row's lane column j in bits 0-1, 4 + j in
@@ -49,8 +52,10 @@ constexpr int center_of(int bits) { return bits == kIq4NlBits ? 128 : 1 << (bits
 constexpr int stored_bits(int bits) { return bits == kIq4NlBits ? 4 : bits; }
 // Bits of a code in its chunk's base layout: nibbles, or bit pairs for 2- and 3-bit codes.
 constexpr int base_bits(int bits) { return bits < 4 ? 2 : 4; }
-// Whether codes carry high bits after their nibbles (5- and 6-bit codes).
+// Whether codes carry high bits after their base (3-, 5- and 6-bit codes), and whether as bit
+// pairs (6-bit) rather than masks.
 constexpr bool has_high_bits(int bits) { return bits == 5 || bits == 6 || bits == 3; }
+constexpr bool paired_high_bits(int bits) { return bits == 6; }
 // Columns per 64-byte load of codes: 4 int8 codes per 32-bit lane, else 8 nibbles.
 constexpr int lane_cols(int bits) { return bits == 8 ? 4 : 8; }
 // llama.cpp's IQ4_NL values plus 128, as one 16-byte shuffle table.
@@ -82,7 +87,8 @@ struct Problem {
            static_cast<float>(super_scales[super_at(nb, g) + lane]);
   }
   int64_t block_bytes() const { return kBlockRows * kp * stored_bits(bits) / 8; }
-  // 3-, 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its base).
+  // 3-, 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its base); for
+  // 6-bit codes, of the 16 columns from an even `chunk` (its bit pairs).
   const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
     return block + kBlockRows * kp * base_bits(bits) / 8 + chunk * 16 * (bits - base_bits(bits));
   }
@@ -260,6 +266,10 @@ inline int code_at(const Problem& p, const uint8_t* block, int64_t lane, int64_t
     code = within < 4 ? byte & 0x0F : byte >> 4;
   }
   if (p.bits == kIq4NlBits) return kIq4NlValues[code];
+  if (paired_high_bits(p.bits)) {
+    const uint8_t pairs = p.high_bits(block, (col / 16) * 2)[at];
+    return (code | ((pairs >> (2 * ((col % 16) / 4))) & 3) << base) - center_of(p.bits);
+  }
   const uint8_t* high = has_high_bits(p.bits) ? p.high_bits(block, col / 8) : nullptr;
   for (int h = 0; h < p.bits - base; ++h) {
     const uint8_t* mask = high + 16 * h + (within < 4 ? 0 : 8);
@@ -322,7 +332,15 @@ TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int6
     lo = _mm256_and_si256(raw, low_nibbles);
     hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
   }
-  if constexpr (has_high_bits(BITS)) {
+  if constexpr (paired_high_bits(BITS)) {
+    // The 16 columns' pairs: bits 0-1 / 2-3 of a byte for an even chunk, 4-5 / 6-7 for an odd.
+    __m256i pairs = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p.high_bits(block, chunk & ~int64_t{1}) + 32 * half_index));
+    if (chunk % 2 == 0) pairs = _mm256_slli_epi16(pairs, 4);
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(pairs, bits45));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(pairs, 2), bits45));
+  } else if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
     // Byte i of the half's lo takes bit i % 8 of mask byte 4 x half + i / 8; hi's, 8 bytes on.
     const __m256i pick = _mm256_add_epi8(
@@ -390,17 +408,26 @@ TM_AVX2 inline __m256i dot_signed_avx2(__m256i w_abs, __m256i w, __m256i x) {
 }
 
 // One segment (SEG columns from `col`) of half a block against R tokens: acc[r], the int32
-// dot products of the codes less center x the segment's activation codes.
-template <int BITS, int R, int SEG>
+// dot products of the codes less center x the segment's activation codes. SCALED (unsigned
+// codes, a factored weight's group): the products of the stored codes (center not taken off)
+// times each row's sub-scale `sub16` (int16 pairs), which the vpmaddwd that sums the pairs
+// applies at no cost (the caller takes center x the group's sum off in float).
+template <int BITS, int R, int SEG, bool SCALED = false>
 TM_AVX2 inline void segment_int8_avx2(const Problem& p, const uint8_t* block, int half,
-                                      const Int8Rows<R>& x, int64_t col, __m256i* acc) {
-  constexpr int32_t center = signed_on_avx2(BITS) ? 0 : center_of(BITS);
+                                      const Int8Rows<R>& x, int64_t col, __m256i* acc,
+                                      __m256i sub16 = _mm256_set1_epi16(1)) {
+  static_assert(!SCALED || !signed_on_avx2(BITS));
+  constexpr int32_t center = signed_on_avx2(BITS) || SCALED ? 0 : center_of(BITS);
   const int8_t* const* xq = x.q;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    int32_t codes_sum = x.qsum[r][col / 16];
-    if constexpr (SEG == 32) codes_sum += x.qsum[r][col / 16 + 1];
-    acc[r] = _mm256_set1_epi32(-center * codes_sum);
+    if constexpr (center == 0) {
+      acc[r] = _mm256_setzero_si256();
+    } else {
+      int32_t codes_sum = x.qsum[r][col / 16];
+      if constexpr (SEG == 32) codes_sum += x.qsum[r][col / 16 + 1];
+      acc[r] = _mm256_set1_epi32(-center * codes_sum);
+    }
   }
 #pragma GCC unroll 8
   for (int c = 0; c < SEG / lane_cols(BITS); ++c) {
@@ -450,7 +477,7 @@ TM_AVX2 inline void segment_int8_avx2(const Problem& p, const uint8_t* block, in
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs[r], sub16));
     }
   }
 }
@@ -475,7 +502,39 @@ TM_AVX2 void half_block_int8_avx2(const Problem& p, const QuantInput& a, int64_t
   }
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t at = p.scale_at(nb, g) + 8 * half;
-    if constexpr (FACTORED) {
+    if constexpr (FACTORED && !signed_on_avx2(BITS)) {
+      // Sub-scales in the pair sums' vpmaddwd (|a pair sum| <= 32767, x |sub| <= 128, twice:
+      // within int32); center x sub x super x each row's group sum (its codes' sum times
+      // its activation scale) taken off in float with the offset.
+      const int64_t col = g * SEG;
+      const __m256i sub = _mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + at)));
+      const __m256i sub16 = _mm256_blend_epi16(sub, _mm256_slli_epi32(sub, 16), 0xAA);
+      __m256i acc[R];
+      segment_int8_avx2<BITS, R, SEG, true>(p, block, half, x, col, acc, sub16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) scaled[r] = _mm256_add_epi32(scaled[r], acc[r]);
+      const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(p.super_scales + p.super_at(nb, g) + 8 * half)));
+      __m256 coefficient = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(sub),
+          _mm256_mul_ps(super, _mm256_set1_ps(-static_cast<float>(center_of(BITS)))));
+      if (p.offsets)
+        coefficient = _mm256_add_ps(coefficient, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                     reinterpret_cast<const __m128i*>(p.offsets + at))));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm256_fmadd_ps(coefficient, _mm256_set1_ps(x_group_sum[r][g]), total[r]);
+      if ((col + SEG) % kActBlock == 0) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 factor = _mm256_mul_ps(super, _mm256_set1_ps(x_scale[r][col / kActBlock]));
+          total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), factor, total[r]);
+          scaled[r] = _mm256_setzero_si256();
+        }
+      }
+      continue;
+    } else if constexpr (FACTORED) {
       const int64_t col = g * SEG;
       __m256i acc[R];
       segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
@@ -584,7 +643,14 @@ TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block,
     lo = _mm512_shuffle_epi8(table, lo);
     hi = _mm512_shuffle_epi8(table, hi);
   }
-  if constexpr (has_high_bits(BITS)) {
+  if constexpr (paired_high_bits(BITS)) {
+    // As split_half_avx2's: bits 0-1 / 2-3 of a byte for an even chunk, 4-5 / 6-7 for an odd.
+    __m512i pairs = _mm512_loadu_si512(p.high_bits(block, chunk & ~int64_t{1}));
+    if (chunk % 2 == 0) pairs = _mm512_slli_epi16(pairs, 4);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(pairs, bits45));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(pairs, 2), bits45));
+  } else if constexpr (has_high_bits(BITS)) {
     const uint8_t* high = p.high_bits(block, chunk);
 #pragma GCC unroll 2
     for (int h = 0; h < BITS - base_bits(BITS); ++h) {
