@@ -36,8 +36,13 @@ def test_memory_probe_in_blocks_holds_one_sequence_and_its_state(tiny_checkpoint
     dims = {"linear_key_head_dim": 32, "linear_value_head_dim": 32}
     heads = {"linear_num_key_heads": 2, "linear_num_value_heads": 8}
     checkpoint = str(tiny_checkpoint("qwen3_5", num_hidden_layers=4, **heads, **dims))
-    probe = {"dtype": "float32", "max_num_seqs": 1, "max_model_len": 64}
-    probe["enable_prefix_caching"] = False
+    # One state slot (no snapshots), as the peers probe runs.
+    probe = {
+        "dtype": "float32",
+        "max_num_seqs": 1,
+        "max_model_len": 64,
+        "enable_prefix_caching": False,
+    }
     state = 3 * (8 * 32 * 32 * 4 + 3 * (2 * 64 + 256) * 4)  # 3 linear layers, f32
     with pytest.raises(ConfigError, match="leaves no KV blocks"):
         LLM(model=checkpoint, kv_cache_memory=state // 4, **probe)

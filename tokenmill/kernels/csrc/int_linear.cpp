@@ -505,86 +505,87 @@ TM_AVX2 void half_block_int8_avx2(const Problem& p, const QuantInput& a, int64_t
   }
   for (int64_t g = 0; g < p.groups; ++g) {
 #pragma GCC unroll 2
-  for (int h = 0; h < HALVES; ++h) {  // (its body is the one-half loop's, not re-indented)
-    const int half = first + h;
-    __m256* total = totals[h];
-    __m256i* scaled = scaleds[h];
-    const int64_t at = p.scale_at(nb, g) + 8 * half;
-    if constexpr (FACTORED && !signed_on_avx2(BITS)) {
-      // Sub-scales in the pair sums' vpmaddwd (|a pair sum| <= 32767, x |sub| <= 128, twice:
-      // within int32); center x sub x super x each row's group sum (its codes' sum times
-      // its activation scale) taken off in float with the offset.
-      const int64_t col = g * SEG;
-      const __m256i sub = _mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + at)));
-      const __m256i sub16 = _mm256_blend_epi16(sub, _mm256_slli_epi32(sub, 16), 0xAA);
-      __m256i acc[R];
-      segment_int8_avx2<BITS, R, SEG, true>(p, block, half, x, col, acc, sub16);
+    for (int h = 0; h < HALVES; ++h) {
+      const int half = first + h;
+      __m256* total = totals[h];
+      __m256i* scaled = scaleds[h];
+      const int64_t at = p.scale_at(nb, g) + 8 * half;
+      if constexpr (FACTORED && !signed_on_avx2(BITS)) {
+        // Sub-scales in the pair sums' vpmaddwd (|a pair sum| <= 32767, x |sub| <= 128, twice:
+        // within int32); center x sub x super x each row's group sum (its codes' sum times
+        // its activation scale) taken off in float with the offset.
+        const int64_t col = g * SEG;
+        const __m256i sub = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + at)));
+        const __m256i sub16 = _mm256_blend_epi16(sub, _mm256_slli_epi32(sub, 16), 0xAA);
+        __m256i acc[R];
+        segment_int8_avx2<BITS, R, SEG, true>(p, block, half, x, col, acc, sub16);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) scaled[r] = _mm256_add_epi32(scaled[r], acc[r]);
-      const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(p.super_scales + p.super_at(nb, g) + 8 * half)));
-      __m256 coefficient = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(sub),
-          _mm256_mul_ps(super, _mm256_set1_ps(-static_cast<float>(center_of(BITS)))));
-      if (p.offsets)
-        coefficient = _mm256_add_ps(coefficient, _mm256_cvtph_ps(_mm_loadu_si128(
-                                                     reinterpret_cast<const __m128i*>(p.offsets + at))));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        total[r] = _mm256_fmadd_ps(coefficient, _mm256_set1_ps(x_group_sum[r][g]), total[r]);
-      if ((col + SEG) % kActBlock == 0) {
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 factor = _mm256_mul_ps(super, _mm256_set1_ps(x_scale[r][col / kActBlock]));
-          total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), factor, total[r]);
-          scaled[r] = _mm256_setzero_si256();
-        }
-      }
-      continue;
-    } else if constexpr (FACTORED) {
-      const int64_t col = g * SEG;
-      __m256i acc[R];
-      segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
-      const __m256i sub = _mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + at)));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        scaled[r] = _mm256_add_epi32(scaled[r], _mm256_mullo_epi32(acc[r], sub));
-      if ((col + SEG) % kActBlock == 0) {
+        for (int r = 0; r < R; ++r) scaled[r] = _mm256_add_epi32(scaled[r], acc[r]);
         const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(p.super_scales + p.super_at(nb, g) + 8 * half)));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 factor = _mm256_mul_ps(super, _mm256_set1_ps(x_scale[r][col / kActBlock]));
-          total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), factor, total[r]);
-          scaled[r] = _mm256_setzero_si256();
-        }
-      }
-    } else {
-      __m256 dot[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
-      for (int64_t col = g * p.group; col < (g + 1) * p.group; col += SEG) {
-        __m256i acc[R];
-        segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
+        __m256 coefficient = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(sub),
+            _mm256_mul_ps(super, _mm256_set1_ps(-static_cast<float>(center_of(BITS)))));
+        if (p.offsets)
+          coefficient = _mm256_add_ps(
+              coefficient,
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.offsets + at))));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
-          dot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
-                                   _mm256_set1_ps(x_scale[r][col / kActBlock]), dot[r]);
+          total[r] = _mm256_fmadd_ps(coefficient, _mm256_set1_ps(x_group_sum[r][g]), total[r]);
+        if ((col + SEG) % kActBlock == 0) {
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 factor = _mm256_mul_ps(super, _mm256_set1_ps(x_scale[r][col / kActBlock]));
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), factor, total[r]);
+            scaled[r] = _mm256_setzero_si256();
+          }
+        }
+        continue;
+      } else if constexpr (FACTORED) {
+        const int64_t col = g * SEG;
+        __m256i acc[R];
+        segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
+        const __m256i sub = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub_scales + at)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          scaled[r] = _mm256_add_epi32(scaled[r], _mm256_mullo_epi32(acc[r], sub));
+        if ((col + SEG) % kActBlock == 0) {
+          const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(p.super_scales + p.super_at(nb, g) + 8 * half)));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 factor = _mm256_mul_ps(super, _mm256_set1_ps(x_scale[r][col / kActBlock]));
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled[r]), factor, total[r]);
+            scaled[r] = _mm256_setzero_si256();
+          }
+        }
+      } else {
+        __m256 dot[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_ps();
+        for (int64_t col = g * p.group; col < (g + 1) * p.group; col += SEG) {
+          __m256i acc[R];
+          segment_int8_avx2<BITS, R, SEG>(p, block, half, x, col, acc);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            dot[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                                     _mm256_set1_ps(x_scale[r][col / kActBlock]), dot[r]);
+        }
+        const __m256 scale = scales8(p, nb, g, 8 * half);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
       }
-      const __m256 scale = scales8(p, nb, g, 8 * half);
+      if (p.offsets) {
+        const __m256 offset =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.offsets + at)));
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(scale, dot[r], total[r]);
+        for (int r = 0; r < R; ++r)
+          total[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_group_sum[r][g]), total[r]);
+      }
     }
-    if (p.offsets) {
-      const __m256 offset =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.offsets + at)));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        total[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_group_sum[r][g]), total[r]);
-    }
-  }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < HALVES * R; ++r)
