@@ -176,3 +176,31 @@ def test_an_fp8_cache_runs_the_layers_one_by_one(tiny_checkpoint) -> None:
     )
     out = llm.generate([[5, 9, 13]], greedy(), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == MAX_TOKENS
+
+
+def test_the_phase_profile_times_each_kind_of_stack_phase(tiny_checkpoint) -> None:
+    """`benchmarks.steps inside-stack`'s source: with the profile on, every decode step's stack
+    reports each layer's phases under their kinds (their weight bytes for the linears); off,
+    nothing is recorded."""
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", max_model_len=64)
+    model = llm.engine.runner.model
+    assert model.decoder_stack is not None
+    layers = len(model.layers)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 9, 13]], params, use_tqdm=False)
+    assert module.phase_profile_take() == {}  # off: nothing
+    module.phase_profile_enable(True)
+    try:
+        llm.generate([[5, 9, 13]], params, use_tqdm=False)  # one prefill and three decode steps
+    finally:
+        module.phase_profile_enable(False)
+    totals = module.phase_profile_take()
+    assert module.phase_profile_take() == {}  # taken: cleared
+    for kind in ("linear qkv", "linear o", "linear gate_up", "linear down", "attention"):
+        nanoseconds, phases, weight_bytes = totals[kind]
+        assert nanoseconds > 0 and phases % (4 * layers) == 0, kind
+    gate_up = model.layers[0].mlp.gate_up_proj
+    _, phases, weight_bytes = totals["linear gate_up"]
+    assert weight_bytes >= phases * gate_up.in_features * gate_up.out_features * 4
+    assert totals["rope + cache write"][1] == 4 * layers
+    assert totals["activation"][1] == 4 * layers

@@ -73,7 +73,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const int isa = current_isa();
   parallel_chunks(rows, [&](int64_t r, int) {
     result[r] = isa >= kAvx512 ? argmax_avx512(data + r * n, n) : argmax_portable(data + r * n, n);
-  }, rows * n >= (1 << 18) ? team_size() : 1);
+  }, rows * n >= (1 << 18) ? team_size() : 1, "argmax");
   return out;
 }
 

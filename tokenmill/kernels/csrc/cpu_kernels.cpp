@@ -15,6 +15,7 @@
 #include "lora.h"
 #include "moe.h"
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace tokenmill {
 
@@ -110,6 +111,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_linear_weight", &unpack_linear_weight, "the packed layout -> [n, k]");
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias on a packed weight", no_gil);
   m.def("set_quant_prefetch", &set_quant_prefetch, "tuning: VNNI products' prefetch distance");
+  m.def("phase_profile_enable", &PhaseProfile::enable,
+        "sum each kind of native phase's wall time from now on (off: stop)");
+  m.def(
+      "phase_profile_take",
+      [] {
+        pybind11::dict totals;
+        for (const auto& [label, e] : PhaseProfile::take())
+          totals[pybind11::str(label)] = pybind11::make_tuple(e.nanoseconds, e.phases, e.bytes);
+        return totals;
+      },
+      "{label: (nanoseconds, phases, bytes)} since the last take; clears them");
   m.def("quant_amx_min_rows", [] { return kQuantAmxMinRows; },
         "rows from which quantized products run on AMX tiles (ISA level 4)");
   pybind11::class_<PackedLinear>(m, "PackedLinear")

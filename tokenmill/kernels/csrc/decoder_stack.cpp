@@ -512,7 +512,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
         add_norm(isa, residual, add, add_norm_weight, weight, s.hidden, s.eps,
                  static_cast<float*>(dst), ld, r0, r1);
       }
-    });
+    }, "add + norm");
   };
   // Multi-LoRA: the step's adapter rows, grouped by adapter; each linear's shrink tasks run
   // beside its products (in their phase: both only read the input), its expand tasks in a phase
@@ -540,12 +540,13 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     if (w == nullptr || w->empty() || lora_n == 0) return;
     job.add_phase(lora_rows.expand_tasks(*w), [=, &lora_rows, &lora_shrunk](int64_t task, int) {
       lora_expand_task(*w, lora_rows, lora_shrunk.data(), output, ld_out, task, isa);
-    });
+    }, "lora expand");
   };
   // `extra`: more chunks of the products' phase (a LoRA shrink's tasks).
   const LoRAShrink no_extra;
   auto gemm_phase = [&](const PackedWeight& w, const void* input, int64_t ld_in, float* output,
-                        int64_t ld_out, const float* bias, bool prepare, const LoRAShrink& extra) {
+                        int64_t ld_out, const float* bias, bool prepare, const LoRAShrink& extra,
+                        const char* label) {
     const int64_t per = gemm_chunk_blocks(w, tokens, threads);
     const int64_t products = (w.blocks() + per - 1) / per;
     const int64_t extra_chunks = extra.tasks;
@@ -558,23 +559,23 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
           int64_t r0, r1;
           rows_of(chunk, r0, r1);
           prepare_quant_rows(w, input, bf16_act, ld_in, in, r0, r1);
-        });
+        }, "prepare rows");
       job.add_phase(products + extra_chunks, [=, &w](int64_t chunk, int) {
         if (chunk >= products) return extra_run(chunk - products);
         quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
-      });
+      }, label, w.bytes());
       return;
     }
     job.add_phase(products + extra_chunks, [=, &w](int64_t chunk, int) {
       if (chunk >= products) return extra_run(chunk - products);
       packed_gemm(w, input, ld_in, tokens, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per),
                   isa);
-    });
+    }, label, w.bytes());
   };
   // A linear held in parts (each its own format): each part's product into its columns.
-  auto gemm_parts = [&](const std::vector<PackedWeight>& parts, const void* input, int64_t ld_in,
-                        float* output, int64_t ld_out, const float* bias,
-                        const LoRAStack* lora = nullptr) {
+  auto gemm_parts = [&](const char* label, const std::vector<PackedWeight>& parts,
+                        const void* input, int64_t ld_in, float* output, int64_t ld_out,
+                        const float* bias, const LoRAStack* lora = nullptr) {
     const LoRAShrink shrink = lora_shrink(lora, input, ld_in);
     // A part after a quantized one reuses its prepared input where it reads the same: the
     // input rows and their group sums depend on k, k_pad and the group only.
@@ -585,7 +586,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                               w.k_pad == prepared->k_pad && w.group == prepared->group;
       const bool last = &w == &parts.back();
       gemm_phase(w, input, ld_in, output + column, ld_out, bias ? bias + column : nullptr,
-                 !same_input, last ? shrink : no_extra);
+                 !same_input, last ? shrink : no_extra, label);
       if (!same_input) prepared = w.quantized() ? &w : nullptr;
       column += w.n;
     }
@@ -601,7 +602,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
     const int64_t* group_table = block_tables.data_ptr<int64_t>() + group * num_seqs * table_width;
     const float* previous_out_norm = li == 0 ? nullptr : layers_[li - 1].weights.mlp_out_norm;
     add_norm_phase(li == 0 ? nullptr : delta, previous_out_norm, lw.input_norm, x, ld_x, bf16_act);
-    gemm_parts(layer.parts[0], x, ld_x, qkv, ld_qkv, lw.qkv_bias, lora);
+    gemm_parts("linear qkv", layer.parts[0], x, ld_x, qkv, ld_qkv, lw.qkv_bias, lora);
     job.add_phase((units + units_per_chunk - 1) / units_per_chunk, [=, &shape, &lw](int64_t chunk, int) {
       const int64_t u0 = chunk * units_per_chunk, u1 = std::min(units, u0 + units_per_chunk);
       if (cache_bf16) {
@@ -611,7 +612,7 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
         rope_cache(isa, shape, *step, lw, qkv, ld_qkv, static_cast<float*>(cache), num_cache_blocks,
                    u0, u1);
       }
-    });
+    }, "rope + cache write");
     job.add_phase(static_cast<int64_t>(tasks.size()),
                   [=, &attention, &tasks, &scratch, &lw](int64_t i, int participant) {
                     AttentionArgs a = attention;
@@ -619,8 +620,8 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
                     a.block_tables = group_table;
                     a.window = lw.window;
                     attend(a, tasks[i], scratch.data() + participant * scratch_floats, isa);
-                  });
-    gemm_parts(layer.parts[1], attn, ld_attn, delta, hidden, lw.o_bias, lora ? lora + 1 : nullptr);
+                  }, "attention");
+    gemm_parts("linear o", layer.parts[1], attn, ld_attn, delta, hidden, lw.o_bias, lora ? lora + 1 : nullptr);
     add_norm_phase(delta, lw.attn_out_norm, lw.post_norm, x, ld_x, bf16_act);
     if (layer.moe) {  // routing, then the experts' phases, their sum into delta
       const MoEExperts* moe = layer.moe.get();
@@ -638,16 +639,16 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
         else
           route(isa, router, experts, s.hidden, static_cast<const float*>(x), ld_x, top_k,
                 renormalize, ids, weights, r0, r1);
-      });
+      }, "moe route");
       MoEPlan* plan = &b.moe;
       job.add_phase(1, [=](int64_t, int) {
         moe->plan(*plan, ids, weights, tokens, top_k, bf16_act, isa);
-      });
+      }, "moe plan");
       moe->add_phases(job, b.moe, x, ld_x, bf16_act, tokens, std::min(experts, tokens * top_k),
                       delta, false, hidden, threads, isa);
       continue;
     }
-    gemm_parts(layer.parts[2], x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias,
+    gemm_parts("linear gate_up", layer.parts[2], x, ld_x, gate_up, ld_gate_up, lw.gate_up_bias,
                lora ? lora + 2 : nullptr);
     job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
       int64_t r0, r1;
@@ -659,8 +660,8 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
         act_mul(isa, gate_up, ld_gate_up, s.intermediate, s.gelu_tanh, static_cast<float*>(act),
                 ld_act, r0, r1);
       }
-    });
-    gemm_parts(layer.parts[3], act, ld_act, delta, hidden, lw.down_bias,
+    }, "activation");
+    gemm_parts("linear down", layer.parts[3], act, ld_act, delta, hidden, lw.down_bias,
                lora ? lora + 3 : nullptr);
   }
   // The final norm, into the output's dtype.

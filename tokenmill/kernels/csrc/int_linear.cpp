@@ -1287,10 +1287,10 @@ at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
   job.add_phase((rows + rows_per_chunk - 1) / rows_per_chunk, [&](int64_t chunk, int) {
     const int64_t r0 = chunk * rows_per_chunk;
     prepare_quant_rows(w, input, x_bf16, w.k, in, r0, std::min(rows, r0 + rows_per_chunk));
-  });
+  }, "prepare rows");
   job.add_phase((w.blocks() + per - 1) / per, [&](int64_t chunk, int) {
     quant_gemm(w, in, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
-  });
+  }, "linear (own call)", w.bytes());
   WorkerPool::instance().run(job, threads);
   return out;
 }

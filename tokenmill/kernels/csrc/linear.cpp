@@ -560,7 +560,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const void* input = xin.data_ptr();
   parallel_chunks((w.blocks() + per - 1) / per, [&](int64_t chunk, int) {
     packed_gemm(w, input, w.k_pad, m, o, chunk * per, std::min(w.blocks(), (chunk + 1) * per), isa);
-  }, threads);
+  }, threads, "linear (own call)", w.bytes());
   return out;
 }
 

@@ -37,6 +37,13 @@ struct PackedWeight {
   int64_t super_groups = 0;
   bool quantized() const { return bits != 0; }
   int64_t blocks() const { return n_pad / 16; }
+  // Bytes a product reads of it: codes (or elements) and scales (PhaseProfile's rates).
+  int64_t bytes() const {
+    if (!quantized()) return n_pad * k_pad * (is_bf16 ? 2 : 4);
+    const int64_t groups = n_pad * (k_pad / group);
+    const int64_t scale_bytes = sub_scales ? groups + 2 * (n_pad * k_pad / 256) : 2 * groups;
+    return n_pad * k_pad * bits / 8 + scale_bytes * (offsets || sub_scales ? 2 : 1);
+  }
 };
 
 // Where a GEMM writes: columns [0, n) of `ld`-strided rows, as float32 or bfloat16, plus a

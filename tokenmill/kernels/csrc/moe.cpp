@@ -333,7 +333,7 @@ void MoEExperts::add_phases(PhasedJob& job, const MoEPlan& p, const void* x, int
     const PackedWeight& w = gate_up_[e].weight();
     if (w.quantized())
       prepare_quant_rows(w, xs + first * p.ld_x * elem, is_bf16, p.ld_x, p.gu_in[a], 0, rows);
-  });
+  }, "moe gather");
   // 2. gate/up: every active expert's output blocks, one pool of chunks.
   job.add_phase(max_active * gu_chunks, [=, &p](int64_t c, int) {
     const int64_t a = c / gu_chunks, chunk = c % gu_chunks;
@@ -347,7 +347,7 @@ void MoEExperts::add_phases(PhasedJob& job, const MoEPlan& p, const void* x, int
     if (w.quantized()) quant_gemm(w, p.gu_in[a], o, b0, b1, isa);
     else packed_gemm(w, static_cast<char*>(p.xs.data_ptr()) + first * p.ld_x * elem, p.ld_x,
                      rows, o, b0, b1, isa);
-  });
+  }, "moe linear gate_up", max_active * wg0.bytes());
   // 3. The activation (and the down product's prepared input).
   job.add_phase(max_active, [=, &p](int64_t a, int) {
     if (a >= static_cast<int64_t>(p.active.size())) return;
@@ -357,7 +357,7 @@ void MoEExperts::add_phases(PhasedJob& job, const MoEPlan& p, const void* x, int
              rows);
     const PackedWeight& w = down_[e].weight();
     if (w.quantized()) prepare_quant_rows(w, rows_act, is_bf16, p.ld_act, p.down_in[a], 0, rows);
-  });
+  }, "moe activation");
   // 4. down: every active expert's output blocks.
   job.add_phase(max_active * down_chunks, [=, &p](int64_t c, int) {
     const int64_t a = c / down_chunks, chunk = c % down_chunks;
@@ -370,7 +370,7 @@ void MoEExperts::add_phases(PhasedJob& job, const MoEPlan& p, const void* x, int
     if (w.quantized()) quant_gemm(w, p.down_in[a], o, b0, b1, isa);
     else packed_gemm(w, static_cast<char*>(p.act.data_ptr()) + first * p.ld_act * elem,
                      p.ld_act, rows, o, b0, b1, isa);
-  });
+  }, "moe linear down", max_active * wd0.bytes());
   // 5. Each token's weighted sum, into `out`.
   const int64_t per_chunk = std::max<int64_t>(1, (tokens + 4 * threads - 1) / (4 * threads));
   job.add_phase((tokens + per_chunk - 1) / per_chunk, [=, &p](int64_t c, int) {
@@ -391,7 +391,7 @@ void MoEExperts::add_phases(PhasedJob& job, const MoEPlan& p, const void* x, int
         std::memcpy(static_cast<float*>(out) + t * ld_out, sum.data(), hidden * sizeof(float));
       }
     }
-  });
+  }, "moe weighted sum");
 }
 
 at::Tensor MoEExperts::forward_one_job(const at::Tensor& x, const at::Tensor& weights,

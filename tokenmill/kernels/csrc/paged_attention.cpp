@@ -40,6 +40,55 @@ __attribute__((always_inline)) inline void widen_rows(const C* src, int64_t stri
   }
 }
 
+// A task's query rows (row = query * heads + head, `heads` from first_head), scaled, as float32.
+__attribute__((always_inline)) inline void scaled_queries(const AttentionArgs& a,
+                                                          const AttentionTask& task,
+                                                          int64_t first_head, int64_t heads,
+                                                          float* qf) {
+  const int64_t d = a.d;
+  for (int64_t i = 0; i < task.q_end - task.q_begin; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t offset = (task.q_begin + i) * a.q_stride + (first_head + h) * d;
+      float* q = qf + (i * heads + h) * d;
+      if (a.query_bf16) {
+        const bf16* src = static_cast<const bf16*>(a.query) + offset;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) q[j] = load_float(src + j) * a.scale;
+      } else {
+        const float* src = static_cast<const float*>(a.query) + offset;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) q[j] = src[j] * a.scale;
+      }
+    }
+}
+
+// Each row's accumulated values over its softmax denominator (sinks included), into `out`.
+__attribute__((always_inline)) inline void write_rows(const AttentionArgs& a,
+                                                      const AttentionTask& task,
+                                                      int64_t first_head, int64_t heads,
+                                                      const float* acc, const float* row_max,
+                                                      const float* row_sum) {
+  const int64_t d = a.d;
+  for (int64_t i = 0; i < task.q_end - task.q_begin; ++i) {
+    const int64_t token = task.q_begin + i;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = i * heads + h;
+      const float sum = row_sum[row] + sink_weight(a, first_head + h, row_max[row]);
+      const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float* o = acc + row * d;
+      if (a.out_bf16) {
+        bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + (first_head + h) * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) store_float(dst + j, o[j] * inverse);
+      } else {
+        float* dst = static_cast<float*>(a.out) + token * a.out_stride + (first_head + h) * d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) dst[j] = o[j] * inverse;
+      }
+    }
+  }
+}
+
 template <typename C>
 __attribute__((always_inline)) inline void attend_head(const AttentionArgs& a,
                                                        const AttentionTask& task, int64_t kv_head,
@@ -62,20 +111,7 @@ __attribute__((always_inline)) inline void attend_head(const AttentionArgs& a,
   const int64_t* table = a.block_tables + task.seq * a.max_blocks;
   auto position = [&](int64_t token) { return seq_len - num_queries + (token - first_query); };
 
-  for (int64_t i = 0; i < tile; ++i) {
-    const int64_t token = task.q_begin + i;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t head = kv_head * group + g;
-      float* q = qf + (i * group + g) * d;
-      if (a.query_bf16) {
-        const bf16* src = static_cast<const bf16*>(a.query) + token * a.q_stride + head * d;
-        for (int64_t j = 0; j < d; ++j) q[j] = load_float(src + j) * a.scale;
-      } else {
-        const float* src = static_cast<const float*>(a.query) + token * a.q_stride + head * d;
-        for (int64_t j = 0; j < d; ++j) q[j] = src[j] * a.scale;
-      }
-    }
-  }
+  scaled_queries(a, task, kv_head * group, group, qf);
   std::fill(acc, acc + rows * d, 0.0f);
   std::fill(row_max, row_max + rows, -INFINITY);
   std::fill(row_sum, row_sum + rows, 0.0f);
@@ -129,23 +165,7 @@ __attribute__((always_inline)) inline void attend_head(const AttentionArgs& a,
       }
     }
   }
-  for (int64_t i = 0; i < tile; ++i) {
-    const int64_t token = task.q_begin + i;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = i * group + g, head = kv_head * group + g;
-      const float sum = row_sum[row] + sink_weight(a, head, row_max[row]);
-      const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const float* o = acc + row * d;
-      if (a.out_bf16) {
-        bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + head * d;
-        for (int64_t j = 0; j < d; ++j) store_float(dst + j, o[j] * inverse);
-      } else {
-        float* dst = static_cast<float*>(a.out) + token * a.out_stride + head * d;
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) dst[j] = o[j] * inverse;
-      }
-    }
-  }
+  write_rows(a, task, kv_head * group, group, acc, row_max, row_sum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -199,19 +219,7 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
   const int64_t first_head = task.kv_begin * group;
   auto position = [&](int64_t token) { return seq_len - num_queries + (token - first_query); };
 
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t i = 0; i < tile; ++i) {
-    const int64_t token = task.q_begin + i;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t offset = token * a.q_stride + (first_head + h) * d;
-      float* q = qf + (i * heads + h) * d;
-      for (int c = 0; c < kChunks; ++c) {
-        const __m512 v = a.query_bf16 ? widen16(static_cast<const bf16*>(a.query) + offset + c * 16)
-                                      : widen16(static_cast<const float*>(a.query) + offset + c * 16);
-        _mm512_storeu_ps(q + c * 16, _mm512_mul_ps(v, scale));
-      }
-    }
-  }
+  scaled_queries(a, task, first_head, heads, qf);
   std::fill(acc, acc + rows * d, 0.0f);
   std::fill(row_max, row_max + rows, -INFINITY);
   std::fill(row_sum, row_sum + rows, 0.0f);
@@ -293,24 +301,148 @@ TM_AVX512 void attend_task_avx512(const AttentionArgs& a, const AttentionTask& t
       }
     }
   }
-  for (int64_t i = 0; i < tile; ++i) {
-    const int64_t token = task.q_begin + i;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t row = i * heads + h;
-      const float sum = row_sum[row] + sink_weight(a, first_head + h, row_max[row]);
-      const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const float* o = acc + row * d;
-      if (a.out_bf16) {
-        bf16* dst = static_cast<bf16*>(a.out) + token * a.out_stride + (first_head + h) * d;
+  write_rows(a, task, first_head, heads, acc, row_max, row_sum);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 for head sizes of 8 * kChunks: as the AVX-512 kernel, with runs of up to 8 keys (one
+// vector of scores). The run's 8 dot products of a row accumulate side by side, one q chunk at
+// a time, and the row's accumulator is updated 8 chunks at a time (16 registers).
+
+// r[i] = sum of v[i]'s lanes, for 8 vectors.
+TM_AVX2 inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+TM_AVX2 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+TM_AVX2 inline __m256 widen8(const bf16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+TM_AVX2 inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+TM_AVX2 inline float reduce_add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+template <typename C, int kChunks>
+TM_AVX2 void attend_task_avx2(const AttentionArgs& a, const AttentionTask& task, float* scratch) {
+  constexpr int64_t d = kChunks * 8;
+  const int64_t group = a.heads / a.kv_heads, bs = a.block_size;
+  const int64_t seq_len = a.seq_lens[task.seq];
+  const int64_t first_query = a.query_start_loc[task.seq];
+  const int64_t num_queries = a.query_start_loc[task.seq + 1] - first_query;
+  const int64_t tile = task.q_end - task.q_begin, kv = task.kv_end - task.kv_begin;
+  const int64_t heads = kv * group, rows = tile * heads;  // row = query * heads + head
+  float* qf = scratch;                // [rows, d]
+  float* acc = qf + rows * d;         // [rows, d]
+  float* row_max = acc + rows * d;    // [rows]
+  float* row_sum = row_max + rows;    // [rows]
+  float* probs = row_sum + rows;      // [8]
+  float* keys = probs + 16;           // [8, kv, d]
+  float* values = keys + 8 * kv * d;  // [8, kv, d]
+  const C* cache = static_cast<const C*>(a.cache);
+  const int64_t slot = a.kv_heads * d;
+  const int64_t value_offset = a.num_blocks * bs * slot;
+  const int64_t* table = a.block_tables + task.seq * a.max_blocks;
+  const int64_t first_head = task.kv_begin * group;
+  auto position = [&](int64_t token) { return seq_len - num_queries + (token - first_query); };
+
+  scaled_queries(a, task, first_head, heads, qf);
+  std::fill(acc, acc + rows * d, 0.0f);
+  std::fill(row_max, row_max + rows, -INFINITY);
+  std::fill(row_sum, row_sum + rows, 0.0f);
+
+  auto key_row = [&](int64_t t) {
+    return cache + (table[t / bs] * bs + t % bs) * slot + task.kv_begin * d;
+  };
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t hi = position(task.q_end - 1) + 1;
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, position(task.q_begin) + 1 - a.window) : 0;
+  for (int64_t run_start = lo; run_start < hi;) {
+    // A run: up to 8 consecutive keys inside one cache block.
+    const int64_t t0 = run_start;
+    const int64_t t1 = std::min({hi, t0 + 8, t0 - t0 % bs + bs});
+    run_start = t1;
+    const int64_t n = t1 - t0;
+    const C* key_rows = key_row(t0);
+    const C* value_rows = key_rows + value_offset;
+    for (int64_t t = 0; t < n; ++t)  // widened once for all query heads of their KV head
+      for (int64_t h = 0; h < kv; ++h)
+        for (int c = 0; c < kChunks; ++c) {
+          const int64_t at = (t * kv + h) * d + c * 8;
+          _mm256_storeu_ps(keys + at, widen8(key_rows + t * slot + h * d + c * 8));
+          _mm256_storeu_ps(values + at, widen8(value_rows + t * slot + h * d + c * 8));
+        }
+    for (int64_t i = 0; i < tile; ++i) {
+      const int64_t pos = position(task.q_begin + i);
+      const int64_t first = a.window > 0 ? std::max(t0, pos + 1 - a.window) : t0;
+      const int64_t last = std::min(t1, pos + 1);
+      if (first >= last) continue;
+      // Lanes of the run this query sees: [first - t0, last - t0).
+      const __m256 visible = _mm256_castsi256_ps(_mm256_andnot_si256(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(first - t0)), lane),
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(last - t0)), lane)));
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = i * heads + h, kv_local = h / group;
+        const float* q = qf + row * d;
+        // All 8 lanes, past n too (earlier runs' finite keys, or zeros): masked out below.
+        __m256 dots[8];
+        for (int t = 0; t < 8; ++t) dots[t] = _mm256_setzero_ps();
+        for (int c = 0; c < kChunks; ++c) {
+          const __m256 qc = _mm256_loadu_ps(q + c * 8);
+          for (int t = 0; t < 8; ++t)
+            dots[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + (t * kv + kv_local) * d + c * 8),
+                                      dots[t]);
+        }
+        __m256 raw = sum_lanes8(dots);
+        if (a.softcap > 0.0f) {
+          _mm256_storeu_ps(probs, raw);
+          for (int t = 0; t < 8; ++t) probs[t] = capped(a, probs[t]);
+          raw = _mm256_loadu_ps(probs);
+        }
+        const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), raw, visible);
+        const float new_max = std::max(row_max[row], reduce_max8(scores));
+        const float correction = exp_approx(row_max[row] - new_max);
+        row_max[row] = new_max;
+        _mm256_storeu_ps(probs, _mm256_sub_ps(scores, _mm256_set1_ps(new_max)));
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) store_float(dst + j, o[j] * inverse);
-      } else {
-        float* dst = static_cast<float*>(a.out) + token * a.out_stride + (first_head + h) * d;
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) dst[j] = o[j] * inverse;
+        for (int t = 0; t < 8; ++t) probs[t] = exp_approx(probs[t]);
+        const __m256 p = _mm256_and_ps(_mm256_loadu_ps(probs), visible);
+        row_sum[row] = row_sum[row] * correction + reduce_add8(p);
+        _mm256_storeu_ps(probs, p);
+        float* o = acc + row * d;
+        const __m256 corr = _mm256_set1_ps(correction);
+        for (int c0 = 0; c0 < kChunks; c0 += 8) {  // 8 chunks of the accumulator at a time
+          constexpr int kWidth = kChunks < 8 ? kChunks : 8;
+          __m256 out[kWidth];
+          for (int c = 0; c < kWidth; ++c)
+            if (c0 + c < kChunks) out[c] = _mm256_mul_ps(_mm256_loadu_ps(o + (c0 + c) * 8), corr);
+          for (int64_t t = first - t0; t < last - t0; ++t) {
+            const __m256 pt = _mm256_set1_ps(probs[t]);
+            const float* v = values + (t * kv + kv_local) * d + c0 * 8;
+            for (int c = 0; c < kWidth; ++c)
+              if (c0 + c < kChunks)
+                out[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + c * 8), out[c]);
+          }
+          for (int c = 0; c < kWidth; ++c)
+            if (c0 + c < kChunks) _mm256_storeu_ps(o + (c0 + c) * 8, out[c]);
+        }
       }
     }
   }
+  write_rows(a, task, first_head, heads, acc, row_max, row_sum);
 }
 
 template <typename C>
@@ -331,6 +463,11 @@ void attend_isa(const AttentionArgs& a, const AttentionTask& t, float* s, int is
   if (isa >= kAvx512 && a.d == 64) attend_task_avx512<C, 4>(a, t, s);
   else if (isa >= kAvx512 && a.d == 128) attend_task_avx512<C, 8>(a, t, s);
   else if (isa >= kAvx512) attend_avx512<C>(a, t, s);
+  else if (isa >= kAvx2 && a.d == 64) attend_task_avx2<C, 8>(a, t, s);
+  else if (isa >= kAvx2 && a.d == 80) attend_task_avx2<C, 10>(a, t, s);
+  else if (isa >= kAvx2 && a.d == 96) attend_task_avx2<C, 12>(a, t, s);
+  else if (isa >= kAvx2 && a.d == 128) attend_task_avx2<C, 16>(a, t, s);
+  else if (isa >= kAvx2 && a.d == 256) attend_task_avx2<C, 32>(a, t, s);
   else if (isa >= kAvx2) attend_avx2<C>(a, t, s);
   else attend_portable<C>(a, t, s);
 }
@@ -431,7 +568,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   std::vector<float> scratch(scratch_floats * threads);
   parallel_chunks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int participant) {
     attend(args, tasks[i], scratch.data() + participant * scratch_floats, isa);
-  }, threads);
+  }, threads, "attention");
 }
 
 }  // namespace tokenmill

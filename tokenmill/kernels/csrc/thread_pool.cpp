@@ -3,6 +3,9 @@
 
 #include <pthread.h>
 
+#include <chrono>
+#include <map>
+
 namespace tokenmill {
 namespace {
 
@@ -33,8 +36,40 @@ void forget_pool_in_child() {
 
 }  // namespace
 
-void PhasedJob::add_phase(int64_t chunks, ChunkFn run) {
-  phases_.push_back(Phase{std::max<int64_t>(chunks, 0), std::move(run)});
+std::atomic<bool> PhaseProfile::enabled_{false};
+
+namespace {
+std::mutex g_profile_mutex;
+std::map<std::string, PhaseProfile::Entry>& profile_totals() {
+  static std::map<std::string, PhaseProfile::Entry> totals;
+  return totals;
+}
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void PhaseProfile::enable(bool on) { enabled_.store(on, std::memory_order_relaxed); }
+
+void PhaseProfile::add(const char* label, int64_t nanoseconds, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  Entry& e = profile_totals()[label];
+  e.nanoseconds += nanoseconds;
+  e.phases += 1;
+  e.bytes += bytes;
+}
+
+std::vector<std::pair<std::string, PhaseProfile::Entry>> PhaseProfile::take() {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  std::vector<std::pair<std::string, Entry>> out(profile_totals().begin(), profile_totals().end());
+  profile_totals().clear();
+  return out;
+}
+
+void PhasedJob::add_phase(int64_t chunks, ChunkFn run, const char* label, int64_t bytes) {
+  phases_.push_back(Phase{std::max<int64_t>(chunks, 0), std::move(run), label, bytes});
 }
 
 void PhasedJob::prepare() {
@@ -43,10 +78,17 @@ void PhasedJob::prepare() {
 }
 
 void PhasedJob::participate(int participant) {
+  const bool stamp = participant == 0 && PhaseProfile::enabled();
+  int64_t phase_start = stamp ? now_ns() : 0;
   for (size_t p = 0; p < phases_.size(); ++p) {
     if (p > 0) {
       const int64_t needed = phases_[p - 1].chunks;
       wait_until([&] { return done_[p - 1].value.load(std::memory_order_acquire) >= needed; });
+      if (stamp) {
+        const int64_t t = now_ns();
+        PhaseProfile::add(phases_[p - 1].label, t - phase_start, phases_[p - 1].bytes);
+        phase_start = t;
+      }
     }
     const Phase& phase = phases_[p];
     for (int64_t chunk = claimed_[p].value.fetch_add(1, std::memory_order_relaxed);
@@ -54,6 +96,11 @@ void PhasedJob::participate(int participant) {
       phase.run(chunk, participant);
       done_[p].value.fetch_add(1, std::memory_order_acq_rel);
     }
+  }
+  if (stamp && !phases_.empty()) {  // the last phase: until every chunk of it is done
+    const int64_t needed = phases_.back().chunks;
+    wait_until([&] { return done_.back().value.load(std::memory_order_acquire) >= needed; });
+    PhaseProfile::add(phases_.back().label, now_ns() - phase_start, phases_.back().bytes);
   }
 }
 
@@ -142,9 +189,10 @@ void WorkerPool::work(int index) {
   }
 }
 
-void parallel_chunks(int64_t chunks, const std::function<void(int64_t, int)>& fn, int threads) {
+void parallel_chunks(int64_t chunks, const std::function<void(int64_t, int)>& fn, int threads,
+                     const char* label, int64_t bytes) {
   PhasedJob job;
-  job.add_phase(chunks, fn);
+  job.add_phase(chunks, fn, label, bytes);
   const int wanted = threads > 0 ? threads : team_size();
   WorkerPool::instance().run(job, static_cast<int>(std::min<int64_t>(wanted, chunks)));
 }

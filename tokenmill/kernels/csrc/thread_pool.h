@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,11 +21,31 @@
 
 namespace tokenmill {
 
+// Wall time of each kind of phase, summed over jobs while it is on (`benchmarks.steps
+// inside-stack`): the caller stamps each phase boundary it reaches, so a phase's time includes
+// the wait for its slowest chunk. Off, it costs one relaxed load per job.
+class PhaseProfile {
+ public:
+  struct Entry {
+    int64_t nanoseconds = 0, phases = 0, bytes = 0;
+  };
+  static void enable(bool on);
+  static bool enabled() { return enabled_.load(std::memory_order_relaxed); }
+  static void add(const char* label, int64_t nanoseconds, int64_t bytes);
+  // label -> totals since the last take; clears them.
+  static std::vector<std::pair<std::string, Entry>> take();
+
+ private:
+  static std::atomic<bool> enabled_;
+};
+
 class PhasedJob {
  public:
   using ChunkFn = std::function<void(int64_t chunk, int participant)>;
 
-  void add_phase(int64_t chunks, ChunkFn run);
+  // `label` (a string literal) names the phase's kind for PhaseProfile; `bytes`: the weight
+  // bytes it reads, for a rate.
+  void add_phase(int64_t chunks, ChunkFn run, const char* label = "other", int64_t bytes = 0);
   size_t size() const { return phases_.size(); }
   // Zeroes the counters; the caller, before the job is published.
   void prepare();
@@ -38,6 +59,8 @@ class PhasedJob {
   struct Phase {
     int64_t chunks;
     ChunkFn run;
+    const char* label;
+    int64_t bytes;
   };
   std::vector<Phase> phases_;
   std::vector<Counter> claimed_, done_;
@@ -72,6 +95,6 @@ class WorkerPool {
 
 // Runs `fn(chunk)` for chunks [0, chunks) on the pool as one single-phase job.
 void parallel_chunks(int64_t chunks, const std::function<void(int64_t, int)>& fn,
-                     int threads = 0);
+                     int threads = 0, const char* label = "other", int64_t bytes = 0);
 
 }  // namespace tokenmill
