@@ -78,8 +78,10 @@ struct Problem {
   int64_t prefetch = 0;  // bytes ahead of the codes read to prefetch (0: none)
   // Where group g's 16 scales of block nb are: (its own, its super-block's).
   int64_t scale_at(int64_t nb, int64_t g) const { return (nb * groups + g) * kBlockRows; }
+  // super_groups is kSuperCols / group (checked at packing): shifts here, not the two 64-bit
+  // divisions a runtime divisor costs in every group of the kernels' inner loops.
   int64_t super_at(int64_t nb, int64_t g) const {
-    return (nb * (groups / super_groups) + g / super_groups) * kBlockRows;
+    return (nb * (kp / kSuperCols) + g * group / kSuperCols) * kBlockRows;
   }
   float scale(int64_t nb, int64_t g, int64_t lane) const {
     if (scales) return static_cast<float>(scales[scale_at(nb, g) + lane]);
