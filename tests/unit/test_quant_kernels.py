@@ -15,12 +15,14 @@ from tokenmill.kernels import native
 from tokenmill.kernels.int_linear import (
     AMX_LEVEL,
     FLOAT_ACTIVATIONS_LEVELS,
+    IQ4_NL_VALUES,
     activation_level,
     amx_min_rows,
     code_range,
     dense_bf16_reference,
     dequantize,
     kernel_reference,
+    native_quant_linear,
     pack,
     packed_rows,
     quant_linear,
@@ -71,6 +73,37 @@ def test_packing_round_trips(out_features, in_features, group, bits, offsets) ->
     assert torch.equal(dequantize(weight), expected.view(out_features, in_features))
     rows = torch.tensor([out_features - 1, 0, out_features // 2])
     assert torch.equal(packed_rows(weight, rows), dequantize(weight)[rows])
+
+
+@needs_native
+@pytest.mark.parametrize("weight_format", ["8", "6", "5", "4", "3", "2", "q6_k", "q4_k", "iq4"])
+def test_native_row_lookup_equals_the_torch_unpacking(weight_format: str) -> None:
+    """The embedding lookup of a quantized table (`PackedLinear.rows`, a model's every step)
+    gives packed_rows' float32 rows bit for bit, in every code layout: int8, nibbles with
+    high-bit masks or pairs, bit pairs, factored K-quant scales, the IQ4 codebook."""
+    rows, cols = 40, 512
+    generator = torch.Generator().manual_seed(11)
+    factored = weight_format in ("q6_k", "q4_k")
+    bits = {"q6_k": 6, "q4_k": 4, "iq4": 4}.get(weight_format) or int(weight_format)
+    group = 16 if weight_format == "q6_k" else 32
+    low, high = code_range(bits)
+    codes = torch.randint(low, high + 1, (rows, cols), generator=generator).to(torch.int8)
+    scales = torch.rand(rows, cols // group, generator=generator) * 0.02 + 1e-3
+    offsets = torch.randn(rows, cols // group, generator=generator) * 0.01
+    codebook = None
+    if factored:  # int8 sub-scales times a float16 per 256 columns: held factored
+        supers = (torch.rand(rows, cols // 256, 1, generator=generator) * 1e-3).half().float()
+        subs = torch.randint(1, 64, (rows, cols // 256, 256 // group), generator=generator)
+        scales, offsets = (subs * supers).view(rows, -1), None
+    if weight_format == "iq4":
+        codebook, offsets = IQ4_NL_VALUES, None
+        codes = IQ4_NL_VALUES[torch.randint(0, 16, (rows, cols), generator=generator)]
+    weight = pack(codes, scales, offsets, bits, group, codebook=codebook)
+    assert (weight.super_scales is not None) == factored
+    picked = torch.tensor([39, 0, 17, 17, 5])
+    assert torch.equal(native_quant_linear(weight).rows(picked), packed_rows(weight, picked))
+    with pytest.raises(RuntimeError, match="out of range"):
+        native_quant_linear(weight).rows(torch.tensor([rows]))
 
 
 @needs_native

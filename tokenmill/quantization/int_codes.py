@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.int_linear import PackedWeight, native_quant_linear, packed_rows
+from tokenmill.kernels.int_linear import PackedWeight, native_quant_linear
 from tokenmill.layers.linear import Linear, LinearMethod
 
 
@@ -122,8 +122,8 @@ class PackedQuantMethod(LinearMethod):
 
     def dequantize_rows(self, layer: Linear, rows: torch.Tensor) -> torch.Tensor:
         """float32 rows `rows` of the weight (an embedding's lookup from a tied LM head)."""
-        if layer.packed is not None:
-            return packed_rows(layer.packed, rows)
+        if layer.packed is not None:  # natively: packed_rows' ~20 torch ops cost ~0.8 ms a step
+            return layer.native.rows(rows.long())
         if layer.torch_weight is not None:
             return layer.torch_weight.rows(rows, torch.float32)
         raise NotImplementedError(f"rows of torch's {self.weight_format} layout")

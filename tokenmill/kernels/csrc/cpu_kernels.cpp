@@ -128,7 +128,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("dense", &PackedLinear::dense, "a packed dense weight [n, k]")
       .def_static("quantized", &int_codes_linear,
                   "packed int8/int4 codes with float16 scales (and offsets) per group")
-      .def("forward", &PackedLinear::forward, "x @ weight.T + bias", no_gil);
+      .def("forward", &PackedLinear::forward, "x @ weight.T + bias", no_gil)
+      .def(
+          "rows",
+          [](const PackedLinear& linear, const at::Tensor& rows) {
+            return quant_rows(linear.weight(), rows);
+          },
+          "float32 rows of a quantized weight (an embedding lookup)", no_gil);
   m.def("paged_attention", &paged_attention, "paged attention, reading the cache in place",
         no_gil);
   m.def("lora_shrink_expand", &lora_shrink_expand,

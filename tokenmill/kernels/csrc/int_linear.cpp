@@ -1242,6 +1242,31 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
   return w;
 }
 
+at::Tensor quant_rows(const PackedWeight& w, const at::Tensor& rows) {
+  TORCH_CHECK(w.quantized(), "quant_rows: a quantized weight");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "quant_rows: int64 [n] rows");
+  const at::Tensor index = rows.contiguous();
+  const int64_t n = index.size(0), k = w.k;
+  const int64_t* picked = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(picked[i] >= 0 && picked[i] < w.n, "quant_rows: row ", picked[i], " out of range");
+  at::Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  const Problem p = problem_of(w);
+  parallel_chunks(n, [&](int64_t i, int) {
+    const int64_t nb = picked[i] / kBlockRows, lane = picked[i] % kBlockRows;
+    const uint8_t* block = p.codes + nb * p.block_bytes();
+    for (int64_t g = 0; g * p.group < k; ++g) {
+      const float scale = p.scale(nb, g, lane);
+      const float offset =
+          p.offsets ? static_cast<float>(p.offsets[p.scale_at(nb, g) + lane]) : 0.0f;
+      for (int64_t col = g * p.group; col < std::min(k, (g + 1) * p.group); ++col)
+        dst[i * k + col] = static_cast<float>(code_at(p, block, lane, col)) * scale + offset;
+    }
+  }, n * k >= (1 << 16) ? team_size() : 1, "embedding rows");
+  return out;
+}
+
 PackedLinear int_codes_linear(const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, int64_t bits,
                               int64_t group, int64_t n, int64_t k,

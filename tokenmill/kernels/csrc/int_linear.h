@@ -79,6 +79,10 @@ PackedWeight quant_view(const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& super_scales = c10::nullopt);
 
 // x @ W.T + bias on the worker pool, in x's dtype or float32.
+// The float32 rows `rows` (int64 output-row indices: an embedding's tokens) of a quantized
+// weight, [len(rows), k]: an embedding lookup from a quantized table.
+at::Tensor quant_rows(const PackedWeight& w, const at::Tensor& rows);
+
 at::Tensor quant_linear(const at::Tensor& x, const PackedWeight& w,
                         const c10::optional<at::Tensor>& bias, bool float32_out);
 
