@@ -135,34 +135,40 @@ __attribute__((always_inline)) inline void rope_and_cache(const StackShape& s, c
   }
 }
 
-// An MoE layer's routing of rows [r0, r1) of its normed input x: logits = router x (float32
-// [experts, hidden]), softmax, the top k (ties: the lower expert first), optionally
-// renormalized to sum to one (layers/fused_moe.py's `route`).
+// An MoE layer's router logits, logits[r, e] = router[e] . x[r] (float32 [experts, hidden]),
+// for row r and experts [e0, e1): a phase's chunk (a row's experts split across threads where
+// the rows are fewer than the threads: one row's 128 x 2048 router is 1 MB to read).
 template <typename Act>
-__attribute__((always_inline)) inline void route_rows(const float* router, int64_t experts,
-                                                      int64_t hidden, const Act* x, int64_t ld,
-                                                      int64_t top_k, bool renormalize,
-                                                      int64_t* ids, float* weights, int64_t r0,
-                                                      int64_t r1) {
-  thread_local std::vector<float> row, probs;
-  thread_local std::vector<int64_t> order;
+__attribute__((always_inline)) inline void router_logits_row(const float* router, int64_t experts,
+                                                             int64_t hidden, const Act* x,
+                                                             int64_t ld, int64_t r, int64_t e0,
+                                                             int64_t e1, float* logits) {
+  thread_local std::vector<float> row;
   row.resize(hidden);
+  for (int64_t j = 0; j < hidden; ++j) row[j] = load_float(x + r * ld + j);
+  for (int64_t e = e0; e < e1; ++e) {
+    const float* w = router + e * hidden;
+    const float* in = row.data();
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < hidden; ++j) dot += w[j] * in[j];
+    logits[r * experts + e] = dot;
+  }
+}
+
+// Rows [r0, r1)'s routing from their logits: softmax, the top k (ties: the lower expert
+// first), optionally renormalized to sum to one (layers/fused_moe.py's `route`).
+void top_k_rows(const float* logits, int64_t experts, int64_t top_k, bool renormalize,
+                int64_t* ids, float* weights, int64_t r0, int64_t r1) {
+  thread_local std::vector<float> probs;
+  thread_local std::vector<int64_t> order;
   probs.resize(experts);
   order.resize(experts);
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t j = 0; j < hidden; ++j) row[j] = load_float(x + r * ld + j);
-    float top = -INFINITY;
-    for (int64_t e = 0; e < experts; ++e) {
-      const float* w = router + e * hidden;
-      const float* in = row.data();
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < hidden; ++j) dot += w[j] * in[j];
-      probs[e] = dot;
-      top = std::max(top, dot);
-    }
+    const float* row = logits + r * experts;
+    const float top = *std::max_element(row, row + experts);
     float total = 0.0f;
-    for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(probs[e] - top);
+    for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(row[e] - top);
     for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
     for (int64_t e = 0; e < experts; ++e) order[e] = e;
     std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
@@ -191,10 +197,10 @@ __attribute__((always_inline)) inline void route_rows(const float* router, int64
     act_mul_rows(gate_up, ld, size, gelu_tanh, out, ld_out, r0, r1);                             \
   }                                                                                              \
   template <typename Act>                                                                        \
-  ATTR void route_##NAME(const float* router, int64_t experts, int64_t hidden, const Act* x,     \
-                         int64_t ld, int64_t top_k, bool renormalize, int64_t* ids,             \
-                         float* weights, int64_t r0, int64_t r1) {                               \
-    route_rows(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);       \
+  ATTR void router_logits_##NAME(const float* router, int64_t experts, int64_t hidden,          \
+                                 const Act* x, int64_t ld, int64_t r, int64_t e0, int64_t e1,    \
+                                 float* logits) {                                                \
+    router_logits_row(router, experts, hidden, x, ld, r, e0, e1, logits);                       \
   }                                                                                              \
   template <typename C>                                                                          \
   ATTR void rope_cache_##NAME(const StackShape& s, const StepArgs& step, const LayerWeights& l,  \
@@ -226,13 +232,11 @@ void act_mul(int isa, const float* gate_up, int64_t ld, int64_t size, bool gelu_
 }
 
 template <typename Act>
-void route(int isa, const float* router, int64_t experts, int64_t hidden, const Act* x, int64_t ld,
-           int64_t top_k, bool renormalize, int64_t* ids, float* weights, int64_t r0, int64_t r1) {
-  if (isa >= kAvx512)
-    route_avx512(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);
-  else if (isa >= kAvx2)
-    route_avx2(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);
-  else route_portable(router, experts, hidden, x, ld, top_k, renormalize, ids, weights, r0, r1);
+void router_logits(int isa, const float* router, int64_t experts, int64_t hidden, const Act* x,
+                   int64_t ld, int64_t r, int64_t e0, int64_t e1, float* logits) {
+  if (isa >= kAvx512) router_logits_avx512(router, experts, hidden, x, ld, r, e0, e1, logits);
+  else if (isa >= kAvx2) router_logits_avx2(router, experts, hidden, x, ld, r, e0, e1, logits);
+  else router_logits_portable(router, experts, hidden, x, ld, r, e0, e1, logits);
 }
 
 template <typename C>
@@ -480,6 +484,10 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
   std::vector<float> scratch(scratch_floats * threads);
   int64_t max_top_k = 0;
   for (const Layer& layer : layers_) max_top_k = std::max(max_top_k, layer.top_k);
+  int64_t max_experts = 0;
+  for (const Layer& layer : layers_)
+    if (layer.moe) max_experts = std::max(max_experts, layer.moe->num_experts());
+  std::vector<float> route_logits(tokens * max_experts);
   std::vector<int64_t> route_ids(tokens * max_top_k);
   std::vector<float> route_weights(tokens * max_top_k);
   float* residual = b.residual.data_ptr<float>();
@@ -630,16 +638,26 @@ at::Tensor DecoderStack::forward(const at::Tensor& hidden_in, const at::Tensor& 
       const bool renormalize = layer.renormalize;
       int64_t* ids = route_ids.data();
       float* weights = route_weights.data();
-      job.add_phase(row_chunks, [=, &s](int64_t chunk, int) {
+      // Logits: each row's experts in a few chunks where rows are fewer than the threads.
+      const int64_t splits = std::min<int64_t>(
+          std::max<int64_t>(1, experts / 16), (4 * threads + tokens - 1) / tokens);
+      const int64_t per_split = (experts + splits - 1) / splits;
+      float* logits = route_logits.data();
+      job.add_phase(tokens * splits, [=, &s](int64_t chunk, int) {
+        const int64_t r = chunk / splits, e0 = (chunk % splits) * per_split;
+        const int64_t e1 = std::min(experts, e0 + per_split);
+        if (bf16_act)
+          router_logits(isa, router, experts, s.hidden, static_cast<const bf16*>(x), ld_x, r, e0,
+                        e1, logits);
+        else
+          router_logits(isa, router, experts, s.hidden, static_cast<const float*>(x), ld_x, r, e0,
+                        e1, logits);
+      }, "moe router");
+      job.add_phase(row_chunks, [=](int64_t chunk, int) {
         int64_t r0, r1;
         rows_of(chunk, r0, r1);
-        if (bf16_act)
-          route(isa, router, experts, s.hidden, static_cast<const bf16*>(x), ld_x, top_k,
-                renormalize, ids, weights, r0, r1);
-        else
-          route(isa, router, experts, s.hidden, static_cast<const float*>(x), ld_x, top_k,
-                renormalize, ids, weights, r0, r1);
-      }, "moe route");
+        top_k_rows(logits, experts, top_k, renormalize, ids, weights, r0, r1);
+      }, "moe top-k");
       MoEPlan* plan = &b.moe;
       job.add_phase(1, [=](int64_t, int) {
         moe->plan(*plan, ids, weights, tokens, top_k, bf16_act, isa);
