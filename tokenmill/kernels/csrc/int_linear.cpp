@@ -90,9 +90,12 @@ struct Problem {
   }
   int64_t block_bytes() const { return kBlockRows * kp * stored_bits(bits) / 8; }
   // 3-, 5- and 6-bit codes: the high bits of a block's 8-column `chunk` (after its base); for
-  // 6-bit codes, of the 16 columns from an even `chunk` (its bit pairs).
+  // 6-bit codes, of the 16 columns from an even `chunk` (its bit pairs). The kernels name their
+  // width (BITS): the offsets are then constants, not ~10 instructions on `bits` a chunk.
+  template <int BITS = 0>
   const uint8_t* high_bits(const uint8_t* block, int64_t chunk) const {
-    return block + kBlockRows * kp * base_bits(bits) / 8 + chunk * 16 * (bits - base_bits(bits));
+    const int width = BITS ? BITS : bits;
+    return block + kBlockRows * kp * base_bits(width) / 8 + chunk * 16 * (width - base_bits(width));
   }
 };
 
@@ -337,13 +340,13 @@ TM_AVX2 inline void split_half_avx2(const Problem& p, const uint8_t* block, int6
   if constexpr (paired_high_bits(BITS)) {
     // The 16 columns' pairs: bits 0-1 / 2-3 of a byte for an even chunk, 4-5 / 6-7 for an odd.
     __m256i pairs = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(p.high_bits(block, chunk & ~int64_t{1}) + 32 * half_index));
+        reinterpret_cast<const __m256i*>(p.high_bits<BITS>(block, chunk & ~int64_t{1}) + 32 * half_index));
     if (chunk % 2 == 0) pairs = _mm256_slli_epi16(pairs, 4);
     const __m256i bits45 = _mm256_set1_epi8(0x30);
     lo = _mm256_or_si256(lo, _mm256_and_si256(pairs, bits45));
     hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(pairs, 2), bits45));
   } else if constexpr (has_high_bits(BITS)) {
-    const uint8_t* high = p.high_bits(block, chunk);
+    const uint8_t* high = p.high_bits<BITS>(block, chunk);
     // Byte i of the half's lo takes bit i % 8 of mask byte 4 x half + i / 8; hi's, 8 bytes on.
     const __m256i pick = _mm256_add_epi8(
         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
@@ -663,13 +666,13 @@ TM_AVX512 inline void split_chunk_avx512(const Problem& p, const uint8_t* block,
   }
   if constexpr (paired_high_bits(BITS)) {
     // As split_half_avx2's: bits 0-1 / 2-3 of a byte for an even chunk, 4-5 / 6-7 for an odd.
-    __m512i pairs = _mm512_loadu_si512(p.high_bits(block, chunk & ~int64_t{1}));
+    __m512i pairs = _mm512_loadu_si512(p.high_bits<BITS>(block, chunk & ~int64_t{1}));
     if (chunk % 2 == 0) pairs = _mm512_slli_epi16(pairs, 4);
     const __m512i bits45 = _mm512_set1_epi8(0x30);
     lo = _mm512_or_si512(lo, _mm512_and_si512(pairs, bits45));
     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(pairs, 2), bits45));
   } else if constexpr (has_high_bits(BITS)) {
-    const uint8_t* high = p.high_bits(block, chunk);
+    const uint8_t* high = p.high_bits<BITS>(block, chunk);
 #pragma GCC unroll 2
     for (int h = 0; h < BITS - base_bits(BITS); ++h) {
       const __m512i add = _mm512_set1_epi8(static_cast<char>((1 << base_bits(BITS)) << h));
@@ -687,7 +690,7 @@ inline void prefetch_codes(const Problem& p, const uint8_t* block, int64_t chunk
   else _mm_prefetch(at, _MM_HINT_T0);
   if constexpr (has_high_bits(BITS)) {
     if (chunk % 2 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(p.high_bits(block, chunk)) + p.prefetch * (BITS - base_bits(BITS)) / 4, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.high_bits<BITS>(block, chunk)) + p.prefetch * (BITS - base_bits(BITS)) / 4, _MM_HINT_T0);
   }
 }
 
@@ -762,6 +765,9 @@ template <int BITS, int R, int SEG>
 TM_AVX512BF16 inline void segment_vnni(const Problem& p, const uint8_t* block,
                                        const int8_t* const* xq, int64_t col, __m512i* acc) {
   constexpr int kChains = segment_chains<R>();
+  // Segments start at multiples of 16 columns, so chunk col / 8 + c has c's parity: 6-bit
+  // codes' pair shifts are then constants, not a branch a chunk.
+  if ((col / 8) % 2 != 0) __builtin_unreachable();
   __m512i part[R][kChains];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -884,7 +890,7 @@ TM_AVX512BF16 void block_vnni_factored(const Problem& p, const QuantInput& a, in
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   const half* offsets = p.offsets ? p.offsets + nb * p.groups * kBlockRows : nullptr;
-  const int64_t supers = p.groups / p.super_groups;
+  const int64_t supers = p.kp / kSuperCols;  // a shift, not a 64-bit division a block
   for (int64_t s = 0; s < supers; ++s) {
     __m512 dot[R];
 #pragma GCC unroll 8
